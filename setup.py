@@ -1,0 +1,28 @@
+"""sluice: thin RL post-training glue (SGLang rollout fleet + megatron-core trainer + weight bridge)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="sluice",
+    version="0.1.0",
+    description="RL post-training glue: SGLang fleet behind sgl-router, megatron-core trainer, weight bridge",
+    python_requires=">=3.10",
+    packages=find_packages(include=["glue*", "launch*", "rollout_fns*", "loss*", "weight_sync*"]),
+    install_requires=[
+        # The Makefile installs torch==2.13.0 first so that the CPU build on disk is used.
+        "torch>=2.4",
+        "ray>=2.40",
+        "megatron-core>=0.12",
+        "sglang-router>=0.2",
+        "transformers>=4.50",
+        "safetensors",
+        "pyyaml",
+        "aiohttp>=3.9",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "gpu": ["sglang", "transformer-engine"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["sluice=launch.cli:main"]},
+)
