@@ -1,0 +1,4 @@
+"""`python -m launch` is the same as the `sluice` console script."""
+from launch.cli import main
+
+raise SystemExit(main())

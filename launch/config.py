@@ -1,0 +1,159 @@
+"""A run's configuration: YAML file + dotted CLI overrides -> one typed, validated `SluiceConfig`.
+
+Sections are dataclasses owned by their components (glue.config, glue.trainer.config, loss); this module only
+composes them, applies overrides and reports bad keys. It imports no backend (ray, megatron, sglang).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from glue.config import RolloutConfig, SyncConfig
+from glue.trainer.config import TrainerConfig
+from loss import LossConfig
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    family: str = "qwen2"  # qwen2 or llama
+    vocab_size: int = 32
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    seed: int = 0  # initial weights' seed
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str | None = None  # local HF checkpoint directory; when null a tiny random model is built from `tiny`
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "demo"  # run directory is <output_dir>/<name>
+    output_dir: str = "runs"
+    num_steps: int = 30  # training steps (one rollout batch each)
+    seed: int = 0
+    ray_address: str | None = None  # attach to an existing Ray cluster; null starts a local one
+    ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"run.num_steps must be >= 1, got {self.num_steps}")
+
+
+@dataclass(kw_only=True)
+class SluiceConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and the fix."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> SluiceConfig:
+    """Read YAML (optional), apply `key.sub=value` overrides (CLI wins), build and validate the typed config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    return build(SluiceConfig, raw, prefix="")
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (so 1e-3, true, [1, 2] work)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    *parents, leaf = key.lstrip("-").split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+    node[leaf] = yaml.safe_load(value) if value != "" else None
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    """Construct dataclass `cls` from a dict, recursing into dataclass-typed fields; unknown keys are errors."""
+    where = prefix.rstrip(".") or "the top level"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            guess = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {prefix}{guess[0]!r}?" if guess else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {prefix}{key!r}{hint}")
+        kwargs[key] = _convert(hints[key], value, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    """Check/convert one value against its annotated type; nested dataclasses are built recursively."""
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, prefix=key + ".")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    if hint is float and not isinstance(value, bool):
+        try:  # PyYAML reads "1e-3" as a string; accept it as the number it means
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    expected = origin or hint
+    if expected is Any or isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{key} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def write_resolved(cfg: SluiceConfig, path: Path) -> None:
+    """The fully resolved config, every default included, so a run can be repeated from its directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,95 @@
+"""Bring a run up and down: run directory, model, Ray, fleet + router, trainer, weight bridge, then the loop.
+
+Everything started here is stopped here (ExitStack), on success, on error and on Ctrl-C.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+from pathlib import Path
+
+from launch.config import SluiceConfig, write_resolved
+
+
+def run(cfg: SluiceConfig) -> Path:
+    """Run `cfg` to completion; returns the run directory (metrics.jsonl, config.yaml, logs/)."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    write_resolved(cfg, run_dir / "config.yaml")
+    model_path = prepare_model(cfg, run_dir)
+    with contextlib.ExitStack() as stack:
+        start_ray(cfg, stack)
+        fleet, client, trainer, bridge, manager, loop = start_components(cfg, model_path, run_dir, stack)
+        from tqdm import tqdm
+
+        from glue.controller import run_sync_loop
+        from glue.metrics import MetricsLogger
+
+        progress = stack.enter_context(tqdm(total=cfg.run.num_steps, desc=f"sluice {cfg.run.name}", unit="step",
+                                            file=sys.stdout, dynamic_ncols=True))
+        run_sync_loop(num_steps=cfg.run.num_steps, manager=manager, trainer=trainer, fleet=client, bridge=bridge,
+                      loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), loop=loop, progress=progress)
+    print(f"sluice: run finished; metrics in {run_dir / 'metrics.jsonl'}")
+    return run_dir
+
+
+def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
+    """The HF checkpoint directory engines and trainer load: the configured one, or a tiny random model."""
+    if cfg.model.path is not None:
+        if not (Path(cfg.model.path) / "config.json").exists():
+            raise FileNotFoundError(f"model.path {cfg.model.path!r} has no config.json: point it at a local HF checkpoint directory")
+        return cfg.model.path
+    from dataclasses import asdict
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    return save_tiny_model(str(run_dir / "init_model"), **asdict(cfg.model.tiny))
+
+
+def start_ray(cfg: SluiceConfig, stack: contextlib.ExitStack) -> None:
+    import ray
+
+    if cfg.run.ray_address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user test cluster
+    ray.init(address=cfg.run.ray_address, num_cpus=None if cfg.run.ray_address else cfg.run.ray_num_cpus,
+             include_dashboard=False, log_to_driver=False, configure_logging=False)
+    stack.callback(ray.shutdown)
+
+
+def start_components(cfg: SluiceConfig, model_path: str, run_dir: Path, stack: contextlib.ExitStack):
+    from glue.engine_client import EngineClient
+    from glue.fleet import RolloutFleet
+    from glue.rollout import RolloutManager
+    from glue.trainer.group import TrainerGroup
+    from weight_sync.bridge import BroadcastBridge
+
+    fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
+                         router_policy=cfg.rollout.router_policy,
+                         engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs")
+    stack.callback(fleet.stop)
+    fleet.start()
+    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss)
+    stack.callback(trainer.shutdown)
+    loop = asyncio.new_event_loop()
+    stack.callback(loop.close)
+    client = EngineClient(fleet.router_url, fleet.engine_urls)
+    stack.callback(lambda: loop.run_until_complete(client.close()))
+    bridge = BroadcastBridge(trainer, fleet.engine_urls, master_address=cfg.sync.master_address,
+                             master_port=free_port(), backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
+    bridge.connect()
+    manager = RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
+                             task_args=cfg.rollout.task_args, client=client,
+                             sampling_params=cfg.rollout.sampling.to_sglang(),
+                             prompts_per_step=cfg.rollout.prompts_per_step,
+                             samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed)
+    return fleet, client, trainer, bridge, manager, loop
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
