@@ -1,0 +1,106 @@
+"""Bridges the few CUDA-only spots of megatron-core 0.16 so the trainer runs the same code on CPU (gloo).
+
+`apply()` is called once per process before megatron-core builds anything; with CUDA it does nothing.
+Every patch keeps megatron's own logic and only swaps a CUDA device or CUDA RNG for the CPU one.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from functools import reduce
+
+import torch
+
+_applied = False
+
+
+def is_cpu_only() -> bool:
+    """True when this process has no CUDA device, i.e. when the patches are needed."""
+    return not torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Install the CPU bridges (idempotent); a no-op when CUDA is available."""
+    global _applied
+    if _applied or not is_cpu_only():
+        return
+    _patch_rng_tracker()
+    _patch_rotary_embedding()
+    _patch_global_memory_buffer()
+    _patch_default_causal_mask()
+    _applied = True
+
+
+def _patch_rng_tracker() -> None:
+    # Why: CudaRNGStatesTracker reads/sets torch.cuda RNG states (model_parallel_cuda_manual_seed, fork()).
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Same bookkeeping as megatron's tracker, on the CPU default generator."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    # initialize_rng_tracker() looks the class up by module global at call time.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_rotary_embedding() -> None:
+    # Why: RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() on first use.
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    RotaryEmbedding.get_emb = get_emb
+
+
+def _patch_global_memory_buffer() -> None:
+    # Why: GlobalMemoryBuffer.get_tensor (attention score buffer) allocates on torch.cuda.current_device().
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        required_len = reduce(operator.mul, tensor_shape, 1)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < required_len:
+            buf = self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype, device="cpu")
+        return buf[0:required_len].view(*tensor_shape)
+
+    GlobalMemoryBuffer.get_tensor = get_tensor
+
+
+def _patch_default_causal_mask() -> None:
+    # Why: get_default_causal_mask builds the mask on "cuda" when no explicit mask is passed.
+    from megatron.core.fusions import fused_softmax
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
