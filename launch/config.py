@@ -110,8 +110,8 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
     for key, value in raw.items():
         if key not in fields:
             guess = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {prefix}{guess[0]!r}?" if guess else f"; known keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key {prefix}{key!r}{hint}")
+            hint = f"; did you mean {prefix + guess[0]!r}?" if guess else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {prefix + str(key)!r}{hint}")
         kwargs[key] = _convert(hints[key], value, f"{prefix}{key}")
     try:
         return cls(**kwargs)
