@@ -16,6 +16,7 @@ from launch.config import SluiceConfig, write_resolved
 
 def run(cfg: SluiceConfig) -> Path:
     """Run `cfg` to completion; returns the run directory (metrics.jsonl, config.yaml, logs/)."""
+    check_plugins(cfg)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -35,6 +36,15 @@ def run(cfg: SluiceConfig) -> Path:
                       loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), loop=loop, progress=progress)
     print(f"sluice: run finished; metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir
+
+
+def check_plugins(cfg: SluiceConfig) -> None:
+    """Import the rollout function and task and check their signatures before anything expensive starts."""
+    from glue.plugins import check_signature, load_object
+
+    fn = load_object(cfg.rollout.function, what="rollout.function")
+    check_signature(fn, ["ctx", "prompt", "num_samples"], what="rollout.function")
+    load_object(cfg.rollout.task, what="rollout.task")
 
 
 def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
