@@ -1,56 +1,124 @@
-"""Pure tensor math for RL losses (imports only torch).
-
-PLACEHOLDER first form, to be replaced by the full registry-based library (issue 3).
-The two entry points below and their keyword signatures are the contract the trainer codes against.
+"""Pure tensor math for RL losses (imports only torch): the controller calls `compute_advantages` once per step,
+the trainer calls `compute_policy_loss` once per micro-batch and sums gradients. Methods are chosen by name
+through the registries below, from `LossConfig` alone; docs/algorithms.md lists every method and its formula.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from loss.advantages import ADVANTAGE_ESTIMATORS, gae, whiten
+from loss.aggregation import AGGREGATIONS, Sequences, count_tokens_and_seqs
+from loss.config import LossConfig
+from loss.corrections import (CORRECTIONS, OLD_LOGPROB_SOURCES, apply_correction, ewma_proximal_logprobs,
+                              masked_log_ratio, ratio_metrics, resolve_old_logprobs)
+from loss.kl import KL_ESTIMATORS, token_entropy
+from loss.policy import POLICY_LOSSES
 
-@dataclass(kw_only=True)
-class LossConfig:
-    advantage_estimator: str = "grpo"  # name in ADVANTAGE_ESTIMATORS
-    policy_loss: str = "ppo_clip"  # name in POLICY_LOSSES
-    clip_low: float = 0.2  # ratio lower bound is 1 - clip_low
-    clip_high: float = 0.2  # ratio upper bound is 1 + clip_high
-    aggregation: str = "token_mean"  # name in AGGREGATIONS
-    normalize_std: bool = True  # GRPO: divide by the group std
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "CORRECTIONS", "KL_ESTIMATORS", "OLD_LOGPROB_SOURCES", "POLICY_LOSSES",
+    "LossConfig", "compute_advantages", "compute_policy_loss", "count_tokens_and_seqs", "ewma_proximal_logprobs",
+    "gae", "token_entropy",
+]
 
 
-def compute_advantages(cfg: LossConfig, *, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """rewards [N], group_ids [N] (long), mask [N, T] -> per-token advantages [N, T] (0 where mask is 0)."""
-    adv = torch.zeros_like(rewards, dtype=torch.float)
-    for g in group_ids.unique():
-        sel = group_ids == g
-        r = rewards[sel].float()
-        a = r - r.mean()
-        if cfg.normalize_std and r.numel() > 1:
-            a = a / (r.std() + 1e-6)
-        adv[sel] = a
-    return adv[:, None] * mask
+def compute_advantages(cfg: LossConfig, *, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                       values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
+                       logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [N], group_ids [N] (long), mask [N, T] (one row per sample) -> per-token advantages [N, T], 0 where
+    mask is 0. Optional: values [N, T] (gae's critic), token_rewards [N, T] (dense per-token rewards added to the
+    scalar one), logprobs / ref_logprobs [N, T] (KL reward penalty when cfg.kl_reward_coef > 0).
+    """
+    extra = token_rewards.to(torch.float64) if token_rewards is not None else None
+    if cfg.kl_reward_coef > 0:
+        if logprobs is None or ref_logprobs is None:
+            raise ValueError("loss.kl_reward_coef > 0 needs logprobs= and ref_logprobs= in compute_advantages "
+                             "(or set kl_reward_coef: 0)")
+        kl = KL_ESTIMATORS[cfg.kl_estimator](logprobs.detach().to(torch.float64), ref_logprobs.detach().to(torch.float64))
+        penalty = -cfg.kl_reward_coef * torch.where(mask > 0, kl, 0.0)
+        extra = penalty if extra is None else extra + penalty
+    adv = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](
+        cfg, rewards=rewards, group_ids=group_ids, mask=mask, extra_token_rewards=extra, values=values
+    )
+    if cfg.whiten_advantages:
+        adv = whiten(adv, mask, std_floor=cfg.std_floor)
+    out_dtype = mask.dtype if mask.is_floating_point() else torch.float32
+    return (adv * (mask > 0)).to(out_dtype)
 
 
 def compute_policy_loss(
     cfg: LossConfig,
     *,
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     rollout_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     num_global_tokens: float | None = None,
+    num_global_seqs: float | None = None,
+    seq_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    versions: torch.Tensor | None = None,
+    current_version: int | None = None,
+    ewma_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """All inputs [B, T]; returns (scalar loss, metrics). Metrics include 'clipfrac'."""
-    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-    denom = num_global_tokens if num_global_tokens is not None else mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / denom
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        clipfrac = (((ratio - clipped).abs() > 0).float() * mask).sum() / n
-    return loss, {"clipfrac": clipfrac}
+    """One micro-batch's loss. All per-token inputs are [B, T]; returns (scalar loss, metrics incl. "clipfrac").
+
+    Total ratio pi_theta / pi_rollout = rho (old / rollout: cfg.correction, thresholds correction_low/high) times
+    r (pi_theta / old: cfg.policy_loss's clip). Pass num_global_tokens / num_global_seqs (see
+    count_tokens_and_seqs, summed over micro-batches and ranks) to make summed micro-batch gradients equal the full
+    batch's. Metrics: ratios and fractions are means over this micro-batch's valid tokens; "pg_loss" is this
+    micro-batch's share of the policy term (shares sum to the batch's). seq_ids [B, T] marks packed sequences (default: one per row). versions [B, T] + current_version give
+    PPO-EWMA its per-token number of decay steps; ewma_logprobs is its previous state (default: rollout logprobs).
+    """
+    mask = mask.to(logprobs.dtype)
+    valid = mask > 0
+    advantages = torch.where(valid, advantages.to(logprobs.dtype), 0.0)
+    seqs = Sequences.from_mask(mask, seq_ids)
+    old = resolve_old_logprobs(cfg, logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                               mask=mask, versions=versions, current_version=current_version, ewma_logprobs=ewma_logprobs)
+    weight, metrics = apply_correction(cfg, old_logprobs=old, rollout_logprobs=rollout_logprobs, mask=mask, seqs=seqs)
+    per_token, policy_metrics = POLICY_LOSSES[cfg.policy_loss](
+        cfg, logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask, seqs=seqs
+    )
+    metrics.update(policy_metrics)
+    metrics["staleness/clipfrac"] = policy_metrics["clipfrac"]
+    metrics.update(ratio_metrics("staleness", masked_log_ratio(logprobs.detach(), old, mask), mask))
+    aggregate = AGGREGATIONS[cfg.aggregation]
+    counts = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs, norm_length=cfg.norm_length)
+    loss = aggregate(per_token * weight.to(per_token.dtype), mask, seqs, **counts)
+    metrics["pg_loss"] = loss.detach()
+    loss = loss + _kl_term(cfg, logprobs, ref_logprobs, mask, seqs, counts, metrics)
+    loss = loss - _entropy_term(cfg, logits, entropy, mask, seqs, counts, metrics)
+    return loss, metrics
+
+
+def _local_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def _kl_term(cfg, logprobs, ref_logprobs, mask, seqs, counts, metrics) -> torch.Tensor | float:
+    """cfg.kl_loss_coef * aggregated KL(pi_theta || pi_ref); the "kl" metric whenever ref_logprobs is given."""
+    if ref_logprobs is None:
+        if cfg.kl_loss_coef > 0:
+            raise ValueError("loss.kl_loss_coef > 0 needs ref_logprobs= (reference-model logprobs) in compute_policy_loss")
+        return 0.0
+    with torch.set_grad_enabled(cfg.kl_loss_coef > 0 and torch.is_grad_enabled()):
+        kl = torch.where(mask > 0, KL_ESTIMATORS[cfg.kl_estimator](logprobs, ref_logprobs.detach()), 0.0)
+    metrics["kl"] = _local_mean(kl, mask)
+    return cfg.kl_loss_coef * AGGREGATIONS[cfg.aggregation](kl, mask, seqs, **counts) if cfg.kl_loss_coef > 0 else 0.0
+
+
+def _entropy_term(cfg, logits, entropy, mask, seqs, counts, metrics) -> torch.Tensor | float:
+    """cfg.entropy_coef * aggregated entropy (from `entropy` [B, T] or `logits` [B, T, V]); "entropy" metric."""
+    if entropy is None and logits is not None:
+        with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = token_entropy(logits)
+    if entropy is None:
+        if cfg.entropy_coef > 0:
+            raise ValueError("loss.entropy_coef > 0 needs logits= [B, T, V] or entropy= [B, T] in compute_policy_loss")
+        return 0.0
+    ent = torch.where(mask > 0, entropy.to(mask.dtype), 0.0)
+    metrics["entropy"] = _local_mean(ent, mask)
+    return cfg.entropy_coef * AGGREGATIONS[cfg.aggregation](ent, mask, seqs, **counts) if cfg.entropy_coef > 0 else 0.0

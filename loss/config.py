@@ -1,0 +1,109 @@
+"""`LossConfig`: the `loss:` section of a run config. Every method is picked by name from an explicit registry;
+`__post_init__` checks names (with a "did you mean") and value ranges, naming the field. Imports only torch."""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from loss.advantages import ADVANTAGE_ESTIMATORS
+from loss.aggregation import AGGREGATIONS
+from loss.corrections import CORRECTIONS, OLD_LOGPROB_SOURCES
+from loss.kl import KL_ESTIMATORS
+from loss.policy import POLICY_LOSSES
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    # --- advantages (compute_advantages) ---
+    advantage_estimator: str = "grpo"  # name in ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae
+    normalize_std: bool = True  # grpo: divide by the group's reward std
+    std_floor: float = 1e-6  # grpo / whitening: the std is clamped to at least this
+    whiten_advantages: bool = False  # whiten the advantages over all valid tokens of the batch after the estimator
+    gamma: float = 1.0  # discount for reinforce_pp* returns and gae
+    gae_lambda: float = 1.0  # gae's lambda
+    kl_reward_coef: float = 0.0  # > 0: subtract coef * KL(pi_old || pi_ref) per token from the reward (needs ref logprobs)
+    # --- policy loss (compute_policy_loss) ---
+    policy_loss: str = "ppo_clip"  # name in POLICY_LOSSES: ppo_clip, gspo, cispo, mu_grpo, reinforce
+    clip_low: float = 0.2  # ppo_clip: ratio lower bound is 1 - clip_low
+    clip_high: float = 0.2  # ppo_clip: ratio upper bound is 1 + clip_high (DAPO clip-higher: 0.28)
+    dual_clip: float | None = None  # ppo_clip: > 1 caps the loss of negative-advantage tokens at -dual_clip * A (e.g. 3)
+    gspo_clip_low: float = 3e-4  # gspo: sequence ratio lower bound 1 - gspo_clip_low
+    gspo_clip_high: float = 4e-4  # gspo: sequence ratio upper bound 1 + gspo_clip_high
+    cispo_clip_low: float = 1.0  # cispo: IS weight lower bound 1 - cispo_clip_low (1.0: no lower bound)
+    cispo_clip_high: float = 4.0  # cispo: IS weight upper bound 1 + cispo_clip_high
+    mu_clip_low: float = 1.0  # mu_grpo: relaxed ratio interval [1 - mu_clip_low, 1 + mu_clip_high] (seed: [0, 5])
+    mu_clip_high: float = 4.0
+    veto_ratio: float = 2.0  # mu_grpo: in a negative-advantage response, veto from the first token with ratio > this
+    # --- off-policy: discrepancy factor old/rollout and where old logprobs come from ---
+    correction: str = "none"  # name in CORRECTIONS: none, tis, mis, icepop, seq_tis, seq_mis, seq_*_arith, seq_*_geo
+    correction_low: float = 0.5  # lower threshold on the discrepancy ratio (mis masks above high only; tis truncates at high)
+    correction_high: float = 2.0  # upper threshold on the discrepancy ratio
+    old_logprobs_from: str = "given"  # name in OLD_LOGPROB_SOURCES: given, rollout, ewma
+    ewma_beta: float = 0.5  # ewma: decay of the proximal policy per policy version, in [0, 1)
+    # --- KL and entropy terms, and aggregation ---
+    kl_estimator: str = "k3"  # name in KL_ESTIMATORS: k1, k2, k3
+    kl_loss_coef: float = 0.0  # > 0: add coef * KL(pi_theta || pi_ref) to the loss (needs ref_logprobs)
+    entropy_coef: float = 0.0  # > 0: subtract coef * entropy from the loss (needs logits or entropy)
+    aggregation: str = "token_mean"  # name in AGGREGATIONS
+    norm_length: int | None = None  # seq_mean_token_sum_norm: the constant length (the rollout's max new tokens)
+
+    def __post_init__(self) -> None:
+        for field, registry in (
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS),
+            ("old_logprobs_from", OLD_LOGPROB_SOURCES), ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
+        ):
+            check_name(f"loss.{field}", getattr(self, field), registry)
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        in_range = [
+            ("clip_low", 0 <= self.clip_low <= 1, "in [0, 1]"),
+            ("clip_high", self.clip_high >= 0, ">= 0"),
+            ("gspo_clip_low", 0 <= self.gspo_clip_low <= 1, "in [0, 1]"),
+            ("gspo_clip_high", self.gspo_clip_high >= 0, ">= 0"),
+            ("cispo_clip_low", 0 <= self.cispo_clip_low <= 1, "in [0, 1]"),
+            ("cispo_clip_high", self.cispo_clip_high >= 0, ">= 0"),
+            ("mu_clip_low", 0 <= self.mu_clip_low <= 1, "in [0, 1]"),
+            ("mu_clip_high", self.mu_clip_high >= 0, ">= 0"),
+            ("veto_ratio", self.veto_ratio > 0, "> 0"),
+            ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 (or null to turn it off)"),
+            ("correction_low", 0 < self.correction_low <= 1, "in (0, 1]"),
+            ("correction_high", self.correction_high >= 1, ">= 1"),
+            ("std_floor", self.std_floor > 0, "> 0"),
+            ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
+            ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
+            ("ewma_beta", 0 <= self.ewma_beta < 1, "in [0, 1)"),
+            ("kl_loss_coef", self.kl_loss_coef >= 0, ">= 0"),
+            ("kl_reward_coef", self.kl_reward_coef >= 0, ">= 0"),
+            ("entropy_coef", self.entropy_coef >= 0, ">= 0"),
+            ("norm_length", self.norm_length is None or self.norm_length >= 1, ">= 1"),
+        ]
+        for field, ok, want in in_range:
+            if not ok:
+                raise ValueError(f"loss.{field} must be {want}, got {getattr(self, field)!r}")
+        if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is None:
+            raise ValueError("loss.norm_length must be set for aggregation seq_mean_token_sum_norm "
+                             "(Dr.GRPO's constant normaliser): use the rollout's max new tokens")
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        """The trainer must compute reference-model logprobs."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The trainer must pass training-side old logprobs (recomputed or from version snapshots)."""
+        return self.old_logprobs_from == "given"
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef > 0
+
+
+def check_name(field: str, value: str, registry: dict) -> None:
+    """Raise ValueError naming the field, the closest known name and all known names when value is not in registry."""
+    if value in registry:
+        return
+    guess = difflib.get_close_matches(str(value), list(registry), n=1)
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    raise ValueError(f"{field} = {value!r} is not a known name; {hint}known: {', '.join(registry)}")

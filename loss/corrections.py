@@ -1,0 +1,170 @@
+"""Off-policy corrections of the train-inference discrepancy factor rho = exp(old_logprob - rollout_logprob).
+
+`compute_policy_loss` splits the total ratio pi_theta / pi_rollout into rho (this module: a per-token weight with
+its own thresholds) times the staleness ratio pi_theta / pi_old (policy.py: the clip). This module also supplies
+pi_old when exact old logprobs are missing (PPO-EWMA) — see OLD_LOGPROB_SOURCES.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from loss.aggregation import Sequences
+from loss.kl import LOG_RATIO_LIMIT
+
+if TYPE_CHECKING:
+    from loss.config import LossConfig
+
+
+def masked_log_ratio(num: torch.Tensor, den: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """num - den where mask > 0, else 0, clamped to +-LOG_RATIO_LIMIT: padding (even inf/NaN there) never leaks."""
+    diff = torch.where(mask > 0, num - den, torch.zeros_like(num))
+    return diff.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def _token_stats(weight: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor, clipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    n = valid.sum().clamp(min=1).to(ratio.dtype)
+    return {
+        "kept_frac": ((weight != 0) & valid).sum() / n,
+        "clipped_frac": (clipped & valid).sum() / n,
+    }
+
+
+def tis(log_rho, mask, seqs, *, low, high):
+    """Token TIS: w = min(rho, high) (truncate the upper tail; keeps every token)."""
+    rho = log_rho.exp()
+    w = rho.clamp(max=high)
+    return w, _token_stats(w, rho, mask > 0, rho > high)
+
+
+def mis(log_rho, mask, seqs, *, low, high):
+    """Token MIS: w = rho if rho <= high else 0 (mask the upper tail out)."""
+    rho = log_rho.exp()
+    keep = log_rho <= math.log(high)
+    w = torch.where(keep, rho, torch.zeros_like(rho))
+    return w, _token_stats(w, rho, mask > 0, ~keep)
+
+
+def icepop(log_rho, mask, seqs, *, low, high):
+    """IcePop: w = rho if low <= rho <= high else 0 (both tails masked; the default band is [0.5, 2])."""
+    rho = log_rho.exp()
+    keep = (log_rho >= math.log(low)) & (log_rho <= math.log(high))
+    w = torch.where(keep, rho, torch.zeros_like(rho))
+    return w, _token_stats(w, rho, mask > 0, ~keep)
+
+
+def sequence_log_rho(log_rho: torch.Tensor, mask: torch.Tensor, seqs: Sequences, kind: str) -> torch.Tensor:
+    """log of a sequence's ratio [count]: product (sum of logs), arithmetic mean of rho, or geometric mean."""
+    valid = (mask > 0).to(log_rho.dtype)
+    n = seqs.sum(valid).clamp(min=1)
+    if kind == "product":
+        return seqs.sum(log_rho * valid).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if kind == "geometric":
+        return seqs.sum(log_rho * valid) / n
+    if kind == "arithmetic":
+        return (seqs.sum(log_rho.exp() * valid) / n).clamp(min=math.exp(-LOG_RATIO_LIMIT)).log()
+    raise AssertionError(f"unknown sequence ratio kind {kind!r}")
+
+
+def _sequence_correction(kind: str, truncate: bool) -> Callable:
+    """Sequence TIS (truncate the sequence ratio at high) or MIS (mask sequences outside [low, high])."""
+
+    def correction(log_rho, mask, seqs, *, low, high):
+        seq_log = sequence_log_rho(log_rho, mask, seqs, kind)
+        if truncate:
+            seq_w, clipped = seq_log.clamp(max=math.log(high)).exp(), seq_log > math.log(high)
+        else:
+            keep = (seq_log >= math.log(low)) & (seq_log <= math.log(high))
+            seq_w, clipped = torch.where(keep, seq_log.exp(), torch.zeros_like(seq_log)), ~keep
+        w = seqs.spread(seq_w)
+        return w, _token_stats(w, log_rho.exp(), mask > 0, seqs.spread(clipped))
+
+    correction.__doc__ = f"Sequence-level {'TIS' if truncate else 'MIS'} on the {kind} sequence ratio."
+    return correction
+
+
+def no_correction(log_rho, mask, seqs, *, low, high):
+    """No correction: w = 1 (the discrepancy is still measured and reported)."""
+    w = torch.ones_like(log_rho)
+    return w, _token_stats(w, log_rho.exp(), mask > 0, torch.zeros_like(mask, dtype=torch.bool))
+
+
+Correction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+CORRECTIONS: dict[str, Correction] = {
+    "none": no_correction,
+    "tis": tis,
+    "mis": mis,
+    "icepop": icepop,
+    "seq_tis": _sequence_correction("product", truncate=True),
+    "seq_mis": _sequence_correction("product", truncate=False),
+    "seq_tis_arith": _sequence_correction("arithmetic", truncate=True),
+    "seq_mis_arith": _sequence_correction("arithmetic", truncate=False),
+    "seq_tis_geo": _sequence_correction("geometric", truncate=True),
+    "seq_mis_geo": _sequence_correction("geometric", truncate=False),
+}
+
+
+def apply_correction(cfg: "LossConfig", *, old_logprobs, rollout_logprobs, mask, seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Detached per-token weights [B, T] for the discrepancy factor, and metrics under "correction/" and
+    "discrepancy/" (the ratio's own statistics over valid tokens)."""
+    with torch.no_grad():
+        log_rho = masked_log_ratio(old_logprobs.detach(), rollout_logprobs.detach(), mask)
+        w, stats = CORRECTIONS[cfg.correction](log_rho, mask, seqs, low=cfg.correction_low, high=cfg.correction_high)
+        metrics = {f"correction/{k}": v for k, v in stats.items()}
+        metrics.update(ratio_metrics("discrepancy", log_rho, mask))
+    return w, metrics
+
+
+def ratio_metrics(prefix: str, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean / max / min of exp(log_ratio) and mean |log_ratio| over valid tokens (0 when there are none)."""
+    valid = mask > 0
+    if not valid.any():
+        zero = log_ratio.new_zeros(())
+        return {f"{prefix}/ratio_mean": zero, f"{prefix}/ratio_max": zero, f"{prefix}/ratio_min": zero, f"{prefix}/abs_log_ratio_mean": zero}
+    lr = log_ratio.detach()[valid]
+    return {
+        f"{prefix}/ratio_mean": lr.exp().mean(),
+        f"{prefix}/ratio_max": lr.max().exp(),
+        f"{prefix}/ratio_min": lr.min().exp(),
+        f"{prefix}/abs_log_ratio_mean": lr.abs().mean(),
+    }
+
+
+def ewma_proximal_logprobs(*, anchor: torch.Tensor, logprobs: torch.Tensor, beta: float, steps: torch.Tensor | int = 1) -> torch.Tensor:
+    """PPO-EWMA in log space: `steps` updates of log pi_prox <- beta log pi_prox + (1 - beta) log pi_theta.
+
+    Closed form beta^d * anchor + (1 - beta^d) * sg(log pi_theta) per token, where the anchor is the previous EWMA
+    state (or the rollout logprobs) and the current policy stands in for the versions in between, the only one
+    evaluable without old logits. Detached: the proximal policy is a constant of the loss.
+    """
+    decay = torch.as_tensor(beta, dtype=logprobs.dtype, device=logprobs.device) ** torch.as_tensor(steps, device=logprobs.device)
+    return (decay * anchor.detach() + (1 - decay) * logprobs.detach()).detach()
+
+
+def resolve_old_logprobs(cfg: "LossConfig", *, logprobs, old_logprobs, rollout_logprobs, mask,
+                         versions=None, current_version=None, ewma_logprobs=None) -> torch.Tensor:
+    """The training-side old (proximal) logprobs per cfg.old_logprobs_from, detached."""
+    source = cfg.old_logprobs_from
+    if source == "given":
+        if old_logprobs is None:
+            raise ValueError("old_logprobs is None but loss.old_logprobs_from='given': pass the recomputed/snapshot old "
+                             "logprobs, or set old_logprobs_from to 'rollout' or 'ewma'")
+        return old_logprobs.detach()
+    if source == "rollout":
+        return rollout_logprobs.detach()
+    steps: torch.Tensor | int = 1
+    if versions is not None and current_version is not None:
+        steps = (current_version - versions.long()).clamp(min=0)
+    anchor = ewma_logprobs if ewma_logprobs is not None else rollout_logprobs
+    anchor = torch.where(mask > 0, anchor, logprobs.detach())  # padding: any finite value, it is masked later
+    return ewma_proximal_logprobs(anchor=anchor, logprobs=logprobs, beta=cfg.ewma_beta, steps=steps)
+
+
+OLD_LOGPROB_SOURCES: dict[str, str] = {
+    "given": "the caller's old_logprobs (recomputed before the update, or exact per-version snapshots)",
+    "rollout": "the engine's rollout logprobs (no separate discrepancy factor: rho = 1)",
+    "ewma": "PPO-EWMA proximal policy in log space (decay ewma_beta), for when exact old logprobs are missing",
+}
