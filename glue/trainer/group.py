@@ -1,0 +1,79 @@
+"""Driver side of the trainer: one `TrainerWorker` Ray actor per rank (TP x PP), wired to one torch.distributed
+group, behind blocking methods the controller and the weight bridge call. Assumes `ray.init` was done."""
+from __future__ import annotations
+
+from typing import Any
+
+from glue.trainer.config import TrainerConfig
+from glue.types import TrainBatch
+
+
+class TrainerGroup:
+    """The trainer as the loop sees it: `train_step`, `compute_logprobs`, `version`, and the weight-source calls."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: Any):
+        import ray
+
+        from glue.trainer.worker import TrainerWorker
+
+        self.cfg, self.version = cfg, 0
+        actor_cls = ray.remote(TrainerWorker)
+        self._actors = [
+            actor_cls.options(num_cpus=cfg.num_cpus_per_worker).remote(
+                model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=cfg.world_size)
+            for rank in range(cfg.world_size)
+        ]
+        try:
+            address, port = ray.get(self._actors[0].rendezvous_address.remote())
+            ray.get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
+        except BaseException:
+            self.shutdown()  # do not leave half-started actors holding CPUs
+            raise
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every rank at once (collectives need all of them) and wait for all answers."""
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args) for a in self._actors])
+
+    def compute_logprobs(self, batch: TrainBatch) -> Any:
+        """Logprob of tokens[:, t+1] at position t with the current weights: FloatTensor [B, T], last column 0."""
+        return self._all("compute_logprobs", batch)[0]
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One PPO update on `batch`; returns rank 0's metrics (`train/*`, `weights/version`)."""
+        metrics = self._all("train_step", batch)[0]
+        self.version = int(metrics["weights/version"])
+        return metrics
+
+    def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(HF name, dtype name, shape) of every weight `send_weights` broadcasts, in that order."""
+        import ray
+
+        return ray.get(self._actors[0].hf_weight_specs.remote())
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str = "gloo") -> None:
+        """Trainer rank 0 hosts the weight group as its rank 0; blocks until every engine has joined."""
+        import ray
+
+        ray.get(self._actors[0].join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
+
+    def send_weights(self, group_name: str) -> None:
+        """Gather full tensors over TP and broadcast them from rank 0 through the weight group."""
+        self._all("send_weights", group_name)
+
+    def full_hf_state(self) -> dict[str, Any]:
+        """Every weight as a full HF-named CPU tensor (for checks and checkpoints)."""
+        return self._all("full_hf_state")[0]
+
+    def shutdown(self) -> None:
+        """Leave the process groups and kill the actors (idempotent)."""
+        import ray
+
+        actors, self._actors = self._actors, []
+        if not actors:
+            return
+        ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=30)
+        for actor in actors:
+            ray.kill(actor)

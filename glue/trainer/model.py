@@ -1,0 +1,150 @@
+"""The trainer's model: a megatron-core GPTModel (local layer spec) built from an HF Llama/Qwen2 config, loaded
+with the HF weights (weight_sync.convert + TP sharding), and the per-token logprobs the loss consumes.
+
+Needs `torch.distributed` and megatron's `parallel_state` initialised (the worker does that) and, on CPU,
+`cpu_compat.apply()` before building.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from weight_sync.convert import hf_to_megatron, is_tied, shard_for_tp
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+def read_hf_config(model_dir: str) -> Any:
+    """The HF config of a checkpoint directory, checked to be a family this trainer can build."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{model_dir}: model_type {config.model_type!r} is not supported by the megatron trainer yet; "
+                         f"supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{model_dir}: sliding-window attention is not supported; set use_sliding_window=false")
+    return config
+
+
+def rope_theta(hf_config: Any) -> float:
+    """RoPE base from `rope_parameters` (transformers >= 5) or the older `rope_theta` attribute."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} / rope_scaling is not supported by the megatron trainer yet; "
+                         "use a checkpoint with plain RoPE")
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
+    """megatron-core TransformerConfig equivalent to an HF Llama/Qwen2 config, float32, fusions off."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_groups % tp_size or hf_config.vocab_size % tp_size:
+        raise ValueError(f"tensor_model_parallel_size={tp_size} must divide num_key_value_heads={num_groups} and "
+                         f"vocab_size={hf_config.vocab_size}; choose a smaller TP size")
+    has_qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("Llama checkpoints with mlp_bias=true are not supported by the megatron trainer yet")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
+        num_query_groups=num_groups, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=has_qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp_size,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def build_model(hf_config: Any, *, tp_size: int) -> torch.nn.Module:
+    """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard, random weights."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=transformer_config(hf_config, tp_size=tp_size),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
+        share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config), parallel_output=True,
+    )
+
+
+def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint (single or sharded files), on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors files; save the model with save_pretrained "
+                                "(safe_serialization=True)")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path, device="cpu"))
+    return state
+
+
+def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, *, tp_rank: int, tp_size: int) -> None:
+    """Copy the checkpoint's weights into this rank's shard of `model` (every parameter must be covered)."""
+    full = hf_to_megatron(read_hf_state(model_dir), hf_config)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full))
+    unexpected = sorted(set(full) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"HF -> megatron conversion does not cover the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; the converter table and the layer spec disagree")
+    with torch.no_grad():
+        for name, param in params.items():
+            shard = shard_for_tp(name, full[name], tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+            param.copy_(shard.to(param.dtype))
+
+
+def causal_attention_mask(seq_len: int) -> torch.Tensor:
+    """Megatron's boolean mask, True where attention is blocked: [1, 1, T, T], upper triangle."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless)."""
+    batch, seq_len = tokens.shape
+    position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand(batch, seq_len)
+    return model(tokens, position_ids, causal_attention_mask(seq_len))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) at position t from vocab-parallel logits; last column is 0. [B, T]."""
+    from megatron.core import tensor_parallel
+
+    targets = tokens[:, 1:]
+    scaled = logits[:, :-1].float() / temperature  # a fresh tensor: megatron's kernel edits its input in place
+    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
+    return F.pad(logprobs, (0, 1))
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the temperature-scaled next-token distribution at each position, across TP vocab shards. [B, T]."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    scaled = logits.float() / temperature
+    peak = scaled.max(dim=-1, keepdim=True).values
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
+    exp = (scaled - peak).exp()
+    sums = torch.stack([exp.sum(-1), (exp * (scaled - peak)).sum(-1)])
+    torch.distributed.all_reduce(sums, group=group)
+    # H = log Z - E[x - peak], with Z = sum exp(x - peak)
+    return sums[0].log() - sums[1] / sums[0]

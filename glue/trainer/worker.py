@@ -1,0 +1,215 @@
+"""One trainer rank: megatron-core model + AdamW on this rank's TP shard. `TrainerGroup` runs one per rank as a
+Ray actor; it turns a `TrainBatch` into a PPO update (loss from `loss/`) and its weights into HF-named tensors
+for the weight bridge. A plain class, so tests can also drive it from spawned processes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+
+from glue.trainer.config import TrainerConfig
+from glue.types import TrainBatch
+
+
+class TrainerWorker:
+    """Construct anywhere; `initialize()` joins the trainer's process group and loads the model."""
+
+    def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: Any, rank: int, world_size: int):
+        if world_size != cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size:
+            raise ValueError(f"trainer world size {world_size} != TP x PP = {cfg.world_size}; data parallelism is not "
+                             "supported by this first-form trainer, start exactly TP x PP workers")
+        self.model_path, self.cfg, self.loss_cfg = model_path, cfg, loss_cfg
+        self.rank, self.world_size = rank, world_size
+        self.version = 0
+        self._weight_groups: dict[str, Any] = {}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This host's address (Ray's node IP inside an actor, else loopback) and a free port, for rank 0."""
+        ray = sys.modules.get("ray")
+        host = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return host, sock.getsockname()[1]
+
+    def initialize(self, master_addr: str, master_port: int) -> None:
+        """Init torch.distributed + megatron parallel state, build the model from HF weights, make the optimizer."""
+        from megatron.core import parallel_state, tensor_parallel
+
+        from glue.trainer import cpu_compat, model
+
+        cpu_compat.apply()
+        torch.manual_seed(self.cfg.seed)
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        torch.distributed.init_process_group("gloo" if cpu_compat.is_cpu_only() else "nccl",
+                                             rank=self.rank, world_size=self.world_size)
+        self.device = torch.device("cpu") if cpu_compat.is_cpu_only() else torch.device("cuda", torch.cuda.current_device())
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.cfg.tensor_model_parallel_size)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.hf_config = model.read_hf_config(self.model_path)
+        self.model = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size)
+        model.load_hf_weights(self.model, self.model_path, self.hf_config, tp_rank=self.tp_rank,
+                              tp_size=self.cfg.tensor_model_parallel_size)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
+
+    def _micro_batches(self, batch_size: int) -> list[slice]:
+        step = self.cfg.micro_batch_size
+        return [slice(i, min(i + step, batch_size)) for i in range(0, batch_size, step)]
+
+    def _forward(self, tokens: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from glue.trainer import model
+
+        logits = model.forward_logits(self.model, tokens.to(self.device))
+        entropy = model.token_entropy(logits, self.cfg.temperature) if with_entropy else None
+        return model.token_logprobs(logits, tokens.to(self.device), self.cfg.temperature), entropy
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False) -> Any:
+        """Logprob of tokens[:, t+1] at position t with the current weights, [B, T] on CPU (last column 0).
+
+        With `with_entropy`, returns `(logprobs, entropy)`, both [B, T].
+        """
+        tokens = batch.tokens if isinstance(batch, TrainBatch) else batch
+        parts = [self._forward(tokens[s], with_entropy) for s in self._micro_batches(tokens.shape[0])]
+        logprobs = torch.cat([p[0] for p in parts]).cpu()
+        return (logprobs, torch.cat([p[1] for p in parts]).cpu()) if with_entropy else logprobs
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO update(s) on `batch`: old logprobs from the current weights, then `num_epochs` x `num_mini_batches`
+        optimizer steps, each accumulating micro-batch gradients normalised by the mini-batch's token count."""
+        old_logprobs, entropy = self.compute_logprobs(batch, with_entropy=True)
+        mask = batch.logprob_mask.float()
+        num_tokens = mask.sum().clamp(min=1)
+        sums = {"loss": 0.0, "clipfrac": 0.0, "grad_norm": 0.0}
+        num_steps = 0
+        for _ in range(self.cfg.num_epochs):
+            for rows in _split_rows(batch.tokens.shape[0], self.cfg.num_mini_batches):
+                loss, clipfrac, grad_norm = self._optimizer_step(batch, old_logprobs, rows)
+                sums["loss"] += loss
+                sums["clipfrac"] += clipfrac
+                sums["grad_norm"] += grad_norm
+                num_steps += 1
+        abs_diff = ((old_logprobs - batch.rollout_logprobs.float()).abs() * mask).sum() / num_tokens
+        metrics = {f"train/{k}": v / max(num_steps, 1) for k, v in sums.items()}
+        metrics.update({
+            "train/train_rollout_logprob_abs_diff": float(abs_diff),
+            "train/entropy": float((entropy * mask).sum() / num_tokens),
+            "weights/version": float(self.version),
+        })
+        return metrics
+
+    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, rows: slice) -> tuple[float, float, float]:
+        """One optimizer step over `rows` of the batch; returns (loss, clipfrac, pre-clip grad norm)."""
+        from loss import compute_policy_loss
+
+        mask = batch.logprob_mask[rows].float()
+        num_global_tokens = float(mask.sum().clamp(min=1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, clipped_tokens = 0.0, 0.0
+        for s in self._micro_batches(mask.shape[0]):
+            s = slice(rows.start + s.start, rows.start + s.stop)
+            logprobs, _ = self._forward(batch.tokens[s])
+            dev = self.device
+            loss, loss_metrics = compute_policy_loss(
+                self.loss_cfg, logprobs=logprobs, old_logprobs=old_logprobs[s].to(dev),
+                rollout_logprobs=batch.rollout_logprobs[s].float().to(dev), advantages=batch.advantages[s].float().to(dev),
+                mask=batch.logprob_mask[s].float().to(dev), num_global_tokens=num_global_tokens)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped_tokens += float(loss_metrics["clipfrac"]) * float(batch.logprob_mask[s].sum())
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.version += 1
+        return loss_sum, clipped_tokens / num_global_tokens, grad_norm
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm of the gradients across TP shards (duplicated params counted once); clip to grad_clip."""
+        from megatron.core import parallel_state, tensor_parallel
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        owned = [p.grad for p in self.model.parameters()
+                 if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in owned:
+            sq += g.float().pow(2).sum()
+        torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float(sq.sqrt())
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"gradient norm is {norm} at version {self.version}; lower trainer.lr or check the batch")
+        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
+            for g in grads:
+                g.mul_(self.cfg.grad_clip / (norm + 1e-6))
+        return norm
+
+    def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(HF name, dtype name, full shape) of every tensor `send_weights` sends, in send order."""
+        from weight_sync.broadcast import dtype_to_str
+        from weight_sync.convert import gather_from_tp, megatron_to_hf
+
+        tp = self.cfg.tensor_model_parallel_size
+        meta = {n: gather_from_tp(n, [torch.empty(p.shape, dtype=p.dtype, device="meta")] * tp)
+                for n, p in self.model.named_parameters()}
+        return [(n, dtype_to_str(t.dtype), tuple(t.shape)) for n, t in megatron_to_hf(meta, self.hf_config).items()]
+
+    def full_hf_state(self) -> dict[str, torch.Tensor]:
+        """Every weight as a full HF-named CPU tensor (collective: all TP ranks must call it)."""
+        from megatron.core import parallel_state
+
+        from weight_sync.convert import gather_from_tp, megatron_to_hf
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        tp = self.cfg.tensor_model_parallel_size
+        full = {}
+        for name, param in self.model.named_parameters():
+            shards = [torch.empty_like(param.data) for _ in range(tp)]
+            torch.distributed.all_gather(shards, param.data.contiguous(), group=group)
+            full[name] = gather_from_tp(name, [s.cpu() for s in shards])
+        return megatron_to_hf(full, self.hf_config)
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str = "gloo") -> None:
+        """Rank 0 hosts the weight group as its rank 0 (engines join as 1..world_size-1); other ranks do nothing."""
+        if self.rank != 0:
+            return
+        from weight_sync.process_group import create_process_group
+
+        self._weight_groups[group_name] = create_process_group(
+            master_address=master_address, master_port=master_port, rank=0, world_size=world_size,
+            group_name=group_name, backend=backend)
+
+    def send_weights(self, group_name: str) -> None:
+        """All TP ranks gather full tensors; rank 0 broadcasts them, HF-named, in `hf_weight_specs()` order."""
+        state = self.full_hf_state()
+        if self.rank != 0:
+            return
+        if group_name not in self._weight_groups:
+            raise RuntimeError(f"weight group {group_name!r} was never joined; call join_weight_group first")
+        from weight_sync.broadcast import send_tensors
+
+        send_tensors(self._weight_groups[group_name], list(state.items()), src=0)
+
+    def shutdown(self) -> None:
+        """Leave the process groups (the actor is killed afterwards)."""
+        from weight_sync.process_group import destroy_process_group
+
+        for group in self._weight_groups.values():
+            destroy_process_group(group)
+        self._weight_groups.clear()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _split_rows(batch_size: int, num_parts: int) -> list[slice]:
+    """`num_parts` contiguous row ranges of near-equal size (PPO mini-batches)."""
+    if num_parts > batch_size:
+        raise ValueError(f"trainer.num_mini_batches={num_parts} exceeds the batch size {batch_size}; lower it")
+    bounds = [round(i * batch_size / num_parts) for i in range(num_parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]

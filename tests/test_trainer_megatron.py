@@ -1,0 +1,225 @@
+"""The megatron-core trainer on CPU, for real: gloo process groups across spawned processes (TP=1 vs TP=2), HF
+weights loaded through the converter, and the Ray-actor TrainerGroup the loop drives."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+
+import pytest
+import torch
+
+from glue.embedded_engine.tiny_model import save_tiny_model
+from glue.trainer.config import TrainerConfig
+from glue.types import Sample, TrainBatch
+from loss import LossConfig
+
+PROMPT_LEN, RESPONSE_LEN, BATCH = 5, 7, 6
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2 with non-zero qkv biases (HF initialises them to 0, which would hide a bias layout mistake)."""
+    from transformers import AutoModelForCausalLM
+
+    raw = save_tiny_model(str(tmp_path_factory.mktemp("raw")), family="qwen2", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    path = str(tmp_path_factory.mktemp("qwen2_bias"))
+    model.save_pretrained(path)
+    return path
+
+
+def hf_teacher_forced_logprobs(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) from the HF model at position t, last column 0: [B, T]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens).logits.float(), dim=-1)
+    return torch.nn.functional.pad(logp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0], (0, 1))
+
+
+def make_batch(rollout_logprobs_from: str | None = None) -> TrainBatch:
+    """Six samples of random tokens with rewards 0..5 (advantage = reward - mean); response tokens trainable."""
+    gen = torch.Generator().manual_seed(11)
+    samples = []
+    for i in range(BATCH):
+        tokens = torch.randint(2, 32, (PROMPT_LEN + RESPONSE_LEN,), generator=gen).tolist()
+        s = Sample(prompt_tokens=tokens[:PROMPT_LEN], reward=float(i), index=i)
+        s.append_response(tokens[PROMPT_LEN:], [-1.0] * RESPONSE_LEN, version=0)
+        samples.append(s)
+    batch = TrainBatch.from_samples(samples, [float(i) - 2.5 for i in range(BATCH)])
+    if rollout_logprobs_from is not None:
+        batch.rollout_logprobs = hf_teacher_forced_logprobs(rollout_logprobs_from, batch.tokens) * batch.logprob_mask
+    return batch
+
+
+def _worker_main(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, batch: TrainBatch,
+                 results: mp.Queue) -> None:
+    """One trainer rank in a spawned process: logprobs, one train step, logprobs again, gathered HF weights."""
+    from glue.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(), rank=rank, world_size=world_size)
+    worker.initialize("127.0.0.1", port)
+    before = worker.compute_logprobs(batch)
+    metrics = worker.train_step(batch)
+    after = worker.compute_logprobs(batch)
+    weights = worker.full_hf_state()
+    worker.shutdown()
+    # plain pickle bytes: a queued tensor would otherwise live in this process's shared memory, gone at exit
+    results.put(pickle.dumps((rank, before, metrics, after, weights if rank == 0 else None)))
+
+
+def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch) -> dict:
+    """Spawn `tp_size` ranks, collect rank 0's results; every process is stopped by its own handle."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    cfg = TrainerConfig(tensor_model_parallel_size=tp_size, micro_batch_size=4, lr=1e-2, num_cpus_per_worker=1)
+    port = _free_port()
+    procs = [ctx.Process(target=_worker_main, args=(r, tp_size, port, model_path, cfg, batch, results))
+             for r in range(tp_size)]
+    try:
+        for p in procs:
+            p.start()
+        outs = {}
+        while len(outs) < tp_size:
+            try:
+                rank, *rest = pickle.loads(results.get(timeout=5))
+                outs[rank] = rest
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                assert not dead, f"trainer rank(s) died: exit codes {[p.exitcode for p in dead]}"
+        for p in procs:
+            p.join(timeout=60)
+        before, metrics, after, weights = outs[0]
+        return {"before": before, "metrics": metrics, "after": after, "weights": weights}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tp_runs(model_dir) -> dict:
+    batch = make_batch()
+    return {"batch": batch, 1: run_trainer_ranks(model_dir, 1, batch), 2: run_trainer_ranks(model_dir, 2, batch)}
+
+
+def _real(batch: TrainBatch) -> torch.Tensor:
+    """Positions whose target token t+1 is a real (unpadded) token."""
+    positions = torch.arange(batch.tokens.shape[1])
+    return positions[None, :] < torch.tensor(batch.seq_lens)[:, None] - 1
+
+
+def test_megatron_logprobs_at_tp1_equal_the_hf_models_teacher_forced_logprobs(model_dir, tp_runs):
+    batch = tp_runs["batch"]
+    expected = hf_teacher_forced_logprobs(model_dir, batch.tokens)
+    got = tp_runs[1]["before"]
+    assert got.shape == batch.tokens.shape
+    diff = (got - expected)[_real(batch)].abs().max().item()
+    assert diff < 1e-4, f"megatron vs HF logprobs differ by {diff}"
+    assert expected[_real(batch)].std() > 0.1, "the check needs logprobs that vary"
+
+
+def test_tp2_logprobs_equal_tp1_logprobs(tp_runs):
+    diff = (tp_runs[2]["before"] - tp_runs[1]["before"]).abs().max().item()
+    assert diff < 1e-5, f"TP=2 vs TP=1 logprobs differ by {diff}"
+
+
+def test_tp2_train_step_gives_the_same_loss_grad_norm_and_updated_weights_as_tp1(tp_runs):
+    m1, m2 = tp_runs[1]["metrics"], tp_runs[2]["metrics"]
+    assert m1["weights/version"] == m2["weights/version"] == 1.0
+    assert abs(m1["train/loss"] - m2["train/loss"]) < 1e-6
+    assert abs(m1["train/grad_norm"] - m2["train/grad_norm"]) < 1e-5 * max(1.0, m1["train/grad_norm"])
+    assert (tp_runs[2]["after"] - tp_runs[1]["after"]).abs().max().item() < 1e-5
+    # Adam's first step moves each weight by lr * g / (|g| + eps): where g is at rounding-noise level the two
+    # layouts' sums can differ in sign, so weights agree to a small fraction of lr = 1e-2, not to float eps.
+    for name, w1 in tp_runs[1]["weights"].items():
+        assert (tp_runs[2]["weights"][name] - w1).abs().max().item() < 1e-2 * 1e-2, name
+
+
+def test_one_train_step_moves_logprobs_toward_positive_advantages(tp_runs):
+    # On-policy first step: ratio = 1, so loss = -sum(mask * A) / num_tokens = 0 because the advantages sum to 0.
+    batch, run = tp_runs["batch"], tp_runs[1]
+    assert abs(run["metrics"]["train/loss"]) < 1e-6
+    assert run["metrics"]["train/clipfrac"] == 0.0
+    mask = batch.logprob_mask.bool()
+    change = (run["after"] - run["before"])[mask].reshape(BATCH, RESPONSE_LEN).sum(dim=1)
+    assert change[-1] > 0 > change[0], f"row logprob changes {change.tolist()} should rise with the advantage"
+
+
+@pytest.fixture
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_trainer_group_of_ray_actors_trains_one_step_and_bumps_the_version(model_dir, ray_cluster):
+    from glue.trainer.group import TrainerGroup
+
+    batch = make_batch(rollout_logprobs_from=model_dir)
+    group = TrainerGroup(model_dir, TrainerConfig(tensor_model_parallel_size=2, lr=1e-2), LossConfig())
+    try:
+        before = group.compute_logprobs(batch)
+        assert group.version == 0
+        metrics = group.train_step(batch)
+        assert group.version == 1 and metrics["weights/version"] == 1.0
+        # rollout logprobs are the HF model's own, so the train-inference discrepancy is float noise only
+        assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+        assert 0 < metrics["train/entropy"] < torch.log(torch.tensor(32.0)).item()
+        after = group.compute_logprobs(batch)
+        assert (after - before)[batch.logprob_mask.bool()].abs().max() > 1e-3
+        specs = group.hf_weight_specs()
+        assert specs[0] == ("model.embed_tokens.weight", "float32", (32, 64))
+        assert ("model.layers.0.self_attn.k_proj.bias", "float32", (32,)) in specs  # 2 kv heads x head_dim 16
+        weights = group.full_hf_state()
+        assert [(n, tuple(t.shape)) for n, t in weights.items()] == [(n, s) for n, _, s in specs]
+        received = receive_weights_as_engine_rank(group, specs)
+        assert [n for n, _ in received] == [n for n, _, _ in specs]
+        for name, tensor in received:
+            assert torch.equal(tensor, weights[name]), name
+    finally:
+        group.shutdown()
+
+
+def receive_weights_as_engine_rank(group, specs) -> list:
+    """Join the trainer's weight group as rank 1 (what an engine does) and receive one `send_weights`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weight_sync.broadcast import receive_tensors
+    from weight_sync.process_group import create_process_group, destroy_process_group
+
+    port = _free_port()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        joined = pool.submit(group.join_weight_group, "127.0.0.1", port, 2, "test_weights", "gloo")
+        engine_side = create_process_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
+                                           group_name="test_weights", timeout_s=60)
+        joined.result(timeout=60)
+        try:
+            sent = pool.submit(group.send_weights, "test_weights")
+            names, dtypes, shapes = zip(*specs)
+            received = receive_tensors(engine_side, names, dtypes, shapes, src=0)
+            sent.result(timeout=60)
+        finally:
+            destroy_process_group(engine_side)
+    return received
