@@ -1,0 +1,41 @@
+"""`python -m glue.embedded_engine --model-path DIR --port P`: start one embedded engine process (CPU stand-in for
+an SGLang server) serving SGLang's HTTP API until SIGTERM / SIGINT."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m glue.embedded_engine", description=__doc__)
+    parser.add_argument("--model-path", required=True, help="directory of an HF causal LM (config.json + safetensors)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the per-request sampling generators")
+    parser.add_argument("--max-running-requests", type=int, default=64, help="rows decoded together at most")
+    parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads for the model")
+    parser.add_argument("--weight-version", default="0", help="initial weight version string (SGLang's is 'default')")
+    parser.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="timeout of weight-group collectives")
+    args = parser.parse_args(argv)
+    if args.max_running_requests < 1 or args.num_threads < 1:
+        parser.error("--max-running-requests and --num-threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from glue.embedded_engine.engine import build_engine, serve
+
+    try:
+        server = build_engine(model_path=args.model_path, host=args.host, port=args.port, seed=args.seed,
+                              max_running_requests=args.max_running_requests, num_threads=args.num_threads,
+                              weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s)
+    except FileNotFoundError as e:
+        print(f"embedded engine: {e}", file=sys.stderr, flush=True)
+        return 2
+    serve(server, host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

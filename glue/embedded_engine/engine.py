@@ -1,0 +1,68 @@
+"""Wiring of one embedded engine: load the HF model, make the runner, the weight receiver and the HTTP server."""
+from __future__ import annotations
+
+import os
+
+import torch
+from aiohttp import web
+
+from glue.embedded_engine.model_runner import ModelRunner
+from glue.embedded_engine.server import EngineServer
+from glue.embedded_engine.weight_update import WeightReceiver
+
+
+def load_model(model_path: str):
+    """The HF causal LM at `model_path` in float32 eval mode; FileNotFoundError that says what is missing."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(
+            f"no HF model at --model-path {model_path!r}: expected a directory with config.json and *.safetensors "
+            "(make one with glue.embedded_engine.tiny_model.save_tiny_model)"
+        )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.eval()
+
+
+def eos_token_ids(model) -> set[int]:
+    ids: set[int] = set()
+    for config in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+def build_engine(*, model_path: str, host: str, port: int, seed: int, max_running_requests: int, num_threads: int,
+                 weight_version: str, weight_sync_timeout_s: float) -> EngineServer:
+    torch.set_num_threads(num_threads)
+    model = load_model(model_path)
+    config = model.config
+    runner = ModelRunner(model, max_running_requests=max_running_requests, seed=seed, weight_version=weight_version,
+                         eos_token_ids=eos_token_ids(model))
+    model_info = {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": None,
+                  "is_generation": True, "preferred_sampling_params": None, "load_format": "auto",
+                  "has_image_understanding": False, "has_audio_understanding": False,
+                  "model_type": config.model_type, "architectures": config.architectures}
+    server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": 1,
+                   "dp_size": 1, "max_running_requests": max_running_requests, "num_threads": num_threads,
+                   "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
+                   "version": "embedded", "frontend": "sluice-embedded-engine"}
+    return EngineServer(runner, WeightReceiver(runner, timeout_s=weight_sync_timeout_s), vocab_size=config.vocab_size,
+                        max_context=config.max_position_embeddings, model_info=model_info, server_info=server_info)
+
+
+def serve(server: EngineServer, *, host: str, port: int) -> None:
+    """Run until SIGTERM / SIGINT; the model thread and weight groups are closed on the way out."""
+    app = server.build_app()
+
+    async def on_startup(_: web.Application) -> None:
+        server.runner.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        server.runner.stop()
+        server.receiver.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    web.run_app(app, host=host, port=port, print=lambda _: print(f"embedded engine serving on http://{host}:{port}",
+                                                                 flush=True), access_log=None)

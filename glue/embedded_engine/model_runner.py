@@ -1,0 +1,239 @@
+"""The engine's model worker: one thread owns the HF model, admits requests into the running batch, decodes and
+samples; the HTTP side submits, aborts, pauses and swaps weights through thread-safe calls.
+
+Continuous batching in a simple form: new requests are prefilled (grouped by prompt length, so no padding) and
+join the running batch at the next step; finished rows leave it. Every forward and every weight copy holds
+`self.model_lock`, so weights never change under a forward.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from glue.embedded_engine.kv_batch import KVBatch, cache_tensors
+from glue.embedded_engine.request_schema import GenerationRequest
+from glue.embedded_engine.sampling import sample_token
+
+ABORT_MESSAGE = "Aborted"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request while it is generated, and its result once `finish_reason` is set."""
+
+    request: GenerationRequest
+    on_done: Callable[["Sequence"], None]
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # weight version that produced each output token
+    finish_reason: dict[str, Any] | None = None
+    final_version: str = ""  # the engine's weight version when the request finished
+    abort_requested: bool = False
+    created_at: float = field(default_factory=time.monotonic)
+    finished_at: float = 0.0
+
+
+class ModelRunner:
+    """Owns the model and the scheduling thread. Call `start()` once; `stop()` ends the thread."""
+
+    def __init__(self, model: Any, *, max_running_requests: int, seed: int, weight_version: str, eos_token_ids: set[int]):
+        self.model = model
+        self.model_lock = threading.Lock()
+        self.weight_version = weight_version
+        self.max_running_requests = max_running_requests
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._active: set[Sequence] = set()  # admitted and not finished; only the loop thread finishes them
+        self._running: list[Sequence] = []  # rows of self._batch, in order
+        self._batch = KVBatch()
+        self._paused = False
+        self._stopped = False
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._thread = threading.Thread(target=self._loop, name="model-runner", daemon=True)
+        self.forward_count = 0  # forwards run so far (prefill and decode)
+
+    # ---- calls from the HTTP side (any thread) ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, request: GenerationRequest, on_done: Callable[[Sequence], None]) -> Sequence:
+        """Queue a request; `on_done(seq)` is called from the runner thread when it finishes (or is aborted)."""
+        with self._cond:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+            seq = Sequence(request=request, on_done=on_done, generator=torch.Generator().manual_seed(seed))
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return seq
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Abort the request `rid` (or all of them): queued ones at once, running ones before the next step."""
+        with self._cond:
+            matches = lambda s: abort_all or s.request.rid == rid  # noqa: E731
+            queued = [s for s in self._waiting if matches(s)]
+            for seq in queued:
+                self._waiting.remove(seq)
+                self._finish(seq, {"type": "abort", "message": ABORT_MESSAGE, "status_code": None, "err_type": None})
+            running = [s for s in self._active if matches(s)]
+            for seq in running:
+                seq.abort_requested = True
+            self._cond.notify_all()
+            return len(queued) + len(running)
+
+    def pause(self, abort_running: bool, timeout_s: float = 60.0) -> None:
+        """Stop taking steps; new requests queue until `resume()`. With `abort_running`, in-flight requests are
+        aborted (SGLang's default "abort" mode) and this returns once they have been answered; otherwise they keep
+        their cache and continue after `resume()` ("in_place" / "retract")."""
+        with self._cond:
+            self._paused = True
+        if abort_running:
+            self.abort(abort_all=True)
+            with self._cond:
+                if not self._cond.wait_for(lambda: not self._active, timeout=timeout_s):
+                    raise TimeoutError(f"pause_generation: in-flight requests were not aborted within {timeout_s} s")
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def load(self) -> dict[str, int]:
+        """Requests admitted (prefilling or decoding) and queued right now."""
+        with self._cond:
+            return {"num_running_reqs": len(self._active), "num_waiting_reqs": len(self._waiting)}
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> tuple[bool, str]:
+        """Copy tensors into the model's parameters by HF name, all or nothing, between two forwards."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = [n for n, _ in named_tensors if n not in params]
+        if unknown:
+            return False, (f"unknown parameter name(s) {unknown[:5]} ({len(unknown)} in all); the model's names look "
+                           f"like {list(params)[:3]}. Convert trainer names to HF names before sending.")
+        bad = [f"{n}: sent {tuple(t.shape)}, model has {tuple(params[n].shape)}"
+               for n, t in named_tensors if tuple(t.shape) != tuple(params[n].shape)]
+        if bad:
+            return False, f"shape mismatch for {len(bad)} tensor(s), nothing was loaded: {'; '.join(bad[:5])}"
+        with self.model_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+            if weight_version is not None:
+                self.weight_version = weight_version
+        return True, f"Succeeded to update {len(named_tensors)} parameter(s)."
+
+    def set_weight_version(self, weight_version: str) -> None:
+        with self.model_lock:
+            self.weight_version = weight_version
+
+    # ---- the runner thread ----
+    def _has_work(self) -> bool:
+        if self._stopped or any(s.abort_requested for s in self._active):
+            return True
+        return not self._paused and bool(self._waiting or self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._stopped:
+                    return
+                self._drop_aborted()
+                if self._paused:
+                    continue
+                room = self.max_running_requests - len(self._running)
+                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                self._active.update(admitted)
+            self._prefill(admitted)
+            if self._running:
+                self._decode_step()
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        """Record the result and hand it back (called with self._cond held)."""
+        seq.finish_reason = reason
+        seq.final_version = self.weight_version
+        seq.finished_at = time.monotonic()
+        self._active.discard(seq)
+        self._cond.notify_all()
+        seq.on_done(seq)
+
+    def _drop_aborted(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if not s.abort_requested]
+        for seq in self._running:
+            if seq.abort_requested:
+                self._finish(seq, {"type": "abort", "message": ABORT_MESSAGE, "status_code": None, "err_type": None})
+        self._running = [self._running[i] for i in keep]
+        self._batch.keep_rows(keep)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        s = seq.request.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if len(seq.output_ids) >= s.max_new_tokens:
+            return {"type": "length", "length": s.max_new_tokens}
+        return None
+
+    def _take_tokens(self, seqs: list[Sequence], logits: torch.Tensor, version: str) -> list[int]:
+        """Sample one token per row; finish the rows that stop; return the indices of rows that go on."""
+        going_on, finished = [], []
+        for i, seq in enumerate(seqs):
+            token, logprob = sample_token(logits[i], seq.request.sampling, seq.generator)
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            reason = self._stop_reason(seq, token)
+            (finished if reason else going_on).append((i, reason))
+        with self._cond:
+            for i, reason in finished:
+                self._finish(seqs[i], reason)
+        return [i for i, _ in going_on]
+
+    def _forward(self, **inputs: Any) -> tuple[Any, str]:
+        with self.model_lock, torch.inference_mode():
+            self.forward_count += 1
+            return self.model(**inputs, use_cache=True), self.weight_version
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Run each prompt-length group's prompts together and move the survivors into the running batch."""
+        by_length: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            if seq.request.sampling.max_new_tokens == 0:
+                with self._cond:
+                    self._finish(seq, {"type": "length", "length": 0})
+                continue
+            by_length.setdefault(len(seq.request.input_ids), []).append(seq)
+        for length, group in by_length.items():
+            ids = torch.tensor([s.request.input_ids for s in group], dtype=torch.long)
+            out, version = self._forward(input_ids=ids, past_key_values=DynamicCache())
+            going_on = self._take_tokens(group, out.logits[:, -1], version)
+            if going_on:
+                index = torch.tensor(going_on, dtype=torch.long)
+                kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache_tensors(out.past_key_values)]
+                self._batch.add(kv, [length] * len(going_on))
+                self._running.extend(group[i] for i in going_on)
+
+    def _decode_step(self) -> None:
+        tokens = torch.tensor([[s.output_ids[-1]] for s in self._running], dtype=torch.long)
+        cache, mask, positions = self._batch.decode_inputs()
+        out, version = self._forward(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        self._batch.advance(out.past_key_values)
+        going_on = self._take_tokens(self._running, out.logits[:, -1], version)
+        self._running = [self._running[i] for i in going_on]
+        self._batch.keep_rows(going_on)

@@ -1,0 +1,58 @@
+"""Tiny random HF causal LMs on disk: the model every CPU run (trainer, engines, demo, tests) starts from.
+
+Built from a config with no download; saved with `save_pretrained` (config.json + model.safetensors).
+"""
+from __future__ import annotations
+
+import os
+
+_FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+
+
+def save_tiny_model(
+    path: str | os.PathLike,
+    *,
+    family: str = "qwen2",
+    vocab_size: int = 32,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    seed: int = 0,
+) -> str:
+    """Write a random float32 `family` model with untied embeddings to `path` and return the path as a string."""
+    import torch
+    import transformers
+
+    if family not in _FAMILIES:
+        raise ValueError(f"save_tiny_model: family must be one of {sorted(_FAMILIES)}, got {family!r}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(
+            f"save_tiny_model: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) and num_heads "
+            f"by num_kv_heads ({num_kv_heads})"
+        )
+    config_name, model_name = _FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+        torch_dtype="float32",
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = getattr(transformers, model_name)(config).to(torch.float32)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny HF models on disk and embedded engine processes (started and stopped by pid)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random tiny Qwen2 (vocab 32, 2 layers, hidden 64, seed 0) saved with save_pretrained."""
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with code {proc.returncode}; log:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"engine at {url} not healthy after {timeout_s} s; log:\n{log_path.read_text()[-3000:]}")
+
+
+class EngineProcesses:
+    """Starts `python -m glue.embedded_engine` processes; `stop_all()` ends each by its own pid."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, model_dir: str, *extra_args: str, timeout_s: float = 90.0) -> str:
+        port = free_port()
+        log_path = self.log_dir / f"engine-{port}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "glue.embedded_engine", "--model-path", model_dir, "--host", "127.0.0.1",
+                 "--port", str(port), *extra_args],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            )
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, log_path, timeout_s)
+        return url
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
+        self.procs.clear()
+
+
+@pytest.fixture(scope="module")
+def engine_processes(tmp_path_factory):
+    """Module-scoped starter of embedded engines: `url = engine_processes.start(model_dir, *args)`."""
+    engines = EngineProcesses(tmp_path_factory.mktemp("engine_logs"))
+    try:
+        yield engines
+    finally:
+        engines.stop_all()
