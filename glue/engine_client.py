@@ -1,0 +1,177 @@
+"""The narrow client sluice uses to talk to engines over SGLang's HTTP API: `generate` goes through the router
+(async, used by rollout functions); control calls (pause / continue / flush / weight versions / health) go to
+every engine directly and are plain synchronous calls, because the controller that makes them is synchronous.
+
+Sync vs async: `await client.generate(...)` inside an event loop (the rollout manager runs one per step or keeps
+one for the run; the aiohttp session follows whichever loop is running). Control methods block for one short
+HTTP round trip per engine and may be called from anywhere, including from inside a running loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import aiohttp
+
+
+@runtime_checkable
+class GenerateClient(Protocol):
+    """What a rollout function depends on: one SGLang-style generate call."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True) -> dict:
+        """POST /generate; returns SGLang's JSON answer (`output_ids`, `meta_info`, ...)."""
+        ...
+
+
+class EngineHTTPError(RuntimeError):
+    """An engine or the router answered with a non-2xx status."""
+
+    def __init__(self, url: str, status: int, body: str):
+        super().__init__(f"{url} answered HTTP {status}: {body[:2000]}")
+        self.url, self.status, self.body = url, status, body
+
+
+def weight_version_to_int(version: Any) -> int:
+    """SGLang weight versions are strings; sluice tags them with integers. A fresh SGLang server reports
+    "default", which is the initial weights, version 0."""
+    if isinstance(version, int):
+        return version
+    text = str(version).strip()
+    if text in ("default", ""):
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"engine weight_version {version!r} is not an integer; sluice tags weights with integer versions "
+            "(start the engine without a custom --weight-version, or let the weight bridge set it)"
+        ) from None
+
+
+class EngineClient:
+    """`generate` through the router; control calls to each engine. Connection errors on generate are retried
+    (`max_connect_retries` times, counted in `connect_retries`); HTTP errors are not retried."""
+
+    def __init__(self, router_url: str, engine_urls: list[str], *, request_timeout_s: float = 3600.0,
+                 control_timeout_s: float = 60.0, max_connect_retries: int = 3, retry_backoff_s: float = 0.5):
+        self.router_url = router_url.rstrip("/")
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.max_connect_retries = max_connect_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.connect_retries = 0  # metric: connection errors retried on generate
+        self._session: "aiohttp.ClientSession | None" = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---------------------------------------------------------------- generation (async, via the router)
+    def _get_session(self) -> "aiohttp.ClientSession":
+        """One shared session per running event loop (aiohttp sessions cannot cross loops)."""
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop or self._session.closed:
+            self._discard_session()
+            connector = aiohttp.TCPConnector(limit=0)  # concurrency is bounded by the caller, not the pool
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            self._session_loop = loop
+        return self._session
+
+    def _discard_session(self) -> None:
+        """Drop a session left over from a loop that has finished (asyncio.run per step): close its sockets."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            connector = session.connector
+            session.detach()
+            if connector is not None:
+                connector._close()  # the synchronous part of close(): the old loop can no longer be awaited on
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True) -> dict:
+        """POST {router}/generate with SGLang's fields; returns the engine's JSON answer."""
+        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                   "return_logprob": return_logprob}
+        url = f"{self.router_url}/generate"
+        import aiohttp
+
+        attempt = 0
+        while True:
+            try:
+                async with self._get_session().post(url, json=payload) as resp:
+                    body = await resp.text()
+                    if resp.status // 100 != 2:
+                        raise EngineHTTPError(url, resp.status, body)
+                    return json.loads(body)
+            except (aiohttp.ClientConnectionError, ConnectionError) as err:
+                if attempt >= self.max_connect_retries:
+                    raise ConnectionError(
+                        f"generate: cannot reach the router at {url} after {attempt + 1} attempts ({err}); "
+                        "is the fleet running?"
+                    ) from err
+                attempt += 1
+                self.connect_retries += 1
+                await asyncio.sleep(self.retry_backoff_s * attempt)
+
+    async def close(self) -> None:
+        """Close the generate session (call from the loop that used it last)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    # ---------------------------------------------------------------- control (sync, to every engine)
+    def _call(self, url: str, method: str = "POST", body: dict | None = None) -> tuple[int, str]:
+        data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
+        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.control_timeout_s) as resp:
+                return resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode(errors="replace")
+
+    def _call_all(self, path: str, method: str = "POST", body: dict | None = None) -> list[str]:
+        bodies = []
+        for engine in self.engine_urls:
+            status, text = self._call(f"{engine}{path}", method, body)
+            if status // 100 != 2:
+                raise EngineHTTPError(f"{engine}{path}", status, text)
+            bodies.append(text)
+        return bodies
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop every engine from generating. SGLang modes: "abort" (answer in-flight requests now with finish
+        reason abort), "retract" / "in_place" (keep them; they resume on continue, on the new weights if the
+        weights changed meanwhile). "retract" is the default because SGLang can flush its cache in that mode."""
+        self._call_all("/pause_generation", body={"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call_all("/continue_generation")
+
+    def flush_cache(self) -> None:
+        self._call_all("/flush_cache")
+
+    def weight_versions(self) -> list[str]:
+        """Each engine's current weight version string, in `engine_urls` order (`weight_version_to_int` for ints)."""
+        versions = []
+        for engine in self.engine_urls:
+            status, text = self._call(f"{engine}/get_weight_version", "GET")
+            if status == 404:  # SGLang servers report it in /model_info instead
+                status, text = self._call(f"{engine}/model_info", "GET")
+            if status // 100 != 2:
+                raise EngineHTTPError(f"{engine}/get_weight_version", status, text)
+            versions.append(str(json.loads(text)["weight_version"]))
+        return versions
+
+    def health(self) -> list[bool]:
+        """Whether each engine answers GET /health with 2xx (connection errors count as unhealthy)."""
+        result = []
+        for engine in self.engine_urls:
+            try:
+                status, _ = self._call(f"{engine}/health", "GET")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                status = 0
+            result.append(status // 100 == 2)
+        return result
