@@ -17,6 +17,7 @@ from glue.types import Sample, TrainBatch
 from loss import LossConfig
 
 PROMPT_LEN, RESPONSE_LEN, BATCH = 5, 7, 6
+ENTROPY_COEF = 0.01  # the spawned runs also train through the vocab-parallel entropy bonus
 
 
 def _free_port() -> int:
@@ -42,14 +43,16 @@ def model_dir(tmp_path_factory) -> str:
     return path
 
 
-def hf_teacher_forced_logprobs(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) from the HF model at position t, last column 0: [B, T]."""
+def hf_teacher_forced_logprobs(model_dir: str, tokens: torch.Tensor, with_entropy: bool = False):
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) from the HF model at position t, last column 0: [B, T]
+    (and the entropy -sum p log p of the next-token distribution at each position, [B, T])."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logp = torch.log_softmax(model(tokens).logits.float(), dim=-1)
-    return torch.nn.functional.pad(logp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0], (0, 1))
+    logprobs = torch.nn.functional.pad(logp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0], (0, 1))
+    return (logprobs, -(logp.exp() * logp).sum(-1)) if with_entropy else logprobs
 
 
 def make_batch(rollout_logprobs_from: str | None = None) -> TrainBatch:
@@ -72,15 +75,16 @@ def _worker_main(rank: int, world_size: int, port: int, model_path: str, cfg: Tr
     """One trainer rank in a spawned process: logprobs, one train step, logprobs again, gathered HF weights."""
     from glue.trainer.worker import TrainerWorker
 
-    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(), rank=rank, world_size=world_size)
+    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(entropy_coef=ENTROPY_COEF), rank=rank,
+                           world_size=world_size)
     worker.initialize("127.0.0.1", port)
-    before = worker.compute_logprobs(batch)
+    before, entropy = worker.compute_logprobs(batch, with_entropy=True)
     metrics = worker.train_step(batch)
     after = worker.compute_logprobs(batch)
     weights = worker.full_hf_state()
     worker.shutdown()
     # plain pickle bytes: a queued tensor would otherwise live in this process's shared memory, gone at exit
-    results.put(pickle.dumps((rank, before, metrics, after, weights if rank == 0 else None)))
+    results.put(pickle.dumps((rank, before, entropy, metrics, after, weights if rank == 0 else None)))
 
 
 def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch) -> dict:
@@ -104,8 +108,8 @@ def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch) -> dict:
                 assert not dead, f"trainer rank(s) died: exit codes {[p.exitcode for p in dead]}"
         for p in procs:
             p.join(timeout=60)
-        before, metrics, after, weights = outs[0]
-        return {"before": before, "metrics": metrics, "after": after, "weights": weights}
+        before, entropy, metrics, after, weights = outs[0]
+        return {"before": before, "entropy": entropy, "metrics": metrics, "after": after, "weights": weights}
     finally:
         for p in procs:
             if p.is_alive():
@@ -127,17 +131,19 @@ def _real(batch: TrainBatch) -> torch.Tensor:
 
 def test_megatron_logprobs_at_tp1_equal_the_hf_models_teacher_forced_logprobs(model_dir, tp_runs):
     batch = tp_runs["batch"]
-    expected = hf_teacher_forced_logprobs(model_dir, batch.tokens)
+    expected, expected_entropy = hf_teacher_forced_logprobs(model_dir, batch.tokens, with_entropy=True)
     got = tp_runs[1]["before"]
     assert got.shape == batch.tokens.shape
     diff = (got - expected)[_real(batch)].abs().max().item()
     assert diff < 1e-4, f"megatron vs HF logprobs differ by {diff}"
+    assert (tp_runs[1]["entropy"] - expected_entropy)[_real(batch)].abs().max().item() < 1e-4
     assert expected[_real(batch)].std() > 0.1, "the check needs logprobs that vary"
 
 
-def test_tp2_logprobs_equal_tp1_logprobs(tp_runs):
+def test_tp2_logprobs_and_entropy_equal_tp1s(tp_runs):
     diff = (tp_runs[2]["before"] - tp_runs[1]["before"]).abs().max().item()
     assert diff < 1e-5, f"TP=2 vs TP=1 logprobs differ by {diff}"
+    assert (tp_runs[2]["entropy"] - tp_runs[1]["entropy"]).abs().max().item() < 1e-5
 
 
 def test_tp2_train_step_gives_the_same_loss_grad_norm_and_updated_weights_as_tp1(tp_runs):
@@ -153,9 +159,10 @@ def test_tp2_train_step_gives_the_same_loss_grad_norm_and_updated_weights_as_tp1
 
 
 def test_one_train_step_moves_logprobs_toward_positive_advantages(tp_runs):
-    # On-policy first step: ratio = 1, so loss = -sum(mask * A) / num_tokens = 0 because the advantages sum to 0.
+    # On-policy first step: ratio = 1, so the policy term -sum(mask * A) / num_tokens is 0 (advantages sum to 0)
+    # and the loss is the entropy bonus alone: -ENTROPY_COEF * mean entropy over the trained tokens.
     batch, run = tp_runs["batch"], tp_runs[1]
-    assert abs(run["metrics"]["train/loss"]) < 1e-6
+    assert abs(run["metrics"]["train/loss"] + ENTROPY_COEF * run["metrics"]["train/entropy"]) < 1e-6
     assert run["metrics"]["train/clipfrac"] == 0.0
     mask = batch.logprob_mask.bool()
     change = (run["after"] - run["before"])[mask].reshape(BATCH, RESPONSE_LEN).sum(dim=1)

@@ -134,17 +134,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return F.pad(logprobs, (0, 1))
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the temperature-scaled next-token distribution at each position, across TP vocab shards. [B, T]."""
-    from megatron.core import parallel_state
+    """Entropy of the temperature-scaled next-token distribution at each position, across TP vocab shards. [B, T].
 
-    group = parallel_state.get_tensor_model_parallel_group()
+    Differentiable: the shard sums meet in megatron's all-reduce whose backward is the identity, as for the loss.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
     scaled = logits.float() / temperature
-    peak = scaled.max(dim=-1, keepdim=True).values
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
-    exp = (scaled - peak).exp()
-    sums = torch.stack([exp.sum(-1), (exp * (scaled - peak)).sum(-1)])
-    torch.distributed.all_reduce(sums, group=group)
+    peak = scaled.detach().max(dim=-1, keepdim=True).values
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
+                                 group=parallel_state.get_tensor_model_parallel_group())
+    shifted = scaled - peak
+    exp = shifted.exp()
+    sums = tensor_parallel.reduce_from_tensor_model_parallel_region(torch.stack([exp.sum(-1), (exp * shifted).sum(-1)]))
     # H = log Z - E[x - peak], with Z = sum exp(x - peak)
     return sums[0].log() - sums[1] / sums[0]

@@ -23,6 +23,9 @@ class TrainerWorker:
         if world_size != cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size:
             raise ValueError(f"trainer world size {world_size} != TP x PP = {cfg.world_size}; data parallelism is not "
                              "supported by this first-form trainer, start exactly TP x PP workers")
+        if getattr(loss_cfg, "kl_loss_coef", 0) > 0:
+            raise ValueError("loss.kl_loss_coef > 0 needs reference-model logprobs, which this first-form trainer does "
+                             "not compute yet; set loss.kl_loss_coef: 0")
         self.model_path, self.cfg, self.loss_cfg = model_path, cfg, loss_cfg
         self.rank, self.world_size = rank, world_size
         self.version = 0
@@ -65,6 +68,7 @@ class TrainerWorker:
         return [slice(i, min(i + step, batch_size)) for i in range(0, batch_size, step)]
 
     def _forward(self, tokens: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs [B, T], entropy [B, T] or None) of this micro-batch; differentiable when grad is enabled."""
         from glue.trainer import model
 
         logits = model.forward_logits(self.model, tokens.to(self.device))
@@ -84,51 +88,54 @@ class TrainerWorker:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """PPO update(s) on `batch`: old logprobs from the current weights, then `num_epochs` x `num_mini_batches`
-        optimizer steps, each accumulating micro-batch gradients normalised by the mini-batch's token count."""
+        optimizer steps, each accumulating micro-batch gradients normalised by the mini-batch's global counts."""
         old_logprobs, entropy = self.compute_logprobs(batch, with_entropy=True)
         mask = batch.logprob_mask.float()
         num_tokens = mask.sum().clamp(min=1)
-        sums = {"loss": 0.0, "clipfrac": 0.0, "grad_norm": 0.0}
+        totals: dict[str, float] = {}
         num_steps = 0
         for _ in range(self.cfg.num_epochs):
             for rows in _split_rows(batch.tokens.shape[0], self.cfg.num_mini_batches):
-                loss, clipfrac, grad_norm = self._optimizer_step(batch, old_logprobs, rows)
-                sums["loss"] += loss
-                sums["clipfrac"] += clipfrac
-                sums["grad_norm"] += grad_norm
+                for name, value in self._optimizer_step(batch, old_logprobs, rows).items():
+                    totals[name] = totals.get(name, 0.0) + value
                 num_steps += 1
-        abs_diff = ((old_logprobs - batch.rollout_logprobs.float()).abs() * mask).sum() / num_tokens
-        metrics = {f"train/{k}": v / max(num_steps, 1) for k, v in sums.items()}
+        metrics = {f"train/{name}": value / num_steps for name, value in totals.items()}
         metrics.update({
-            "train/train_rollout_logprob_abs_diff": float(abs_diff),
+            "train/train_rollout_logprob_abs_diff": float(((old_logprobs - batch.rollout_logprobs.float()).abs() * mask).sum() / num_tokens),
             "train/entropy": float((entropy * mask).sum() / num_tokens),
             "weights/version": float(self.version),
         })
         return metrics
 
-    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, rows: slice) -> tuple[float, float, float]:
-        """One optimizer step over `rows` of the batch; returns (loss, clipfrac, pre-clip grad norm)."""
-        from loss import compute_policy_loss
+    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, rows: slice) -> dict[str, float]:
+        """One optimizer step over `rows` of the batch; returns its loss, grad norm and the loss's metrics
+        (token-weighted means over micro-batches; `pg_loss` shares are summed)."""
+        from loss import compute_policy_loss, count_tokens_and_seqs
 
-        mask = batch.logprob_mask[rows].float()
-        num_global_tokens = float(mask.sum().clamp(min=1))
+        num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
+        needs_entropy = self.loss_cfg.entropy_coef > 0
+        version_at_step = self.version
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, clipped_tokens = 0.0, 0.0
-        for s in self._micro_batches(mask.shape[0]):
-            s = slice(rows.start + s.start, rows.start + s.stop)
-            logprobs, _ = self._forward(batch.tokens[s])
-            dev = self.device
+        sums: dict[str, float] = {"loss": 0.0}
+        for sub in self._micro_batches(rows.stop - rows.start):
+            s = slice(rows.start + sub.start, rows.start + sub.stop)
+            logprobs, entropy = self._forward(batch.tokens[s], with_entropy=needs_entropy)
+            mask = batch.logprob_mask[s].float().to(self.device)
             loss, loss_metrics = compute_policy_loss(
-                self.loss_cfg, logprobs=logprobs, old_logprobs=old_logprobs[s].to(dev),
-                rollout_logprobs=batch.rollout_logprobs[s].float().to(dev), advantages=batch.advantages[s].float().to(dev),
-                mask=batch.logprob_mask[s].float().to(dev), num_global_tokens=num_global_tokens)
+                self.loss_cfg, logprobs=logprobs, old_logprobs=old_logprobs[s].to(self.device),
+                rollout_logprobs=batch.rollout_logprobs[s].float().to(self.device),
+                advantages=batch.advantages[s].float().to(self.device), mask=mask,
+                num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
+                versions=batch.versions[s].to(self.device), current_version=version_at_step)
             loss.backward()
-            loss_sum += float(loss.detach())
-            clipped_tokens += float(loss_metrics["clipfrac"]) * float(batch.logprob_mask[s].sum())
-        grad_norm = self._clip_gradients()
+            sums["loss"] += float(loss.detach())
+            share = float(mask.sum()) / max(num_tokens, 1)
+            for name, value in loss_metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
+        sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         self.version += 1
-        return loss_sum, clipped_tokens / num_global_tokens, grad_norm
+        return sums
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients across TP shards (duplicated params counted once); clip to grad_clip."""
