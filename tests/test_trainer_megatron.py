@@ -230,3 +230,22 @@ def receive_weights_as_engine_rank(group, specs) -> list:
         finally:
             destroy_process_group(engine_side)
     return received
+
+
+def test_trainer_config_names_the_field_and_the_fix():
+    with pytest.raises(ValueError, match="trainer.pipeline_model_parallel_size=2 is not supported.*set it to 1"):
+        TrainerConfig(pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="trainer.lr must be > 0"):
+        TrainerConfig(lr=0.0)
+    with pytest.raises(ValueError, match="trainer.micro_batch_size must be an integer >= 1"):
+        TrainerConfig(micro_batch_size=0)
+
+
+def test_a_worker_refuses_data_parallelism_and_kl_without_a_reference_model():
+    from glue.trainer.worker import TrainerWorker
+
+    with pytest.raises(ValueError, match="data parallelism is not supported"):
+        TrainerWorker(model_path="unused", cfg=TrainerConfig(), loss_cfg=LossConfig(), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="set loss.kl_loss_coef: 0"):
+        TrainerWorker(model_path="unused", cfg=TrainerConfig(), loss_cfg=LossConfig(kl_loss_coef=0.1), rank=0,
+                      world_size=1)
