@@ -1,0 +1,98 @@
+"""Every JSON name the embedded engine reads or answers with exists in the installed sglang package's source.
+
+sglang is not importable on CPU, so its files are parsed with `ast`; the test skips when sglang is not installed.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from glue.embedded_engine.request_schema import (
+    CONTROL_REQUEST_FIELDS,
+    GENERATE_FIELDS,
+    GENERATE_FIELDS_IGNORED,
+    SAMPLING_PARAMS,
+    SAMPLING_PARAMS_NEUTRAL,
+)
+
+
+@pytest.fixture(scope="module")
+def sglang_srt() -> Path:
+    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed (`pip install --no-deps sglang` provides the source these tests read)")
+    return Path(next(iter(spec.submodule_search_locations))) / "srt"
+
+
+def class_fields(path: Path) -> dict[str, set[str]]:
+    """Annotated field names of every class in a module, inherited ones from classes of the same module included."""
+    tree = ast.parse(path.read_text())
+    own: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            own[node.name] = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def collect(name: str) -> set[str]:
+        return own.get(name, set()).union(*(collect(b) for b in bases.get(name, []) if b in own))
+
+    return {name: collect(name) for name in own}
+
+
+def string_constants(path: Path) -> set[str]:
+    return {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def test_generate_fields_the_engine_reads_exist_in_generate_req_input(sglang_srt):
+    fields = class_fields(sglang_srt / "managers" / "io_struct.py")["GenerateReqInput"]
+    assert len(fields) > 40  # the real dataclass, not an empty match
+    assert set(GENERATE_FIELDS + GENERATE_FIELDS_IGNORED) - fields == set()
+
+
+def test_sampling_params_the_engine_accepts_exist_in_sglang_sampling_params(sglang_srt):
+    fields = class_fields(sglang_srt / "sampling" / "sampling_params.py")["SamplingParams"]
+    assert {"temperature", "top_p", "max_new_tokens"} <= fields
+    assert (set(SAMPLING_PARAMS) | set(SAMPLING_PARAMS_NEUTRAL)) - fields == set()
+
+
+def test_weight_and_control_request_fields_exist_in_sglangs_request_structs(sglang_srt):
+    structs = class_fields(sglang_srt / "managers" / "io_struct.py")
+    for struct, names in CONTROL_REQUEST_FIELDS.items():
+        assert struct in structs, f"sglang has no {struct} any more"
+        assert set(names) - structs[struct] == set(), struct
+
+
+def test_response_field_names_and_finish_reasons_are_sglangs(sglang_srt):
+    manager = string_constants(sglang_srt / "managers" / "tokenizer_manager.py")
+    meta_keys = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+                 "e2e_latency", "output_token_logprobs", "output_token_logprobs_length", "output_ids", "meta_info"}
+    assert meta_keys - manager == set()
+    assert {"weight_versions", "version", "start", "end"} <= string_constants(sglang_srt / "utils" / "weight_versions.py")
+    finish = string_constants(sglang_srt / "managers" / "schedule_batch.py")
+    assert {"type", "stop", "matched", "length", "abort", "message", "status_code", "err_type"} <= finish
+
+
+def test_every_route_the_engine_serves_is_an_sglang_route(sglang_srt, tiny_model_dir):
+    from glue.embedded_engine.engine import build_engine
+
+    server = build_engine(model_path=tiny_model_dir, host="127.0.0.1", port=0, seed=0, max_running_requests=1,
+                          num_threads=1, weight_version="0", weight_sync_timeout_s=5)
+    ours = {(route.method, route.resource.canonical) for route in server.build_app().router.routes()
+            if route.method != "HEAD"}
+    sglang = set()
+    for node in ast.walk(ast.parse((sglang_srt / "entrypoints" / "http_server.py").read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            methods = {node.func.attr.upper()} if node.func.attr in ("get", "post") else set()
+            for kw in node.keywords:
+                if kw.arg == "methods":
+                    methods = {m.value for m in kw.value.elts}
+            sglang |= {(m, node.args[0].value) for m in methods}
+    assert {("POST", "/generate"), ("POST", "/update_weights_from_distributed")} <= sglang
+    # sglang 0.5.x answers weight versions on /model_info; the older /get_weight_version is kept for clients of it.
+    legacy = {("GET", "/get_weight_version"), ("GET", "/weight_version")}
+    assert ours - sglang - legacy == set()
