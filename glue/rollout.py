@@ -1,0 +1,157 @@
+"""The rollout manager: each step draws prompts from the task, runs the user's rollout function once per prompt
+(all groups concurrently, generation through the router), and hands validated `Group`s to the controller.
+Also the helpers a rollout function uses to turn SGLang's /generate answer into `Sample` fields."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterator
+
+from glue.engine_client import GenerateClient, weight_version_to_int
+from glue.plugins import check_signature, load_object
+from glue.types import Group, Sample, SampleStatus
+
+ROLLOUT_FUNCTION_PARAMS = ["ctx", "prompt", "num_samples"]
+FINISH_REASON_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+@dataclass(kw_only=True)
+class RolloutContext:
+    """What a rollout function gets besides the prompt: see rollout_fns/__init__.py for the contract."""
+
+    client: GenerateClient  # `await client.generate(input_ids, sampling_params)` through the router
+    sampling_params: dict  # SGLang sampling_params for this run (a copy per group: safe to modify)
+    reward_fn: Callable[[Sample], float | dict | Awaitable[float | dict]]  # the task's reward
+    group_id: int  # id of the group being generated; put it on every sample
+
+
+async def score(ctx: RolloutContext, sample: Sample) -> None:
+    """Set `sample.reward` from the task's reward function (sync or async)."""
+    reward = ctx.reward_fn(sample)
+    if inspect.isawaitable(reward):
+        reward = await reward
+    sample.reward = reward
+
+
+def append_generation(sample: Sample, output: dict) -> None:
+    """Append one /generate answer to `sample`: response tokens, their rollout logprobs, the weight version of
+    each token (SGLang's `meta_info.weight_versions` spans when present, else `meta_info.weight_version`), and
+    the status from `meta_info.finish_reason`."""
+    tokens = list(output.get("output_ids") or [])
+    meta = output.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ValueError(f"engine answer has no meta_info object: {str(output)[:300]}")
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise ValueError("engine answer has no meta_info.output_token_logprobs; call generate with return_logprob=True")
+    if len(entries) != len(tokens):
+        raise ValueError(f"engine answer: {len(entries)} output_token_logprobs for {len(tokens)} output_ids")
+    if any(int(e[1]) != t for e, t in zip(entries, tokens)):
+        raise ValueError("engine answer: output_token_logprobs token ids differ from output_ids")
+    logprobs = [float(e[0]) for e in entries]
+    for version, start, end in _version_spans(meta, len(tokens)):
+        sample.append_response(tokens[start:end], logprobs[start:end], version)
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in FINISH_REASON_STATUS:
+        raise ValueError(f"engine answer: unknown meta_info.finish_reason {finish!r}; expected type stop, length or abort")
+    sample.status = FINISH_REASON_STATUS[kind]
+
+
+def _version_spans(meta: dict, n: int) -> list[tuple[int, int, int]]:
+    """[(version, start, end)] covering response tokens [0, n)."""
+    spans = meta.get("weight_versions")
+    if spans:
+        out = [(weight_version_to_int(s["version"]), int(s["start"]), min(int(s["end"]), n)) for s in spans]
+        covered = [i for _, a, b in out for i in range(a, b)]
+        if covered != list(range(n)):
+            raise ValueError(f"engine answer: meta_info.weight_versions spans {spans} do not cover the {n} tokens")
+        return out
+    if "weight_version" not in meta:
+        raise ValueError("engine answer has no meta_info.weight_version; sluice needs it to track staleness")
+    return [(weight_version_to_int(meta["weight_version"]), 0, n)]
+
+
+class RolloutManager:
+    """Loads the rollout function and the task by import path, then `await generate_step()` once per step."""
+
+    def __init__(self, *, function_path: str, task_path: str, client: GenerateClient, sampling_params: dict,
+                 prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None):
+        self.function_path, self.task_path = function_path, task_path
+        self.fn = load_object(function_path, what="rollout function")
+        check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
+        self.task = _build_task(task_path, task_args or {})
+        self.client, self.sampling_params = client, dict(sampling_params)
+        self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
+        self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
+        self._next_group_id = 0
+
+    async def generate_step(self) -> list[Group]:
+        """One step's groups: `prompts_per_step` prompts, `samples_per_prompt` samples each, all concurrent."""
+        prompts = [self._next_prompt() for _ in range(self.prompts_per_step)]
+        first = self._next_group_id
+        self._next_group_id += len(prompts)
+        tasks = [asyncio.ensure_future(self._generate_group(first + i, p)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:  # one failed group fails the step: do not leave the others generating
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def _next_prompt(self) -> dict:
+        try:
+            prompt = next(self._prompts)
+        except StopIteration:
+            raise RuntimeError(f"task {self.task_path!r} ran out of prompts; make prompts(seed) yield more "
+                               "(or loop over the data set)") from None
+        tokens = prompt.get("prompt_tokens") if isinstance(prompt, dict) else None
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+            raise ValueError(f"task {self.task_path!r}: each prompt must be a dict with a non-empty list of int "
+                             f"'prompt_tokens', got {str(prompt)[:200]}")
+        return prompt
+
+    async def _generate_group(self, group_id: int, prompt: dict) -> Group:
+        ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
+                             reward_fn=self.task.reward, group_id=group_id)
+        samples = await self.fn(ctx, prompt, self.samples_per_prompt)
+        where = f"rollout function {self.function_path!r} (task {self.task_path!r}, group {group_id})"
+        if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
+            raise TypeError(f"{where} must return a list of glue.types.Sample, got {_describe(samples)}")
+        if len(samples) != self.samples_per_prompt:
+            raise ValueError(f"{where} returned {len(samples)} samples; expected num_samples="
+                             f"{self.samples_per_prompt} (mark failed ones status=FAILED instead of dropping them)")
+        for index, sample in enumerate(samples):
+            sample.group_id, sample.index = group_id, index
+            try:
+                sample.validate()
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from err
+        return Group(group_id=group_id, samples=samples)
+
+
+def _build_task(task_path: str, task_args: dict) -> Any:
+    """A task is a class (instantiated with task_args) or a ready object with prompts(seed) and reward(sample)."""
+    obj = load_object(task_path, what="task")
+    if inspect.isclass(obj):
+        try:
+            obj = obj(**task_args)
+        except TypeError as err:
+            raise TypeError(f"task {task_path!r}: cannot build it from task_args {task_args}: {err}") from err
+    elif task_args:
+        raise ValueError(f"task {task_path!r} is an object, not a class, so task_args {task_args} cannot apply; "
+                         "remove task_args or point the path at the class")
+    missing = [m for m in ("prompts", "reward") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise TypeError(f"task {task_path!r} lacks {missing}; a task needs prompts(seed) -> Iterator[dict] and "
+                        "reward(sample) -> float")
+    return obj
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds) or 'nothing'}"
+    return type(value).__name__

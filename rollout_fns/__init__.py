@@ -1,0 +1,25 @@
+"""Rollout functions: user code that turns one prompt into one group of scored samples. glue loads them by
+import path from the config (`rollout.function`, `rollout.task`) and never imports this package itself.
+
+The contract (checked at start-up by `glue.plugins.check_signature`)::
+
+    async def my_rollout(ctx: glue.rollout.RolloutContext, prompt: dict, num_samples: int) -> list[glue.types.Sample]
+
+- `ctx.client.generate(input_ids, sampling_params, return_logprob=True)` posts SGLang's /generate through the
+  router and returns its JSON (`output_ids`, `meta_info.output_token_logprobs`, `meta_info.finish_reason`,
+  `meta_info.weight_version`). `ctx.sampling_params` is the run's SGLang sampling_params (a private copy),
+  `ctx.reward_fn(sample)` is the task's reward (float or a dict with a "score" key; may be async), and
+  `ctx.group_id` is the group being generated.
+- Return exactly `num_samples` Samples. Fill each with `glue.rollout.append_generation(sample, output)` (response
+  tokens, rollout logprobs, per-token weight versions, status from finish_reason) or `Sample.append_response`
+  for tool / environment tokens (`trainable=False`), then set the reward (`await glue.rollout.score(ctx, sample)`).
+  Rewards are computed here, in the rollout path, never in the trainer. A sample that could not be scored gets
+  `status=SampleStatus.FAILED` rather than being dropped; the manager rejects a non-finite reward.
+
+A task is a class (built with `rollout.task_args`) or an object with `prompts(seed) -> Iterator[dict]` (each dict
+has `prompt_tokens: list[int]` plus whatever the reward needs; single_turn copies the extra keys into
+`sample.metadata`) and `reward(sample) -> float`.
+
+Built-ins: `rollout_fns.single_turn:generate_group` (n concurrent generate calls per prompt) and
+`rollout_fns.toy_tasks:EchoTask` (the demo's task). See docs/rollout_functions.md.
+"""

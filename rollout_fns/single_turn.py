@@ -1,0 +1,36 @@
+"""The built-in single-turn rollout function: one prompt, `num_samples` concurrent /generate calls through the
+router, each answer turned into a scored `Sample` (the default `rollout.function`)."""
+from __future__ import annotations
+
+import asyncio
+
+from glue.rollout import RolloutContext, append_generation, score
+from glue.types import Sample, SampleStatus
+
+MAX_RESUMES = 4  # an aborted generation (e.g. around a weight sync) is continued at most this many times
+
+
+async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) -> list[Sample]:
+    """Sample `num_samples` responses to `prompt["prompt_tokens"]` concurrently and score each with the task."""
+    return list(await asyncio.gather(*(generate_one(ctx, prompt, i) for i in range(num_samples))))
+
+
+async def generate_one(ctx: RolloutContext, prompt: dict, index: int) -> Sample:
+    """One response. If the engine aborts it part-way (generation paused with mode "abort"), the partial response
+    is kept and generation continues from prompt + response so far, so its tokens may carry two versions."""
+    sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index,
+                    metadata={k: v for k, v in prompt.items() if k != "prompt_tokens"})
+    budget = ctx.sampling_params.get("max_new_tokens")
+    for _ in range(1 + MAX_RESUMES):
+        params = dict(ctx.sampling_params)
+        if budget is not None:
+            params["max_new_tokens"] = budget - len(sample.response_tokens)
+        output = await ctx.client.generate(sample.prompt_tokens + sample.response_tokens, params)
+        append_generation(sample, output)
+        if sample.status is not SampleStatus.ABORTED:
+            break
+        if budget is not None and len(sample.response_tokens) >= budget:
+            sample.status = SampleStatus.TRUNCATED
+            break
+    await score(ctx, sample)
+    return sample

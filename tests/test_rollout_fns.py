@@ -1,0 +1,196 @@
+"""The rollout path over a real embedded engine: the single-turn function, the rollout manager's validation,
+and the toy task's reward formula."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from glue.engine_client import EngineClient
+from glue.rollout import RolloutContext, RolloutManager
+from glue.types import Sample, SampleStatus
+from rollout_fns.single_turn import generate_group, generate_one
+from rollout_fns.toy_tasks import EchoTask
+
+
+class NanTask:
+    """A task whose verifier is broken for one sample of each group."""
+
+    def prompts(self, seed):
+        while True:
+            yield {"prompt_tokens": [0, 4, 5]}
+
+    def reward(self, sample):
+        return float("nan") if sample.index == 2 else 0.0
+
+
+class CountingClient:
+    """The real client, counting generate calls (a resumed generation is a second call)."""
+
+    def __init__(self, client: EngineClient):
+        self.client, self.calls = client, 0
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True):
+        self.calls += 1
+        return await self.client.generate(input_ids, sampling_params, return_logprob)
+
+
+async def returns_a_dict(ctx, prompt, num_samples):
+    return {"samples": []}
+
+
+@pytest.fixture(scope="module")
+def engine_url(engine_processes, tiny_model_dir):
+    return engine_processes.start(tiny_model_dir, "--num-threads", "1")
+
+
+def run(client: EngineClient, coro):
+    async def wrapped():
+        try:
+            return await coro
+        finally:
+            await client.close()
+
+    return asyncio.run(wrapped())
+
+
+def post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=30).read()
+
+
+def test_single_turn_fills_tokens_logprobs_versions_status_and_the_task_reward(engine_url, tiny_model_dir):
+    task = EchoTask(k=4)
+    client = EngineClient(engine_url, [engine_url])
+    ctx = RolloutContext(client=client, sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+                         reward_fn=task.reward, group_id=7)
+    prompt = {"prompt_tokens": [0, 5, 6, 7], "target": 7}
+    samples = run(client, generate_group(ctx, prompt, 4))
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for i, s in enumerate(samples):
+        assert (s.group_id, s.index, s.metadata) == (7, i, {"target": 7})
+        assert len(s.response_tokens) == 6 and s.status is SampleStatus.TRUNCATED
+        assert s.versions == [0] * 6 and s.loss_mask == [1] * 6
+        hits = sum(t == 7 for t in s.response_tokens[:4])
+        assert s.reward == hits / 4 and 0.0 <= s.reward <= 1.0
+        # The rollout logprobs are the model's: a teacher-forced forward gives the same numbers.
+        ids = torch.tensor([s.prompt_tokens + s.response_tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, 3:-1].float(), -1)
+        expected = logp.gather(-1, torch.tensor(s.response_tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.rollout_logprobs), expected, atol=1e-4)
+
+
+def test_a_generation_aborted_by_a_pause_resumes_and_carries_both_weight_versions(engine_url):
+    N = 1000
+    client = EngineClient(engine_url, [engine_url])
+    counting = CountingClient(client)
+    ctx = RolloutContext(client=counting, sampling_params={"max_new_tokens": N, "temperature": 1.0, "ignore_eos": True},
+                         reward_fn=lambda s: 0.0, group_id=0)
+
+    def forward_count() -> int:
+        info = json.loads(urllib.request.urlopen(f"{engine_url}/get_server_info").read())
+        return info["internal_states"][0]["forward_count"]
+
+    async def scenario():
+        start = forward_count()
+        task = asyncio.ensure_future(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
+        while not task.done() and forward_count() < start + 20:  # abort once tokens are flowing
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(client.pause_generation, "abort")
+        await asyncio.to_thread(post, f"{engine_url}/update_weight_version",
+                                {"new_version": "1", "abort_all_requests": False})
+        await asyncio.to_thread(client.continue_generation)
+        return await task
+
+    sample = run(client, scenario())
+    assert len(sample.response_tokens) == N and sample.status is SampleStatus.TRUNCATED
+    assert counting.calls == 2  # aborted once, then continued from prompt + partial response
+    assert 1 in sample.versions, "the abort came too late to split the response; the test needs a longer generation"
+    first_new = sample.versions.index(1)
+    assert 0 < first_new < N
+    assert sample.versions == [0] * first_new + [1] * (N - first_new)
+    post(f"{engine_url}/update_weight_version", {"new_version": "0", "abort_all_requests": False})
+
+
+def test_rollout_manager_runs_every_group_with_consecutive_ids_and_validated_samples(engine_url):
+    client = EngineClient(engine_url, [engine_url])
+    manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",
+                             task_path="rollout_fns.toy_tasks:EchoTask", task_args={"k": 2}, client=client,
+                             sampling_params={"max_new_tokens": 3, "temperature": 1.0}, prompts_per_step=3,
+                             samples_per_prompt=4, seed=11)
+
+    async def two_steps():
+        try:
+            return await manager.generate_step(), await manager.generate_step()
+        finally:
+            await client.close()
+
+    first, second = asyncio.run(two_steps())
+    assert [g.group_id for g in first + second] == [0, 1, 2, 3, 4, 5]
+    expected_prompts = list(itertools.islice(EchoTask(k=2).prompts(11), 6))
+    for group, prompt in zip(first + second, expected_prompts):
+        assert [s.index for s in group.samples] == [0, 1, 2, 3]
+        for s in group.samples:
+            assert s.prompt_tokens == prompt["prompt_tokens"] and s.group_id == group.group_id
+            assert s.reward == sum(t == prompt["target"] for t in s.response_tokens[:2]) / 2
+
+
+def test_a_nan_reward_is_rejected_naming_the_task_group_and_sample(engine_url):
+    client = EngineClient(engine_url, [engine_url])
+    manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",
+                             task_path="test_rollout_fns:NanTask", client=client,
+                             sampling_params={"max_new_tokens": 2}, prompts_per_step=1, samples_per_prompt=3, seed=0)
+    with pytest.raises(ValueError) as err:
+        run(client, manager.generate_step())
+    message = str(err.value)
+    assert "task 'test_rollout_fns:NanTask'" in message and "group 0" in message
+    assert "sample 0/2: reward is nan" in message
+
+
+def test_a_rollout_function_returning_the_wrong_type_is_named(engine_url):
+    client = EngineClient(engine_url, [engine_url])
+    manager = RolloutManager(function_path="test_rollout_fns:returns_a_dict", task_path="test_rollout_fns:NanTask",
+                             client=client, sampling_params={}, prompts_per_step=1, samples_per_prompt=2, seed=0)
+    with pytest.raises(TypeError, match=r"rollout function 'test_rollout_fns:returns_a_dict' .* must return a list "
+                                        r"of glue.types.Sample, got dict"):
+        run(client, manager.generate_step())
+
+
+def test_echo_task_reward_is_the_fraction_of_the_first_k_tokens_equal_to_the_last_prompt_token():
+    task = EchoTask(k=4)
+    prompt = [0, 5, 6, 7]
+    cases = [([7, 7, 7, 7, 3], 4 / 4), ([7, 3, 7, 3, 7, 7], 2 / 4), ([5, 6, 3, 3], 0 / 4), ([7], 1 / 4), ([], 0.0)]
+    for response, expected in cases:
+        assert task.reward(Sample(prompt_tokens=prompt, response_tokens=response)) == expected
+
+
+def test_echo_task_prompts_are_seeded_and_drawn_from_the_content_range():
+    task = EchoTask(content_low=4, content_high=8, prompt_len=5)
+    a = list(itertools.islice(task.prompts(3), 50))
+    assert a == list(itertools.islice(task.prompts(3), 50))
+    assert a != list(itertools.islice(task.prompts(4), 50))
+    for p in a:
+        assert p["prompt_tokens"][0] == 0 and len(p["prompt_tokens"]) == 6
+        assert all(4 <= t < 8 for t in p["prompt_tokens"][1:]) and p["target"] == p["prompt_tokens"][-1]
+    with pytest.raises(ValueError, match="bos_id=5 lies inside the content range"):
+        EchoTask(bos_id=5)
+
+
+def test_rollout_modules_import_no_backend():
+
+    code = ("import sys, glue.rollout, glue.plugins, glue.engine_client, rollout_fns.single_turn, "
+            "rollout_fns.toy_tasks; print(sorted(m for m in ('ray', 'sglang', 'megatron', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]"
