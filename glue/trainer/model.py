@@ -112,16 +112,16 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, *, t
             param.copy_(shard.to(param.dtype))
 
 
-def causal_attention_mask(seq_len: int) -> torch.Tensor:
+def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Megatron's boolean mask, True where attention is blocked: [1, 1, T, T], upper triangle."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless)."""
     batch, seq_len = tokens.shape
-    position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand(batch, seq_len)
-    return model(tokens, position_ids, causal_attention_mask(seq_len))
+    position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
+    return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
