@@ -3,6 +3,7 @@ finish reasons, 400s naming the field, pause / continue / abort, and a clear exi
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -249,6 +250,21 @@ def test_abort_request_by_rid_ends_only_that_request(engine_url):
     t2.join(timeout=60)
     assert r1["meta_info"]["finish_reason"]["type"] == "abort" and len(r1["output_ids"]) < 2000
     assert r2["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
+
+
+def test_a_client_that_hangs_up_frees_its_running_request(engine_url):
+    # 2,000 tokens take several seconds (one row, ~2 ms a step); the row must be gone well before that
+    body = json.dumps({"input_ids": [2], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}).encode()
+    host, port = engine_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.5)
+        assert call(engine_url, "/server_info")[1]["internal_states"][0]["num_running_reqs"] == 1
+    deadline = time.monotonic() + 1.0
+    while call(engine_url, "/server_info")[1]["internal_states"][0]["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert call(engine_url, "/server_info")[1]["internal_states"][0]["num_running_reqs"] == 0
 
 
 def test_an_engine_given_a_bad_model_path_exits_nonzero_with_a_clear_message(tmp_path):

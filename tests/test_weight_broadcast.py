@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
@@ -174,3 +175,25 @@ def test_an_engine_asked_for_an_nccl_group_on_cpu_answers_success_false_without_
         "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
         "group_name": "g", "backend": "nccl"}, timeout=30)
     assert status == 400 and answer["success"] is False and "gloo" in answer["message"]
+
+
+def test_a_request_paused_in_place_across_a_sync_reports_both_weight_versions(engine_url, tiny_model_dir):
+    _, same_weights = _hf_weights(tiny_model_dir)  # the same values: the version changes, the model does not
+    result: dict = {}
+    body = {"input_ids": [4, 2], "sampling_params": {"temperature": 0.0, "max_new_tokens": 1500, "ignore_eos": True}}
+    runner = threading.Thread(target=lambda: result.update(generate(engine_url, body)))
+    runner.start()
+    time.sleep(0.3)
+    assert call(engine_url, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        status, answer = _sync(engine_url, same_weights, version="1")
+        assert status == 200 and answer["success"] is True, answer
+    finally:
+        call(engine_url, "/continue_generation", {})
+    runner.join(timeout=60)
+    call(engine_url, "/update_weight_version", {"new_version": "0"})
+    spans = result["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["0", "1"], spans
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 1500
+    assert result["meta_info"]["weight_version"] == "1"
+    assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}

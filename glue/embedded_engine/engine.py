@@ -65,4 +65,5 @@ def serve(server: EngineServer, *, host: str, port: int) -> None:
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     web.run_app(app, host=host, port=port, print=lambda _: print(f"embedded engine serving on http://{host}:{port}",
-                                                                 flush=True), access_log=None)
+                                                                 flush=True),
+                access_log=None, handler_cancellation=True)  # a client that hangs up aborts its requests
