@@ -116,11 +116,13 @@ class EngineClient:
                 self.connect_retries += 1
                 await asyncio.sleep(self.retry_backoff_s * attempt)
 
-    async def close(self) -> None:
-        """Close the generate session (call from the loop that used it last)."""
+    async def aclose(self) -> None:
+        """Close the generate session (await it on the loop that used it last)."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+    close = aclose  # the same coroutine under aiohttp's name
 
     # ---------------------------------------------------------------- control (sync, to every engine)
     def _call(self, url: str, method: str = "POST", body: dict | None = None) -> tuple[int, str]:

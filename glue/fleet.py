@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,7 +45,8 @@ def _http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
 
 
 def _die_with_parent() -> None:
-    """Child-side (preexec): SIGTERM this process if the driver dies without running atexit (SIGKILL, segfault)."""
+    """Child-side (preexec): SIGTERM this process if the driver dies without running atexit (SIGKILL, segfault).
+    Linux delivers it when the *thread* that forked exits, so it is only set up from the main thread."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -59,9 +61,11 @@ class _Managed:
         self.name, self.cmd, self.log_path = name, cmd, log_path
         self._log: IO[bytes] = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        on_main_thread = threading.current_thread() is threading.main_thread()
         try:
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env, preexec_fn=_die_with_parent)
+                                         start_new_session=True, env=env,
+                                         preexec_fn=_die_with_parent if on_main_thread else None)
         except OSError as err:
             self._log.close()
             raise RuntimeError(f"cannot start {name}: {err}; command: {' '.join(cmd)}") from err

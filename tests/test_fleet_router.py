@@ -6,9 +6,12 @@ import asyncio
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -60,7 +63,7 @@ def test_sixteen_concurrent_generates_through_the_router_all_succeed_and_both_en
         try:
             return await asyncio.gather(*(client.generate([0, 4, 5, 6, 7], SAMPLING) for _ in range(16)))
         finally:
-            await client.close()
+            await client.aclose()
 
     outputs = asyncio.run(run())
     for out in outputs:
@@ -86,7 +89,7 @@ def test_paused_engines_hold_generates_until_continue(fleet, client):
         finally:
             client.continue_generation()
         outputs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
-        await client.close()
+        await client.aclose()
         return held, queued, outputs
 
     held, queued, outputs = asyncio.run(run())
@@ -106,7 +109,7 @@ def test_a_rejected_request_raises_with_the_status_and_the_engine_message(client
         try:
             await client.generate([0, 999], SAMPLING)  # token 999 is outside the tiny model's vocabulary of 32
         finally:
-            await client.close()
+            await client.aclose()
 
     with pytest.raises(EngineHTTPError) as err:
         asyncio.run(run())
@@ -145,3 +148,31 @@ def test_an_engine_that_exits_during_start_up_reports_its_exit_code_and_log(tmp_
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 during start-up.*cannot load the model"):
         fleet.start()
     assert all(is_gone(p) for p in fleet.started_pids)
+
+
+DRIVER = """
+import json, sys, time
+from glue.fleet import RolloutFleet
+fleet = RolloutFleet(model_path=sys.argv[1], num_engines=1, log_dir=sys.argv[2])
+fleet.start()
+print(json.dumps(fleet.pids), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_driver_killed_with_sigkill_takes_its_engines_and_router_with_it(tiny_model_dir, tmp_path):
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, tiny_model_dir, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        pids = json.loads(driver.stdout.readline())
+        assert len(pids) == 2 and not any(is_gone(p) for p in pids)
+        driver.send_signal(signal.SIGKILL)  # no atexit, no finally: only the children's parent-death signal
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while not all(is_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(is_gone(p) for p in pids)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()

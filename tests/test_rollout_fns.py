@@ -56,7 +56,7 @@ def run(client: EngineClient, coro):
         try:
             return await coro
         finally:
-            await client.close()
+            await client.aclose()
 
     return asyncio.run(wrapped())
 
@@ -134,7 +134,7 @@ def test_rollout_manager_runs_every_group_with_consecutive_ids_and_validated_sam
         try:
             return await manager.generate_step(), await manager.generate_step()
         finally:
-            await client.close()
+            await client.aclose()
 
     first, second = asyncio.run(two_steps())
     assert [g.group_id for g in first + second] == [0, 1, 2, 3, 4, 5]
