@@ -60,7 +60,8 @@ class BroadcastBridge:
         self._specs = self.source.hf_weight_specs()
 
     def sync(self, version: int) -> None:
-        """Broadcast the source's weights to every engine and tag them `version`; verify each engine reports it."""
+        """Broadcast the source's weights to every engine and tag them `version`; verify each engine reports it
+        (through `/model_info`, where SGLang 0.5.23 reports `weight_version`; `/get_weight_version` is gone there)."""
         assert self._specs is not None, "BroadcastBridge.sync called before connect()"
         names, dtypes, shapes = zip(*self._specs)
         payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
@@ -71,7 +72,7 @@ class BroadcastBridge:
         ]
         self._run_together([lambda: self.source.send_weights(self.group_name), *engine_calls])
         for url in self.engine_urls:
-            reported = post_json(f"{url}/get_weight_version", None, self.timeout_s).get("weight_version")
+            reported = post_json(f"{url}/model_info", None, self.timeout_s).get("weight_version")
             if str(reported) != str(version):
                 raise WeightSyncError(f"engine {url} reports weight_version {reported!r} after a sync to {version}")
 
