@@ -176,3 +176,22 @@ def test_a_driver_killed_with_sigkill_takes_its_engines_and_router_with_it(tiny_
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+def sglang_request_fields(class_name: str) -> set[str]:
+    """Field names of a request class in the installed sglang's io_struct.py, read with ast (import needs a GPU)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("sglang is not installed (make install adds it with --no-deps)")
+    path = Path(spec.submodule_search_locations[0]) / "srt" / "managers" / "io_struct.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def test_the_client_sends_only_fields_sglang_defines():
+    assert {"input_ids", "sampling_params", "return_logprob"} <= sglang_request_fields("GenerateReqInput")
+    assert {"mode"} <= sglang_request_fields("PauseGenerationReqInput")
