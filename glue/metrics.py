@@ -48,3 +48,13 @@ class StepTimer:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file, in step order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def learning_summary(records: list[dict[str, Any]], window: int = 5) -> str:
+    """One line saying whether reward moved: mean `rollout/reward_mean` over the first and last `window` steps."""
+    rewards = [r["rollout/reward_mean"] for r in records if isinstance(r.get("rollout/reward_mean"), (int, float))]
+    if not rewards:
+        return "no rollout/reward_mean recorded"
+    n = min(window, len(rewards))
+    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+    return f"reward_mean: first {n} steps {first:.3f} -> last {n} steps {last:.3f} ({last - first:+.3f})"

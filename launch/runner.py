@@ -34,7 +34,10 @@ def run(cfg: SluiceConfig) -> Path:
                                             file=sys.stdout, dynamic_ncols=True))
         run_sync_loop(num_steps=cfg.run.num_steps, manager=manager, trainer=trainer, fleet=client, bridge=bridge,
                       loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), loop=loop, progress=progress)
-    print(f"sluice: run finished; metrics in {run_dir / 'metrics.jsonl'}")
+    from glue.metrics import learning_summary, read_metrics
+
+    print(f"sluice: run finished; {learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; "
+          f"metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir
 
 

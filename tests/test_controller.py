@@ -68,3 +68,11 @@ def test_sync_resumes_generation_even_when_the_transfer_fails():
     with pytest.raises(RuntimeError, match="engine gone"):
         sync_weights(Fleet(), FailingBridge(), 4)
     assert calls == ["pause", "sync 4", "continue"]
+
+
+def test_the_learning_summary_compares_the_first_and_last_five_steps():
+    from glue.metrics import learning_summary
+
+    records = [{"rollout/reward_mean": r} for r in [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]]
+    # first five mean 0.2, last five mean 0.7
+    assert learning_summary(records) == "reward_mean: first 5 steps 0.200 -> last 5 steps 0.700 (+0.500)"
