@@ -1,0 +1,225 @@
+"""HF <-> megatron-core state dicts, for one rank or for every rank of a parallel layout: fuse / split q-k-v and
+gate-up, shard / gather over TP, place layers on pipeline stages and experts on EP ranks, pad / unpad the vocab.
+
+Driven entirely by the family tables in `names.py`. The trainer loads HF checkpoints through
+`hf_to_megatron_local`; the weight bridge turns trainer tensors back into what SGLang loads with `megatron_to_hf`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from weight_sync.convert.layout import GATE_UP, QKV, REPLICATED, VOCAB, ParallelLayout, gather, pad_vocab, shard
+from weight_sync.convert.names import (EMBEDDING, FINAL_NORM, KIND_BY_SUFFIX, OUTPUT, Rule, cfg, is_tied,
+                                       model_type, num_experts, rules)
+
+# HF tensors a checkpoint may carry that no megatron tensor needs.
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def attention_shape(hf_config: Any) -> tuple[int, int, int]:
+    """(num query heads, num query groups = kv heads, head dim) of an HF config (head_dim may differ from
+    hidden_size / heads, as in Qwen3)."""
+    nq = int(cfg(hf_config, "num_attention_heads"))
+    ng = int(cfg(hf_config, "num_key_value_heads", nq))
+    head_dim = int(cfg(hf_config, "head_dim", int(cfg(hf_config, "hidden_size")) // nq))
+    if nq % ng:
+        raise ValueError(f"num_attention_heads={nq} is not a multiple of num_key_value_heads={ng}")
+    return nq, ng, head_dim
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ng: int, head_dim: int) -> torch.Tensor:
+    """HF q/k/v ([heads*d, H] or [heads*d]) -> megatron's group-major [q_heads_of_group..., k, v] per group."""
+    rest = tuple(q.shape[1:])
+    q = q.reshape(ng, -1, head_dim, *rest)
+    k = k.reshape(ng, 1, head_dim, *rest)
+    v = v.reshape(ng, 1, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest).contiguous()
+
+
+def split_qkv(qkv: torch.Tensor, nq: int, ng: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    rest = tuple(qkv.shape[1:])
+    x = qkv.reshape(ng, nq // ng + 2, head_dim, *rest)
+    q = x[:, : nq // ng].reshape(-1, *rest).contiguous()
+    k = x[:, -2].reshape(-1, *rest).contiguous()
+    v = x[:, -1].reshape(-1, *rest).contiguous()
+    return q, k, v
+
+
+def hf_to_megatron_local(hf_state: dict[str, torch.Tensor], hf_config: Any,
+                         layout: ParallelLayout = ParallelLayout()) -> dict[str, torch.Tensor]:
+    """Full HF state dict (checkpoint names) -> the megatron state dict of the rank at `layout`: only its stage's
+    layers (stage-local numbering), its experts (EP-local numbering), its TP shard, the vocab padded.
+    Replicated tensors may share storage with `hf_state`."""
+    table = rules(hf_config)
+    _check_known_hf_names(hf_state, table, hf_config)
+    _check_tp_divides_groups(hf_config, layout)
+    shape = attention_shape(hf_config)
+    n_experts = num_experts(hf_config)
+    out: dict[str, torch.Tensor] = {}
+    for rule in table:
+        name = _local_name(rule, layout, n_experts)
+        if name is None:
+            continue
+        full = _fuse(rule, [_take(hf_state, h) for h in rule.hf], shape)
+        out[name] = _shard_rule(rule, name, full, layout)
+    if _has_output_copy_of_embedding(hf_config, layout):
+        tied = Rule(OUTPUT.megatron, EMBEDDING.hf, VOCAB)
+        out[OUTPUT.megatron] = _shard_rule(tied, OUTPUT.megatron, _take(hf_state, EMBEDDING.hf[0]), layout)
+    return out
+
+
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Full HF state dict -> full megatron-core GPTModel state dict (one rank, no `_extra_state` entries)."""
+    return hf_to_megatron_local(hf_state, hf_config, ParallelLayout())
+
+
+def megatron_to_hf(states: dict[str, torch.Tensor] | Sequence[dict[str, torch.Tensor]], hf_config: Any,
+                   layouts: Sequence[ParallelLayout] | None = None) -> dict[str, torch.Tensor]:
+    """Megatron state dicts -> the full HF state dict (checkpoint names, HF module order).
+
+    Either one full state dict (`layouts=None`), or one local state dict per rank with that rank's layout: TP
+    shards are gathered, stages concatenated, EP-local experts renumbered to global ids, vocab padding dropped.
+    Ranks holding the same shard (data-parallel or expert-data-parallel copies) are read once. Every tensor of
+    every given state must be used, so a state dict and table that disagree fail loudly.
+    """
+    if layouts is None:
+        states, layouts = [states], [ParallelLayout()]
+    if len(states) != len(layouts):
+        raise ValueError(f"megatron_to_hf: {len(states)} state dicts but {len(layouts)} layouts; give one per rank")
+    shape = attention_shape(hf_config)
+    n_experts = num_experts(hf_config)
+    vocab = int(cfg(hf_config, "vocab_size"))
+    used: set[tuple[int, str]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules(hf_config):
+        full = gather(rule.kind, _shards_of(rule, states, layouts, n_experts, used))
+        if rule.kind == VOCAB and full.shape[0] != vocab:
+            full = full[:vocab].clone()
+        out.update(zip(rule.hf, _split(rule, full, shape)))
+    for i, layout in enumerate(layouts):
+        if _has_output_copy_of_embedding(hf_config, layout):
+            used.add((i, OUTPUT.megatron))
+    _check_all_used(states, used)
+    return out
+
+
+def _shards_of(rule: Rule, states: Sequence[dict], layouts: Sequence[ParallelLayout], n_experts: int,
+               used: set[tuple[int, str]]) -> list[torch.Tensor]:
+    """One shard per TP rank of `rule`'s tensor, in TP-rank order, from whichever ranks hold it."""
+    by_tp: dict[int, torch.Tensor] = {}
+    tp_size = None
+    for i, (state, layout) in enumerate(zip(states, layouts)):
+        name = _local_name(rule, layout, n_experts)
+        if name is None:
+            continue
+        if name not in state:
+            raise KeyError(f"rank {i} ({layout}) should hold {name!r} (HF {rule.hf[0]}) but its state dict does not; "
+                           "do the layouts match the ranks the states came from?")
+        used.add((i, name))
+        tp_rank, tp_size = _tp_of(rule, layout)
+        by_tp.setdefault(tp_rank, state[name])
+    if tp_size is None or len(by_tp) != tp_size:
+        raise KeyError(f"{rule.hf[0]}: TP shards {sorted(by_tp)} of {tp_size} found in the given ranks; "
+                       "pass the state dict of every tensor-, pipeline- and expert-parallel rank")
+    return [by_tp[r] for r in range(tp_size)]
+
+
+def _local_name(rule: Rule, layout: ParallelLayout, n_experts: int) -> str | None:
+    """`rule`'s megatron name on the rank at `layout`, or None when another stage or EP rank holds it."""
+    if rule.megatron == EMBEDDING.megatron and not layout.is_first_stage:
+        return None
+    if rule.megatron in (FINAL_NORM.megatron, OUTPUT.megatron) and not layout.is_last_stage:
+        return None
+    local_layer = local_expert = None
+    if rule.layer is not None:
+        if not layout.holds_layer(rule.layer):
+            return None
+        local_layer = rule.layer - layout.first_layer
+    if rule.expert is not None:
+        if not layout.holds_expert(rule.expert, n_experts):
+            return None
+        local_expert = rule.expert - layout.ep_rank * layout.local_experts(n_experts)
+    return rule.megatron_name(local_layer, local_expert)
+
+
+def _tp_of(rule: Rule, layout: ParallelLayout) -> tuple[int, int]:
+    return layout.expert_tp if rule.expert is not None else (layout.tp_rank, layout.tp_size)
+
+
+def _shard_rule(rule: Rule, name: str, full: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    if rule.kind == VOCAB:
+        full = pad_vocab(full, layout.padded_vocab_size)
+    return shard(rule.kind, name, full, *_tp_of(rule, layout))
+
+
+def _fuse(rule: Rule, parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor:
+    if rule.kind == QKV:
+        return fuse_qkv(*parts, shape[1], shape[2])
+    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+
+
+def _split(rule: Rule, full: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+    if rule.kind == QKV:
+        return split_qkv(full, *shape)
+    if rule.kind == GATE_UP:
+        return tuple(p.contiguous() for p in full.chunk(2, dim=0))
+    return (full,)
+
+
+def _has_output_copy_of_embedding(hf_config: Any, layout: ParallelLayout) -> bool:
+    # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding as the output layer.
+    return is_tied(hf_config) and layout.pp_size > 1 and layout.is_last_stage
+
+
+def _check_known_hf_names(hf_state: dict[str, torch.Tensor], table: list[Rule], hf_config: Any) -> None:
+    known = {h for rule in table for h in rule.hf}
+    if is_tied(hf_config):
+        known.add(OUTPUT.hf[0])  # some tied checkpoints still save lm_head
+    unknown = sorted(n for n in hf_state if n not in known and not n.endswith(IGNORED_HF_SUFFIXES))
+    if unknown:
+        raise ValueError(f"{len(unknown)} checkpoint tensors are not in the {model_type(hf_config)} name table, e.g. "
+                         f"{unknown[:4]}; does config.json match the checkpoint (attention_bias, num_experts, "
+                         "mlp_only_layers, tie_word_embeddings)?")
+
+
+def _check_tp_divides_groups(hf_config: Any, layout: ParallelLayout) -> None:
+    _, ng, _ = attention_shape(hf_config)
+    if ng % layout.tp_size:
+        raise ValueError(f"tensor_model_parallel_size={layout.tp_size} must divide num_key_value_heads={ng} (each TP "
+                         "rank holds whole query groups); choose a TP size that divides it")
+
+
+def _check_all_used(states: Sequence[dict[str, torch.Tensor]], used: set[tuple[int, str]]) -> None:
+    extra = [(i, n) for i, s in enumerate(states) for n in s if (i, n) not in used and not n.endswith("_extra_state")]
+    if extra:
+        raise ValueError(f"megatron tensors not in the name table: {extra[:4]} (rank, name); the layer spec builds "
+                         "tensors the converter does not know, or a layout does not match its rank")
+
+
+def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state:
+        raise KeyError(f"weight {name!r} is missing (have {len(state)} tensors, e.g. {sorted(state)[:3]}); "
+                       "is this checkpoint of the family its config.json names, saved with that config?")
+    return state[name]
+
+
+def tp_split_kind(name: str) -> str:
+    """The layout kind of a megatron parameter, from its name alone (any family's table)."""
+    return KIND_BY_SUFFIX.get(".".join(name.split(".")[-2:]), REPLICATED)
+
+
+def shard_for_tp(name: str, full_tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The slice of a full megatron tensor that tensor-parallel rank `tp_rank` of `tp_size` holds (a new tensor)."""
+    kind = tp_split_kind(name)
+    part = shard(kind, name, full_tensor, tp_rank, tp_size)
+    return part.clone() if part is full_tensor or kind == REPLICATED else part
+
+
+def gather_from_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `shard_for_tp`: the full tensor from every TP rank's shard, in rank order."""
+    kind = tp_split_kind(name)
+    full = gather(kind, shards)
+    return full.clone() if full is shards[0] else full
