@@ -66,6 +66,18 @@ def test_weight_and_control_request_fields_exist_in_sglangs_request_structs(sgla
         assert set(names) - structs[struct] == set(), struct
 
 
+def test_weight_route_fields_exist_in_sglangs_update_and_checker_structs(sglang_srt):
+    from glue.embedded_engine.weight_update import WEIGHT_REQUEST_FIELDS
+
+    structs = class_fields(sglang_srt / "managers" / "io_struct.py")
+    assert {"UpdateWeightsFromTensorReqInput", "UpdateWeightFromDiskReqInput", "CheckWeightsReqInput"} <= set(WEIGHT_REQUEST_FIELDS)
+    for struct, names in WEIGHT_REQUEST_FIELDS.items():
+        assert struct in structs, f"sglang has no {struct} any more"
+        assert set(names) - structs[struct] == set(), struct
+    # the bucket layout the engine and the bridge share is SGLang's flattened_bucket load format
+    assert "flattened_bucket" in string_constants(sglang_srt / "model_executor" / "model_runner_components" / "weight_updater.py")
+
+
 def test_response_field_names_and_finish_reasons_are_sglangs(sglang_srt):
     manager = string_constants(sglang_srt / "managers" / "tokenizer_manager.py")
     meta_keys = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",

@@ -1,5 +1,13 @@
-"""Weight sync: how trainer weights reach the engines (process groups, transports, dtype names SGLang speaks).
-
-Never imports glue; speaks SGLang's weight endpoints itself. Submodules import torch, so import them explicitly:
-`weight_sync.process_group.create_process_group`, `weight_sync.broadcast.send_tensors` / `receive_tensors`.
+"""Weight sync: how trainer weights reach the engines (buckets, transports, verification, version tags).
+Never imports glue; speaks SGLang's weight endpoints itself. Submodules import torch, so they load on first use:
+`weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls)` builds a connected bridge.
 """
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("make_bridge", "WeightBridge", "WeightSyncError"):
+        from weight_sync import bridge
+
+        return getattr(bridge, name)
+    raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")

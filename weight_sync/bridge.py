@@ -1,91 +1,124 @@
-"""The weight bridge's driver side (first form): a trainer-side weight source and every engine join one process
-group through SGLang's `/init_weights_update_group`; each sync broadcasts the HF-named tensors while the engines
-receive them through `/update_weights_from_distributed`, then the engines' reported version is checked."""
+"""The weight bridge: trainer weights -> buckets -> transport -> engines, then version tag and verification.
+The controller pauses generation around `sync()`; `add_engine()` brings a late or restarted engine to the current
+version before the fleet puts it behind the router.
+"""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol
+import time
+from typing import Any, Sequence
+
+from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, plan_buckets
+from weight_sync.engine_calls import WeightSyncError, post_json, run_together, set_weight_version  # noqa: F401
+from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
+                                    free_port)
+from weight_sync.verify import check_bucket_checksums, check_full, check_versions
+
+VERIFY_MODES = ("checksum", "full", "off")
 
 
-class WeightSource(Protocol):
-    """The trainer as the bridge sees it (blocking calls; the bridge runs them beside the engines' HTTP calls)."""
+class WeightBridge:
+    """Moves the source's weights to every engine; `sync(version)` = transfer -> tag -> verify."""
 
-    def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
-    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str) -> None: ...
-    def send_weights(self, group_name: str) -> None: ...
-
-
-class WeightSyncError(RuntimeError):
-    """An engine refused or failed a weight update, or reports a version other than the one sent."""
-
-
-def post_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
-    """POST (or GET when payload is None) JSON to an engine; non-2xx answers raise with the body."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read().decode()
-    except urllib.error.HTTPError as err:
-        raise WeightSyncError(f"{url} answered {err.code}: {err.read().decode()[:500]}") from None
-    return json.loads(body) if body else {}
-
-
-class BroadcastBridge:
-    """One group `[source rank 0, engine 0, engine 1, ...]`; every engine is a TP=1 server (rank_offset = 1 + i)."""
-
-    def __init__(self, source: WeightSource, engine_urls: list[str], *, master_address: str, master_port: int,
-                 backend: str = "gloo", group_name: str = "sluice_weights", timeout_s: float = 300.0):
+    def __init__(self, source: WeightSource, engine_urls: Sequence[str], *, make_transport: Any,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.source, self.engine_urls = source, list(engine_urls)
-        self.master_address, self.master_port = master_address, master_port
-        self.backend, self.group_name, self.timeout_s = backend, group_name, timeout_s
-        self._specs: list[tuple[str, str, tuple[int, ...]]] | None = None
+        self.bucket_bytes, self.verify, self.timeout_s = bucket_bytes, verify, timeout_s
+        self._make_transport = make_transport  # (source, layouts, with_checksum) -> Transport
+        self.layouts: list[BucketLayout] = []
+        self.transport: Transport | None = None
+        self.version: int | None = None  # the last version every engine verifiably holds
+        self.last_sync: dict[str, float] = {}
 
     def connect(self) -> None:
-        """Create the group: the source and every engine join at the same time (each side blocks until all have)."""
-        world_size = 1 + len(self.engine_urls)
-        engine_calls = [
-            (lambda url=url, rank=i + 1: self._check(url, post_json(f"{url}/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": self.master_port, "rank_offset": rank,
-                "world_size": world_size, "group_name": self.group_name, "backend": self.backend,
-            }, self.timeout_s)))
-            for i, url in enumerate(self.engine_urls)
-        ]
-        source_call = lambda: self.source.join_weight_group(  # noqa: E731
-            self.master_address, self.master_port, world_size, self.group_name, self.backend)
-        self._run_together([source_call, *engine_calls])
-        self._specs = self.source.hf_weight_specs()
+        """Plan the buckets from the source's weight specs and open the transport to every engine."""
+        self.layouts = plan_buckets(self.source.hf_weight_specs(), self.bucket_bytes)
+        self.transport = self._make_transport(self.source, self.layouts, self.verify != "off")
+        self.transport.connect(self.engine_urls)
 
-    def sync(self, version: int) -> None:
-        """Broadcast the source's weights to every engine and tag them `version`; verify each engine reports it
-        (through `/model_info`, where SGLang 0.5.23 reports `weight_version`; `/get_weight_version` is gone there)."""
-        assert self._specs is not None, "BroadcastBridge.sync called before connect()"
-        names, dtypes, shapes = zip(*self._specs)
-        payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                   "group_name": self.group_name, "flush_cache": True, "weight_version": str(version)}
-        engine_calls = [
-            (lambda url=url: self._check(url, post_json(f"{url}/update_weights_from_distributed", payload, self.timeout_s)))
-            for url in self.engine_urls
-        ]
-        self._run_together([lambda: self.source.send_weights(self.group_name), *engine_calls])
-        for url in self.engine_urls:
-            reported = post_json(f"{url}/model_info", None, self.timeout_s).get("weight_version")
-            if str(reported) != str(version):
-                raise WeightSyncError(f"engine {url} reports weight_version {reported!r} after a sync to {version}")
+    def sync(self, version: int) -> dict[str, float]:
+        """Send the source's current weights to every engine, tag them `version`, verify; returns timings."""
+        self._transfer_and_verify(self.engine_urls, str(version))
+        self.version = version
+        return self.last_sync
 
-    @staticmethod
-    def _check(url: str, answer: dict[str, Any]) -> None:
-        if not answer.get("success", False):
-            raise WeightSyncError(f"engine {url} failed the weight update: {answer.get('message', answer)}")
+    def add_engine(self, url: str) -> None:
+        """Bring a new engine to the current version on a channel of its own, then add it to every later sync
+        (broadcast: the group is rebuilt with it, in list order)."""
+        if self.transport is None:
+            raise RuntimeError("WeightBridge.add_engine called before connect()")
+        if url in self.engine_urls:
+            raise ValueError(f"engine {url} is already synced by this bridge")
+        if self.version is not None:
+            self.transport.connect([url])
+            try:
+                self._transfer_and_verify([url], str(self.version))
+            finally:
+                self.transport.disconnect([url])
+        self.transport.disconnect(self.engine_urls)
+        self.engine_urls.append(url)
+        self.transport.connect(self.engine_urls)
 
-    def _run_together(self, calls: list[Callable[[], None]]) -> None:
-        """Run blocking calls concurrently; re-raise the first failure after all have returned or failed."""
-        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            futures = [pool.submit(call) for call in calls]
-            errors = [f.exception(timeout=self.timeout_s) for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
+    def remove_engine(self, url: str) -> None:
+        """Stop syncing an engine (it left the fleet); the others' channel is rebuilt without it."""
+        if url not in self.engine_urls or self.transport is None:
+            return
+        others = [u for u in self.engine_urls if u != url]
+        try:
+            self.transport.disconnect(self.engine_urls)
+        except WeightSyncError:
+            pass  # the engine may be gone already: the source side of the channel is closed regardless
+        self.engine_urls = others
+        if others:
+            self.transport.connect(others)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def _transfer_and_verify(self, urls: list[str], version: str) -> None:
+        assert self.transport is not None, "WeightBridge used before connect()"
+        t0 = time.perf_counter()
+        tensor_sums = self.source.stage_weights(self.verify == "full")
+        t1 = time.perf_counter()
+        transfer = self.transport.transfer(urls)
+        t2 = time.perf_counter()
+        if self.verify != "off":
+            check_bucket_checksums(transfer, [b.names for b in self.layouts])
+        run_together([lambda url=url: set_weight_version(url, version, self.timeout_s) for url in urls], self.timeout_s)
+        check_versions(urls, version, self.timeout_s)
+        if self.verify == "full":
+            run_together([lambda url=url: check_full(url, tensor_sums, self.timeout_s) for url in urls], self.timeout_s)
+        t3 = time.perf_counter()
+        self.last_sync = {"stage_s": t1 - t0, "transfer_s": t2 - t1, "verify_s": t3 - t2, "total_s": t3 - t0,
+                          "bytes": float(sum(b.nbytes for b in self.layouts)), "buckets": float(len(self.layouts))}
+
+
+def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[str],
+                disk_dir: str | None = None) -> WeightBridge:
+    """The bridge `sync_cfg` (glue.config.SyncConfig: transport, backend, bucket_bytes, verify, ...) describes,
+    connected to every engine."""
+    transport, timeout_s = sync_cfg.transport, sync_cfg.timeout_s
+    if transport == "broadcast":
+        def make(src, layouts, with_checksum):
+            return BroadcastTransport(src, layouts, backend=sync_cfg.backend, master_address=sync_cfg.master_address,
+                                      with_checksum=with_checksum, timeout_s=timeout_s)
+    elif transport == "ipc":
+        def make(src, layouts, with_checksum):
+            return IpcTransport(src, layouts, device="cuda" if sync_cfg.backend == "nccl" else "cpu",
+                                with_checksum=with_checksum, timeout_s=timeout_s)
+    elif transport == "disk":
+        def make(src, layouts, with_checksum):
+            return DiskTransport(src, layouts, directory=getattr(sync_cfg, "disk_dir", None) or disk_dir,
+                                 with_checksum=with_checksum, timeout_s=timeout_s)
+    else:
+        raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {transport!r}")
+    bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=sync_cfg.bucket_bytes,
+                          verify=sync_cfg.verify, timeout_s=timeout_s)
+    bridge.connect()
+    return bridge
+
+
+__all__ = ["WeightBridge", "WeightSyncError", "make_bridge", "free_port", "post_json"]

@@ -1,8 +1,6 @@
-"""Moving named tensors through a weight group: the trainer's `send_tensors` meets the engine's `receive_tensors`.
-
-First form: one broadcast per tensor, issued together and awaited together (the order of names is the contract:
-both sides must list the same names, dtypes and shapes in the same order, as SGLang's
-`/update_weights_from_distributed` does).
+"""Collectives of the broadcast transport: one flat bucket per broadcast (`broadcast_bucket`, what the bridge uses),
+and the per-tensor form (`send_tensors` / `receive_tensors`, SGLang's default load format). Both sides must list the
+same names, dtypes and shapes in the same order, as SGLang's `/update_weights_from_distributed` does.
 """
 from __future__ import annotations
 
@@ -11,22 +9,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from weight_sync.buckets import dtype_to_str, str_to_dtype  # noqa: F401  (re-exported: the names SGLang speaks)
 from weight_sync.process_group import WeightGroup
-
-
-def dtype_to_str(dtype: torch.dtype) -> str:
-    """The name SGLang's `UpdateWeightsFromDistributedReqInput.dtypes` carries: `torch.bfloat16` -> "bfloat16"."""
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype_to_str expects a torch.dtype, got {dtype!r}")
-    return str(dtype).removeprefix("torch.")
-
-
-def str_to_dtype(name: str) -> torch.dtype:
-    """Inverse of `dtype_to_str` (SGLang resolves the string with `getattr(torch, name)`)."""
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}: use a torch dtype name such as 'float32' or 'bfloat16'")
-    return dtype
 
 
 def _broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], src: int) -> None:
@@ -72,3 +56,12 @@ def receive_tensors(
     ]
     _broadcast_all(group, [t for _, t in named], src)
     return named
+
+
+def broadcast_bucket(group: WeightGroup, flat: torch.Tensor, src: int = 0) -> None:
+    """One collective for a whole bucket: the source sends `flat`, every other rank receives into its own `flat`
+    (a preallocated uint8 buffer of the bucket's size, on `group.device`)."""
+    if flat.device.type != group.device.type:
+        raise ValueError(f"weight group {group.name!r} ({group.backend_name}) broadcasts {group.device.type} tensors, "
+                         f"the bucket is on {flat.device}")
+    _broadcast_all(group, [flat], src)

@@ -1,6 +1,7 @@
 """The embedded engine's HTTP front: SGLang's endpoints and JSON field names on aiohttp, in front of the model runner.
 
-The subset sluice uses (generate, pause/continue, abort, weights over a process group, versions, health, info), so
+The subset sluice uses (generate, pause/continue, abort, weights by broadcast / tensor handles / disk, the weights
+checker, versions, health, info), so
 the same client code drives this engine on CPU and real SGLang servers on GPUs.
 """
 from __future__ import annotations
@@ -83,6 +84,14 @@ def format_output(seq: Sequence) -> dict[str, Any]:
     return {"output_ids": list(seq.output_ids), "meta_info": meta}
 
 
+def update_response(ok: bool, message: str, checksums: list[str] | None, **extra: Any) -> web.Response:
+    """SGLang's `{"success", "message"}` answer plus `checksums`, one per bucket received (sluice's verification)."""
+    body: dict[str, Any] = {"success": ok, "message": message, **extra}
+    if checksums is not None:
+        body["checksums"] = checksums
+    return web.json_response(body, status=200 if ok else 400)
+
+
 class EngineServer:
     """Routes SGLang's HTTP API to a `ModelRunner` and a `WeightReceiver`."""
 
@@ -108,9 +117,12 @@ class EngineServer:
                 "/flush_cache": self.flush_cache, "/init_weights_update_group": self.init_weights_update_group,
                 "/destroy_weights_update_group": self.destroy_weights_update_group,
                 "/update_weights_from_distributed": self.update_weights_from_distributed,
+                "/update_weights_from_tensor": self.update_weights_from_tensor,
+                "/update_weights_from_disk": self.update_weights_from_disk, "/weights_checker": self.weights_checker,
                 "/update_weight_version": self.update_weight_version}
         app.router.add_routes([web.get(p, h) for p, h in get.items()] + [web.post(p, h) for p, h in post.items()])
         app.router.add_route("PUT", "/generate", self.generate)
+        app.router.add_route("GET", "/weights_checker", self.weights_checker)
         return app
 
     # ---- generation ----
@@ -216,10 +228,44 @@ class EngineServer:
             return web.json_response({"success": False, "message": problem}, status=400)
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
-        ok, message = await asyncio.to_thread(
+        ok, message, sums = await asyncio.to_thread(
             self.receiver.update_from_distributed, names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
-            group_name=body.get("group_name", "weight_update_group"), weight_version=body.get("weight_version"))
-        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+            group_name=body.get("group_name", "weight_update_group"), weight_version=body.get("weight_version"),
+            load_format=body.get("load_format"))
+        return update_response(ok, message, sums)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's colocated route; here `serialized_named_tensors` holds shared-memory bucket handles."""
+        body = await read_object(request, empty_ok=False)
+        handles = body.get("serialized_named_tensors")
+        if not isinstance(handles, list) or not all(isinstance(h, str) for h in handles):
+            return update_response(False, "serialized_named_tensors must be a list of base64 strings", None)
+        if body.get("load_format") != "flattened_bucket":
+            return update_response(False, f"load_format {body.get('load_format')!r} is not supported by the embedded "
+                                          "engine; send shared-memory buckets with load_format 'flattened_bucket'", None)
+        if body.get("abort_all_requests"):
+            self.runner.abort(abort_all=True)
+        try:
+            ok, message, sums = await asyncio.to_thread(self.receiver.update_from_tensor, handles=handles,
+                                                        weight_version=body.get("weight_version"))
+        except (ValueError, OSError) as e:  # a bad or stale handle: refused, nothing loaded
+            return update_response(False, str(e), None)
+        return update_response(ok, message, sums)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await read_object(request, empty_ok=False)
+        if not isinstance(body.get("model_path"), str):
+            return update_response(False, f"model_path must be a string, got {body.get('model_path')!r}", None)
+        if body.get("abort_all_requests"):
+            self.runner.abort(abort_all=True)
+        ok, message, sums = await asyncio.to_thread(self.receiver.update_from_disk, model_path=body["model_path"],
+                                                    weight_version=body.get("weight_version"))
+        return update_response(ok, message, sums, num_paused_requests=0)
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        body = await read_object(request)
+        answer = await asyncio.to_thread(self.receiver.check_weights, body.get("action", "checksum"))
+        return web.json_response(answer, status=200 if answer["success"] else 400)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await read_object(request, empty_ok=False)

@@ -1,15 +1,33 @@
-"""The engine's side of SGLang's broadcast weight path: join the trainer's group, receive named tensors, load them.
+"""The engine's side of SGLang's weight routes: broadcast (join the trainer's group, receive a flat bucket or
+named tensors), tensor handles (map a shared-memory bucket, copy it in, unmap), disk (load a safetensors checkpoint),
+and the weights checker. Each update answers with the checksum of every bucket it received, computed here.
 
 Blocking calls (they wait on the trainer); the server runs them in worker threads so the HTTP loop keeps serving.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any
 
+import torch
+
 from glue.embedded_engine.model_runner import ModelRunner
-from weight_sync.broadcast import receive_tensors, str_to_dtype
+from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
+from weight_sync.buckets import BucketLayout, checksum, unpack_bucket
 from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
+
+# SGLang request structs (io_struct.py) and the fields of each that the weight routes read, for the schema test.
+WEIGHT_REQUEST_FIELDS = {
+    "UpdateWeightsFromTensorReqInput": ("serialized_named_tensors", "load_format", "flush_cache",
+                                        "abort_all_requests", "weight_version"),
+    "UpdateWeightFromDiskReqInput": ("model_path", "load_format", "abort_all_requests", "weight_version",
+                                     "flush_cache"),
+    "CheckWeightsReqInput": ("action",),
+    "UpdateWeightsFromDistributedReqInput": ("names", "dtypes", "shapes", "group_name", "load_format",
+                                             "weight_version"),
+}
+LOAD_FORMATS = (None, "auto", "flattened_bucket")
 
 
 class WeightReceiver:
@@ -19,7 +37,8 @@ class WeightReceiver:
         self.runner = runner
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
-        self._lock = threading.Lock()  # one group change or one receive at a time
+        self._lock = threading.Lock()  # one group change or one update at a time
+        self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # reused by every broadcast bucket
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> tuple[bool, str]:
@@ -45,16 +64,74 @@ class WeightReceiver:
             return True, "Succeeded to destroy custom process group."
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                                weight_version: str | None) -> tuple[bool, str]:
-        """`/update_weights_from_distributed`: receive every announced tensor (so the trainer's broadcasts always
-        complete), then load them all or, if any name or shape does not fit the model, none."""
+                                weight_version: str | None, load_format: str | None = None
+                                ) -> tuple[bool, str, list[str] | None]:
+        """`/update_weights_from_distributed`: receive everything announced (so the trainer's broadcast always
+        completes), then load it all or, if any name or shape does not fit the model, none. `flattened_bucket`
+        receives one flat bucket in one collective and reports its checksum."""
         with self._lock:
             group = self.groups.get(group_name)
             if group is None:
                 return False, (f"Group {group_name} not in {sorted(self.groups)}. "
-                               "Please call `init_weights_update_group` first.")
-            named = receive_tensors(group, names, dtypes, shapes, src=0)
-        return self.runner.load_weights(named, weight_version)
+                               "Please call `init_weights_update_group` first."), None
+            if load_format != "flattened_bucket":
+                named = receive_tensors(group, names, dtypes, shapes, src=0)
+                return (*self.runner.load_weights(named, weight_version), None)
+            layout = BucketLayout.from_json(0, {"names": names, "dtypes": dtypes, "shapes": shapes})
+            if self._receive_buffer.numel() < layout.nbytes:
+                self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+            flat = self._receive_buffer[: layout.nbytes]
+            broadcast_bucket(group, flat, src=0)
+            return (*self.runner.load_weights(unpack_bucket(layout, flat), weight_version), [checksum(flat)])
+
+    def update_from_tensor(self, *, handles: list[str], weight_version: str | None) -> tuple[bool, str, list[str]]:
+        """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: map, checksum,
+        copy into the model, unmap — the mapping is gone before the answer, so the source may reuse the segment."""
+        from weight_sync.ipc import open_shm_handle
+
+        if len(handles) != 1:
+            return False, (f"serialized_named_tensors has {len(handles)} entries; this engine is one TP rank, send "
+                           "exactly one handle"), []
+        with self._lock:
+            layout, flat = open_shm_handle(handles[0])
+            try:
+                sums = [checksum(flat)]
+                ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
+            finally:
+                del flat  # unmap now, not when the garbage collector gets to it
+        return ok, message, sums
+
+    def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
+        """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
+        from weight_sync.disk import read_checkpoint
+
+        with self._lock:
+            try:
+                named, sums = read_checkpoint(model_path)
+            except (OSError, ValueError, KeyError) as e:
+                return False, f"cannot read the checkpoint at {model_path!r}: {e}", []
+            ok, message = self.runner.load_weights(named, weight_version)
+        return ok, message, sums
+
+    def check_weights(self, action: str) -> dict[str, Any]:
+        """SGLang's `/weights_checker` answer for action "checksum": per-parameter SHA-256 prefixes of the live
+        weights, taken between two forwards."""
+        from weight_sync.source import tensor_checksum
+
+        if action != "checksum":
+            return {"success": False, "message": f"action {action!r} is not supported by the embedded engine; "
+                                                 "use 'checksum'"}
+        with self.runner.model_lock:
+            sums = {n: tensor_checksum(p) for n, p in self.runner.model.named_parameters()}
+        overall = hashlib.sha256()
+        for name in sorted(sums):
+            overall.update(name.encode())
+            overall.update(sums[name].encode())
+        info = {"checksums": sums, "per_gpu_checksum": overall.hexdigest(),
+                "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                      "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}]}
+        return {"success": True, "message": f"checksums of {len(sums)} parameters", "ranks": [info],
+                "per_engine_checksum": hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()}
 
     def close(self) -> None:
         for name in list(self.groups):
@@ -82,6 +159,6 @@ def check_update_payload(body: Any) -> str | None:
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
         return f"weight_version must be a string like SGLang's, got {version!r}"
-    if body.get("load_format") not in (None, "auto"):
-        return f"load_format {body['load_format']!r} is not supported by the embedded engine (first form: one tensor per broadcast)"
+    if body.get("load_format") not in LOAD_FORMATS:
+        return f"load_format {body['load_format']!r} is not supported by the embedded engine; use one of {LOAD_FORMATS}"
     return None

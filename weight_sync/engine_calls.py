@@ -1,0 +1,74 @@
+"""The engine endpoints the bridge speaks, with SGLang's paths and request field names (io_struct.py): weight groups,
+the three update routes, the version tag and the weights checker. Blocking HTTP; the bridge runs calls side by side.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused or failed a weight update, or its weights differ from the source's after one."""
+
+
+def post_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
+    """POST (or GET when payload is None) JSON to an engine; non-2xx answers raise with the body."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = response.read().decode()
+    except urllib.error.HTTPError as err:
+        raise WeightSyncError(f"{url} answered {err.code}: {err.read().decode()[:500]}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+        raise WeightSyncError(f"{url} did not answer ({err}); is the engine still running?") from None
+    return json.loads(body) if body else {}
+
+
+def call_update(url: str, route: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST an update route; an answer without `success: true` raises with the engine's message."""
+    answer = post_json(f"{url}{route}", payload, timeout_s)
+    if not answer.get("success", False):
+        raise WeightSyncError(f"engine {url} failed {route}: {answer.get('message', answer)}")
+    return answer
+
+
+def run_together(calls: Sequence[Callable[[], Any]], timeout_s: float, pool: ThreadPoolExecutor | None = None) -> list[Any]:
+    """Run blocking calls at the same time (collectives need every side inside); return their results in order
+    once all have finished, or raise the first failure after all have returned or failed."""
+    own = pool is None
+    pool = pool or ThreadPoolExecutor(max_workers=max(len(calls), 1))
+    try:
+        futures = [pool.submit(call) for call in calls]
+        errors = [f.exception(timeout=timeout_s) for f in futures]
+    finally:
+        if own:
+            pool.shutdown(wait=False)
+    for err in errors:
+        if err is not None:
+            raise err
+    return [f.result() for f in futures]
+
+
+def set_weight_version(url: str, version: str, timeout_s: float) -> None:
+    """`/update_weight_version` without aborting requests (a paused in-place request keeps its tokens)."""
+    call_update(url, "/update_weight_version", {"new_version": version, "abort_all_requests": False}, timeout_s)
+
+
+def weight_version(url: str, timeout_s: float) -> str | None:
+    """The engine's version, from `/model_info` (SGLang 0.5.23 reports `weight_version` there)."""
+    reported = post_json(f"{url}/model_info", None, timeout_s).get("weight_version")
+    return None if reported is None else str(reported)
+
+
+def weight_checksums(url: str, timeout_s: float) -> dict[str, str]:
+    """Per-tensor checksums of the engine's live weights, from SGLang's `/weights_checker` (action "checksum")."""
+    answer = call_update(url, "/weights_checker", {"action": "checksum"}, timeout_s)
+    ranks = answer.get("ranks") or []
+    if len(ranks) != 1:
+        raise WeightSyncError(f"engine {url}: /weights_checker reported {len(ranks)} ranks; the full comparison "
+                              "handles TP=1 engines (use sync.verify: checksum for others)")
+    return dict(ranks[0]["checksums"])

@@ -1,0 +1,95 @@
+"""The ipc transport's handles: a bucket shared by name instead of copied through a socket, for colocated engines.
+CPU: a POSIX shared-memory file (/dev/shm) the source creates once and reuses every sync; the engine maps it, copies
+the weights out and unmaps it before it answers. GPU: a CUDA IPC handle in SGLang's `flattened_bucket` payload.
+Handles travel as base64 strings in `UpdateWeightsFromTensorReqInput.serialized_named_tensors`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from weight_sync.buckets import BucketLayout
+
+SHM_DIR = "/dev/shm"
+HANDLE_KIND = "sluice_shm"  # the embedded engine's CPU handle; SGLang's CUDA payloads are pickles instead
+
+
+class SharedSegment:
+    """A shared-memory file of a fixed size, mapped as a flat uint8 tensor; `close()` unmaps and unlinks it."""
+
+    def __init__(self, name: str, nbytes: int):
+        if "/" in name or not name:
+            raise ValueError(f"shared-memory segment names are plain file names, got {name!r}")
+        self.path = os.path.join(SHM_DIR, name)
+        self.nbytes = max(int(nbytes), 1)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self.buffer: torch.Tensor | None = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.buffer = None  # drops the mapping
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def encode_shm_handle(segment: SharedSegment, layout: BucketLayout) -> str:
+    """The handle an engine needs to read `layout`'s bucket from `segment`: path, size and the metadata list."""
+    payload = {"kind": HANDLE_KIND, "path": segment.path, "nbytes": layout.nbytes, "metadata": layout.to_json()}
+    return base64.b64encode(json.dumps(payload).encode()).decode()
+
+
+def open_shm_handle(handle: str, index: int = 0) -> tuple[BucketLayout, torch.Tensor]:
+    """Engine side: the bucket's layout and a mapping of its bytes. Drop the tensor (and every view of it) to
+    unmap; the file itself belongs to the source. Refuses paths outside /dev/shm."""
+    try:
+        payload = json.loads(base64.b64decode(handle, validate=True))
+    except ValueError as e:
+        raise ValueError(f"serialized_named_tensors[{index}] is not a base64 JSON shared-memory handle ({e}); the "
+                         "embedded engine reads only sluice's CPU handles") from None
+    if not isinstance(payload, dict) or payload.get("kind") != HANDLE_KIND:
+        raise ValueError(f"serialized_named_tensors[{index}]: expected a handle of kind {HANDLE_KIND!r}")
+    path = os.path.realpath(str(payload.get("path", "")))
+    if os.path.dirname(path) != SHM_DIR:
+        raise ValueError(f"serialized_named_tensors[{index}]: segment {path!r} is not a file in {SHM_DIR}")
+    layout = BucketLayout.from_json(index, payload["metadata"])
+    if int(payload.get("nbytes", -1)) != layout.nbytes or os.path.getsize(path) < layout.nbytes:
+        raise ValueError(f"serialized_named_tensors[{index}]: segment {path} is smaller than its {layout.nbytes}-byte bucket")
+    if layout.nbytes == 0:
+        return layout, torch.empty(0, dtype=torch.uint8)
+    return layout, torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8)
+
+
+def encode_cuda_handle(flat: torch.Tensor, layout: BucketLayout) -> str:
+    """GPU: SGLang's flattened-bucket payload, `{"flattened_tensor": <CUDA IPC handle>, "metadata": [...]}`,
+    pickled by torch's multiprocessing reductions and base64-encoded (what SGLang's MultiprocessingSerializer sends).
+    The source must keep `flat` alive and unchanged until every engine has answered."""
+    from torch.multiprocessing.reductions import ForkingPickler  # registers the CUDA tensor reductions
+
+    if flat.device.type != "cuda":
+        raise ValueError(f"encode_cuda_handle shares CUDA tensors; this bucket is on {flat.device}")
+    metadata: list[Any] = []
+    try:  # SGLang unpickles its own metadata class; fall back to dicts where sglang is not importable
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Meta
+    except ImportError:
+        Meta = None
+    for s in layout.slots:
+        fields = dict(name=s.name, shape=torch.Size(s.shape), dtype=getattr(torch, s.dtype), start_idx=s.offset,
+                      end_idx=s.offset + s.nbytes, numel=s.nbytes)
+        metadata.append(Meta(**fields) if Meta is not None else fields)
+    data = ForkingPickler.dumps({"flattened_tensor": flat[: layout.nbytes], "metadata": metadata})
+    return base64.b64encode(bytes(data)).decode()
+
+
+def open_cuda_handle(handle: str) -> dict[str, Any]:
+    """Inverse of `encode_cuda_handle` in the receiving process (a trusted peer: this unpickles)."""
+    return pickle.loads(base64.b64decode(handle))

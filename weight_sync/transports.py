@@ -1,0 +1,215 @@
+"""Driver side of the three transports behind one small interface: `connect(urls)` opens a channel from the source
+to those engines, `transfer(urls)` moves every bucket once (the source sends, the engines load), `disconnect(urls)`,
+`close()`. Each engine answers with the checksum of every bucket it received; `transfer` returns both sides' lists.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+from weight_sync.buckets import BucketLayout
+from weight_sync.engine_calls import WeightSyncError, call_update, run_together
+
+
+class WeightSource(Protocol):
+    """The trainer as the bridge sees it (blocking calls). `TrainerGroup` and `LocalWeightSource` implement it."""
+
+    def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
+    def open_weight_channel(self, name: str, spec: Mapping[str, Any]) -> None: ...
+    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None: ...
+    def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]: ...
+    def close_weight_channel(self, name: str) -> None: ...
+
+
+@dataclass
+class Transfer:
+    """One transfer's checksums: the source's per bucket, and each engine's per bucket."""
+
+    source: list[str | None] = field(default_factory=list)
+    engines: dict[str, list[str | None]] = field(default_factory=dict)
+
+
+class Transport(Protocol):
+    def connect(self, urls: Sequence[str]) -> None: ...
+    def transfer(self, urls: Sequence[str]) -> Transfer: ...
+    def disconnect(self, urls: Sequence[str]) -> None: ...
+    def close(self) -> None: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _Base:
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float):
+        self.source, self.layouts = source, layouts
+        self.with_checksum, self.timeout_s = with_checksum, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
+
+    def _spec(self, kind: str, **extra: Any) -> dict[str, Any]:
+        return {"kind": kind, "layouts": [b.to_json() for b in self.layouts], "with_checksum": self.with_checksum,
+                **extra}
+
+    def _on_engines(self, urls: Sequence[str], route: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        calls = [lambda url=url: call_update(url, route, payload, self.timeout_s) for url in urls]
+        return run_together(calls, self.timeout_s, self._pool)
+
+    def _flags(self, index: int) -> dict[str, Any]:
+        """Flush the engine's prefix cache once, after the last bucket; never abort requests (the controller has
+        paused generation already, in the mode it chose)."""
+        return {"flush_cache": index == len(self.layouts) - 1, "abort_all_requests": False}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def _reported(answer: dict[str, Any], expected: int, url: str) -> list[str | None]:
+    sums = answer.get("checksums")
+    if sums is None:
+        return [None] * expected  # an engine that does not report (SGLang); verification says so if it is on
+    if len(sums) != expected:
+        raise WeightSyncError(f"engine {url} reported {len(sums)} bucket checksums for {expected} buckets")
+    return list(sums)
+
+
+class BroadcastTransport(_Base):
+    """A weight group `[source, engine_0, engine_1, ...]` per connected engine list; one broadcast per bucket.
+    Groups are created one at a time and every member joins in the same call, in list order (rank_offset = 1 + i),
+    so two groups never wait on each other."""
+
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str,
+                 with_checksum: bool, timeout_s: float):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+        self.backend, self.master_address = backend, master_address
+        self.groups: dict[tuple[str, ...], str] = {}
+        self._names = (f"sluice_weights_{os.getpid()}_{i}" for i in itertools.count())
+
+    def connect(self, urls: Sequence[str]) -> None:
+        key = tuple(urls)
+        if key in self.groups:
+            return
+        name, port = next(self._names), free_port(self.master_address)
+        spec = self._spec("broadcast", master_address=self.master_address, master_port=port,
+                          world_size=1 + len(urls), group_name=name, backend=self.backend, timeout_s=self.timeout_s)
+        engine_calls = [
+            lambda url=url, rank=i + 1: call_update(url, "/init_weights_update_group", {
+                "master_address": self.master_address, "master_port": port, "rank_offset": rank,
+                "world_size": 1 + len(urls), "group_name": name, "backend": self.backend}, self.timeout_s)
+            for i, url in enumerate(urls)]
+        run_together([lambda: self.source.open_weight_channel(name, spec), *engine_calls], self.timeout_s, self._pool)
+        self.groups[key] = name
+
+    def transfer(self, urls: Sequence[str]) -> Transfer:
+        name = self.groups.get(tuple(urls))
+        if name is None:
+            raise WeightSyncError(f"no weight group for engines {list(urls)}; call connect() with that list first")
+        result = Transfer(engines={url: [] for url in urls})
+        for layout in self.layouts:
+            payload = {**layout.to_json(), "group_name": name, "load_format": "flattened_bucket",
+                       **self._flags(layout.index)}
+            del payload["offsets"]  # SGLang's struct has no such field; packing order defines them
+            calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
+            calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s)
+                      for url in urls]
+            sent, *answers = run_together(calls, self.timeout_s, self._pool)
+            result.source.append(sent["checksum"])
+            for url, answer in zip(urls, answers):
+                result.engines[url] += _reported(answer, 1, url)
+        return result
+
+    def disconnect(self, urls: Sequence[str]) -> None:
+        name = self.groups.pop(tuple(urls), None)
+        if name is None:
+            return
+        self._on_engines(urls, "/destroy_weights_update_group", {"group_name": name})
+        self.source.close_weight_channel(name)
+
+    def close(self) -> None:
+        for key in list(self.groups):
+            try:
+                self.disconnect(list(key))
+            except WeightSyncError:  # an engine that is already gone cannot leave the group; the source still does
+                self.source.close_weight_channel(self.groups.pop(key, ""))
+        super().close()
+
+
+class IpcTransport(_Base):
+    """One shared segment (CPU) or CUDA buffer on the source, reused for every bucket of every sync: the source packs
+    bucket i into it, every engine copies it out and unmaps it, and only then is bucket i+1 packed."""
+
+    CHANNEL = "ipc"
+
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, device: str, with_checksum: bool,
+                 timeout_s: float):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+        self.device, self._open = device, False
+
+    def connect(self, urls: Sequence[str]) -> None:
+        if not self._open:
+            self.source.open_weight_channel(self.CHANNEL, self._spec("ipc", device=self.device))
+            self._open = True
+
+    def transfer(self, urls: Sequence[str]) -> Transfer:
+        result = Transfer(engines={url: [] for url in urls})
+        for layout in self.layouts:
+            sent = self.source.send_weight_bucket(self.CHANNEL, layout.index)
+            payload = {"serialized_named_tensors": [sent["handle"]], "load_format": "flattened_bucket",
+                       **self._flags(layout.index)}
+            result.source.append(sent["checksum"])
+            for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_tensor", payload)):
+                result.engines[url] += _reported(answer, 1, url)
+        return result
+
+    def disconnect(self, urls: Sequence[str]) -> None:
+        """Point to point: nothing per engine to undo."""
+
+    def close(self) -> None:
+        if self._open:
+            self.source.close_weight_channel(self.CHANNEL)
+            self._open = False
+        super().close()
+
+
+class DiskTransport(_Base):
+    """The source writes a safetensors checkpoint (one shard per bucket) and renames it into place; every engine
+    then loads it through `/update_weights_from_disk`."""
+
+    CHANNEL = "disk"
+
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, directory: str | None,
+                 with_checksum: bool, timeout_s: float):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+        self.directory = directory or tempfile.mkdtemp(prefix="sluice-weights-")
+        self._open = False
+
+    def connect(self, urls: Sequence[str]) -> None:
+        if not self._open:
+            self.source.open_weight_channel(self.CHANNEL, self._spec("disk", dir=self.directory))
+            self._open = True
+
+    def transfer(self, urls: Sequence[str]) -> Transfer:
+        result = Transfer(engines={})
+        sent: dict[str, Any] = {}
+        for layout in self.layouts:
+            sent = self.source.send_weight_bucket(self.CHANNEL, layout.index)
+            result.source.append(sent["checksum"])
+        payload = {"model_path": sent["path"], "abort_all_requests": False, "flush_cache": True}
+        for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_disk", payload)):
+            result.engines[url] = _reported(answer, len(self.layouts), url)
+        return result
+
+    def disconnect(self, urls: Sequence[str]) -> None:
+        """Point to point: nothing per engine to undo."""
+
+    def close(self) -> None:
+        if self._open:
+            self.source.close_weight_channel(self.CHANNEL)
+            self._open = False
+        super().close()
