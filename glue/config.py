@@ -59,13 +59,20 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class SyncConfig:
-    transport: Literal["broadcast"] = "broadcast"  # how weights move trainer -> engines
-    backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU)
+    transport: Literal["broadcast", "ipc", "disk"] = "broadcast"  # broadcast (weight group), ipc (colocated, shared memory / CUDA IPC), disk (safetensors, the slow reference)
+    backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU); nccl also makes ipc share CUDA buffers
+    bucket_bytes: int = 512 * 1024**2  # weights travel in flat buckets of at most this many bytes
+    verify: Literal["checksum", "full", "off"] = "checksum"  # checksum: per bucket, both sides; full: also every engine tensor vs the trainer's
     master_address: str = "127.0.0.1"  # address the trainer's rank 0 listens on for the weight group
+    disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory
     timeout_s: float = 300.0  # a sync that takes longer fails the run
 
     def __post_init__(self) -> None:
-        if self.transport != "broadcast":
-            raise ValueError(f"sync.transport {self.transport!r} is not available yet; use 'broadcast'")
+        if self.transport not in ("broadcast", "ipc", "disk"):
+            raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {self.transport!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"sync.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.verify not in ("checksum", "full", "off"):
+            raise ValueError(f"sync.verify must be 'checksum', 'full' or 'off', got {self.verify!r}")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"sync.bucket_bytes must be >= 1 (default 512 MiB = 536870912), got {self.bucket_bytes}")

@@ -78,7 +78,7 @@ def start_components(cfg: SluiceConfig, model_path: str, run_dir: Path, stack: c
     from glue.fleet import RolloutFleet
     from glue.rollout import RolloutManager
     from glue.trainer.group import TrainerGroup
-    from weight_sync.bridge import BroadcastBridge
+    import weight_sync
 
     fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
                          router_policy=cfg.rollout.router_policy,
@@ -91,9 +91,9 @@ def start_components(cfg: SluiceConfig, model_path: str, run_dir: Path, stack: c
     stack.callback(loop.close)
     client = EngineClient(fleet.router_url, fleet.engine_urls)
     stack.callback(lambda: loop.run_until_complete(client.close()))
-    bridge = BroadcastBridge(trainer, fleet.engine_urls, master_address=cfg.sync.master_address,
-                             master_port=free_port(), backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
-    bridge.connect()
+    bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
+                                     disk_dir=str(run_dir / "weights"))
+    stack.callback(bridge.close)
     manager = RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
                              task_args=cfg.rollout.task_args, client=client,
                              sampling_params=cfg.rollout.sampling.to_sglang(),

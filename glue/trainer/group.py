@@ -63,6 +63,27 @@ class TrainerGroup:
         """Gather full tensors over TP and broadcast them from rank 0 through the weight group."""
         self._all("send_weights", group_name)
 
+    def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
+        """Rank 0 opens a weight-bridge channel (for broadcast: blocks until every engine has joined)."""
+        import ray
+
+        ray.get(self._actors[0].open_weight_channel.remote(name, spec))
+
+    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None:
+        """All ranks gather full HF tensors; rank 0 holds them for the buckets (and returns per-tensor checksums)."""
+        return self._all("stage_weights", with_tensor_checksums)[0]
+
+    def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
+        """Rank 0 packs and sends one bucket of the staged weights; returns its checksum (and handle or path)."""
+        import ray
+
+        return ray.get(self._actors[0].send_weight_bucket.remote(channel, index))
+
+    def close_weight_channel(self, name: str) -> None:
+        import ray
+
+        ray.get(self._actors[0].close_weight_channel.remote(name))
+
     def full_hf_state(self) -> dict[str, Any]:
         """Every weight as a full HF-named CPU tensor (for checks and checkpoints)."""
         return self._all("full_hf_state")[0]

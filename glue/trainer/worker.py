@@ -30,6 +30,7 @@ class TrainerWorker:
         self.rank, self.world_size = rank, world_size
         self.version = 0
         self._weight_groups: dict[str, Any] = {}
+        self._bucket_source: Any = None  # weight_sync.source.BucketSource on rank 0, made on first use
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This host's address (Ray's node IP inside an actor, else loopback) and a free port, for rank 0."""
@@ -203,9 +204,38 @@ class TrainerWorker:
 
         send_tensors(self._weight_groups[group_name], list(state.items()), src=0)
 
+    # ---- the weight bridge's source calls (weight_sync.transports.WeightSource); rank 0 sends ----
+    def _source(self) -> Any:
+        if self._bucket_source is None:
+            from weight_sync.source import BucketSource
+
+            self._bucket_source = BucketSource()
+        return self._bucket_source
+
+    def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
+        """Rank 0 opens a bucket channel (a weight group, a shared segment or a checkpoint directory)."""
+        if self.rank == 0:
+            self._source().open_channel(name, spec)
+
+    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None:
+        """Collective: every TP rank gathers full HF tensors; rank 0 keeps them for `send_weight_bucket`."""
+        state = self.full_hf_state()
+        return self._source().stage(state, with_tensor_checksums) if self.rank == 0 else None
+
+    def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
+        """Rank 0 packs bucket `index` of the staged weights and sends it into `channel`."""
+        return self._source().send_bucket(channel, index)
+
+    def close_weight_channel(self, name: str) -> None:
+        if self._bucket_source is not None:
+            self._bucket_source.close_channel(name)
+
     def shutdown(self) -> None:
         """Leave the process groups (the actor is killed afterwards)."""
         from weight_sync.process_group import destroy_process_group
+
+        if self._bucket_source is not None:
+            self._bucket_source.close()
 
         for group in self._weight_groups.values():
             destroy_process_group(group)
