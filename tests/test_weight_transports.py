@@ -1,0 +1,164 @@
+"""The bridge for real: every transport moves a state dict in several buckets into running embedded engines, which
+then generate exactly like that model; full verification catches weights changed behind the bridge's back; a late
+engine is brought to the current version first; 500 IPC syncs leave shared memory as it was."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from glue.config import SyncConfig
+from test_embedded_engine import call, generate, teacher_forced_logprobs
+from weight_sync.bridge import WeightSyncError, make_bridge
+from weight_sync.source import LocalWeightSource
+from weight_sync.transports import Transfer
+from weight_sync.verify import check_bucket_checksums
+
+PROMPTS = ([3, 4, 5], [9], [2, 7, 7, 1])
+
+
+@pytest.fixture(scope="module")
+def engines(engine_processes, tiny_model_dir) -> list[str]:
+    """Two engines that start with the seed-0 weights; each test loads a model of its own into them."""
+    return [engine_processes.start(tiny_model_dir), engine_processes.start(tiny_model_dir)]
+
+
+def hf_model(tmp_path_factory, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp(f"seed{seed}"), seed=seed)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path
+
+
+def source_of(model) -> LocalWeightSource:
+    return LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def max_logprob_diff(url: str, model) -> float:
+    """Greedy generations on PROMPTS: the engine's tokens must be the model's argmax; returns the largest
+    |engine logprob - model's teacher-forced logprob|."""
+    worst = 0.0
+    for prompt in PROMPTS:
+        out = generate(url, {"input_ids": prompt, "return_logprob": True,
+                             "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}})
+        tokens = out["output_ids"]
+        with torch.no_grad():
+            greedy = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+        assert tokens == greedy
+        expected = teacher_forced_logprobs(model, prompt, tokens, 1.0)
+        engine = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        worst = max(worst, max(abs(a - b) for a, b in zip(engine, expected)))
+    return worst
+
+
+@pytest.mark.parametrize("transport,seed", [("broadcast", 1), ("ipc", 2), ("disk", 3)])
+def test_each_transport_brings_every_engine_to_the_sources_weights_in_several_buckets(
+        engines, tmp_path_factory, tmp_path, transport, seed):
+    model, _ = hf_model(tmp_path_factory, seed)
+    cfg = SyncConfig(transport=transport, bucket_bytes=40_000, verify="full", disk_dir=str(tmp_path / "ckpt"))
+    bridge = make_bridge(cfg, source=source_of(model), engine_urls=engines)
+    try:
+        assert len(bridge.layouts) >= 8  # ~313 kB of weights in buckets of <= 40 kB (lm_head alone is 8 kB)
+        assert all(b.nbytes <= 40_000 for b in bridge.layouts)
+        timings = bridge.sync(5)
+        assert timings["bytes"] == sum(p.numel() * 4 for p in model.parameters())
+        for url in engines:
+            assert call(url, "/model_info")[1]["weight_version"] == "5"
+            diff = max_logprob_diff(url, model)
+            print(f"{transport}: max |engine - model| logprob = {diff:.2e}")
+            assert diff < 1e-5
+    finally:
+        bridge.close()
+    if transport == "disk":
+        assert os.listdir(tmp_path / "ckpt") == []  # the bridge cleans its checkpoints up
+
+
+def test_full_verification_fails_when_an_engines_weights_changed_behind_the_bridge(
+        engines, tmp_path_factory, tiny_model_dir):
+    model, _ = hf_model(tmp_path_factory, 4)
+    bridge = make_bridge(SyncConfig(transport="ipc", verify="full"), source=source_of(model), engine_urls=engines[:1])
+    try:
+        bridge.sync(1)
+        status, answer = call(engines[0], "/update_weights_from_disk", {"model_path": tiny_model_dir})
+        assert status == 200 and answer["success"], answer
+        # 27 tensors, of which the 5 norms (ones) and 6 qkv biases (zeros) are the same in every random tiny model
+        with pytest.raises(WeightSyncError, match=r"weights differ from the trainer's: 16 tensor\(s\) differ"):
+            from weight_sync.verify import check_full
+
+            check_full(engines[0], bridge.source.stage_weights(True), timeout_s=30)
+        bridge.sync(2)  # a sync repairs it, and verifies that it did
+        assert max_logprob_diff(engines[0], model) < 1e-5
+    finally:
+        bridge.close()
+
+
+def test_a_bucket_checksum_that_differs_on_any_engine_raises_naming_engine_and_bucket():
+    transfer = Transfer(source=["0a0a0a0a", "1b1b1b1b"], engines={"http://e0": ["0a0a0a0a", "1b1b1b1b"],
+                                                                  "http://e1": ["0a0a0a0a", "ffffffff"]})
+    with pytest.raises(WeightSyncError, match=r"http://e1 bucket 1 \(1 tensors from 'b'\): source 1b1b1b1b, engine ffffffff"):
+        check_bucket_checksums(transfer, [["a"], ["b"]])
+    check_bucket_checksums(Transfer(source=["0a"], engines={"http://e0": ["0a"]}), [["a"]])  # equal: silent
+    with pytest.raises(WeightSyncError, match="reports no bucket checksums"):
+        check_bucket_checksums(Transfer(source=["0a"], engines={"http://e0": [None]}), [["a"]])
+
+
+def test_a_late_engine_receives_the_current_version_before_it_joins_the_broadcast_group(
+        engine_processes, engines, tiny_model_dir, tmp_path_factory):
+    model5, _ = hf_model(tmp_path_factory, 5)
+    model6, _ = hf_model(tmp_path_factory, 6)
+    source = source_of(model5)
+    bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=100_000), source=source,
+                         engine_urls=engines[:1])
+    try:
+        bridge.sync(3)
+        late = engine_processes.start(tiny_model_dir)  # starts with the seed-0 weights and version "0"
+        bridge.add_engine(late)
+        assert call(late, "/model_info")[1]["weight_version"] == "3"
+        assert max_logprob_diff(late, model5) < 1e-5
+        source.tensors = {n: p.detach().clone() for n, p in model6.named_parameters()}
+        bridge.sync(4)  # one group, both engines
+        for url in (engines[0], late):
+            assert call(url, "/model_info")[1]["weight_version"] == "4"
+            assert max_logprob_diff(url, model6) < 1e-5
+    finally:
+        bridge.close()
+
+
+def _sluice_segments() -> dict[str, int]:
+    return {f: os.path.getsize(f"/dev/shm/{f}") for f in os.listdir("/dev/shm") if f.startswith("sluice-")}
+
+
+def _mapped_segments(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("/dev/shm/sluice-" in line for line in f)
+
+
+def test_five_hundred_ipc_syncs_leave_shared_memory_flat(engine_processes, engines, tmp_path_factory):
+    model, _ = hf_model(tmp_path_factory, 7)
+    engine_pids = [p.pid for p in engine_processes.procs[:2]]
+    before_files, before_used = _sluice_segments(), _shm_used()
+    bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000), source=source_of(model),
+                         engine_urls=engines)
+    try:
+        bridge.sync(1)
+        after_first, used_first = _sluice_segments(), _shm_used()
+        assert len(after_first) == len(before_files) + 1  # one preallocated segment, the largest bucket's size
+        for version in range(2, 501):
+            bridge.sync(version)
+        after_500, used_500 = _sluice_segments(), _shm_used()
+        print(f"/dev/shm used: before {before_used} B, after 1 sync {used_first} B, after 500 syncs {used_500} B; "
+              f"sluice segments {after_first} -> {after_500}")
+        assert after_500 == after_first
+        assert [_mapped_segments(pid) for pid in engine_pids] == [0, 0]  # engines unmapped every bucket
+        assert call(engines[1], "/model_info")[1]["weight_version"] == "500"
+    finally:
+        bridge.close()
+    assert _sluice_segments() == before_files  # closing the bridge unlinks the segment
+
+
+def _shm_used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
