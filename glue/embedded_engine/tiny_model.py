@@ -6,7 +6,19 @@ from __future__ import annotations
 
 import os
 
-_FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+_FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
+def _family_fields(family: str, hidden_size: int, num_heads: int, intermediate_size: int) -> dict:
+    """Config fields beyond the shared ones: Qwen3's head_dim defaults to 128 whatever the hidden size, and
+    Qwen3-MoE's experts (4 experts, top-2, each a quarter of the dense MLP, renormalised top-k weights)."""
+    if family == "qwen3":
+        return {"head_dim": hidden_size // num_heads}
+    if family == "qwen3_moe":
+        return {"head_dim": hidden_size // num_heads, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": intermediate_size // 4, "norm_topk_prob": True}
+    return {}
 
 
 def save_tiny_model(
@@ -46,6 +58,7 @@ def save_tiny_model(
         eos_token_id=1,
         pad_token_id=None,
         torch_dtype="float32",
+        **_family_fields(family, hidden_size, num_heads, intermediate_size),
     )
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

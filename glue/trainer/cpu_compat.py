@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import types
 from functools import reduce
 
 import torch
@@ -28,6 +29,8 @@ def apply() -> None:
     _patch_rotary_embedding()
     _patch_global_memory_buffer()
     _patch_default_causal_mask()
+    _patch_moe_router()
+    _patch_first_dim_collectives()
     _applied = True
 
 
@@ -104,3 +107,41 @@ def _patch_default_causal_mask() -> None:
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
     fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+def _patch_moe_router() -> None:
+    # Why: Router.gating moves CPU router weights to torch.cuda.current_device(), and the gating matmul reads
+    # `te_general_gemm`, which moe_utils only defines when Transformer Engine imports.
+    from megatron.core.transformer.moe import moe_utils, router
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return moe_utils.router_gating_linear(input, self.weight, self.bias, dtype)
+
+    router.Router.gating = gating
+
+
+class _TorchOnCpu(types.ModuleType):
+    """`torch` as seen by a patched megatron function: the same module, except that the current device is the CPU."""
+
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _patch_first_dim_collectives() -> None:
+    # Why: the first-dim all-gather / reduce-scatter (sequence parallel, the MoE all-gather token dispatcher at
+    # TP or EP > 1) allocate their outputs on torch.cuda.current_device(). Same bytecode, run with a CPU `torch`.
+    from megatron.core.tensor_parallel import mappings
+
+    cpu_torch = _TorchOnCpu("torch")
+    for name in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim", "_gather_along_last_dim"):
+        f = getattr(mappings, name)
+        patched = types.FunctionType(f.__code__, {**vars(mappings), "torch": cpu_torch}, f.__name__, f.__defaults__,
+                                     f.__closure__)
+        patched.__kwdefaults__ = f.__kwdefaults__
+        setattr(mappings, name, patched)

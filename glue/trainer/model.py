@@ -1,4 +1,4 @@
-"""The trainer's model: a megatron-core GPTModel (local layer spec) built from an HF Llama/Qwen2 config, loaded
+"""The trainer's model: a megatron-core GPTModel (local layer spec) built from an HF Llama/Qwen2/Qwen3(-MoE) config, loaded
 with the HF weights (weight_sync.convert + TP sharding), and the per-token logprobs the loss consumes.
 
 Needs `torch.distributed` and megatron's `parallel_state` initialised (the worker does that) and, on CPU,
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from weight_sync.convert import hf_to_megatron, is_tied, shard_for_tp
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 def read_hf_config(model_dir: str) -> Any:
@@ -42,7 +42,7 @@ def rope_theta(hf_config: Any) -> float:
 
 
 def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
-    """megatron-core TransformerConfig equivalent to an HF Llama/Qwen2 config, float32, fusions off."""
+    """megatron-core TransformerConfig equivalent to an HF Llama/Qwen2/Qwen3/Qwen3-MoE config, float32, fusions off."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     num_heads = hf_config.num_attention_heads
@@ -63,18 +63,50 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True,
+        attention_softmax_in_fp32=True, **family_config_kwargs(hf_config),
     )
+
+
+def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
+    """TransformerConfig fields that differ by family: Qwen3's per-head q/k RMSNorm, Qwen3-MoE's routed experts."""
+    from weight_sync.convert import is_moe_layer, num_experts
+
+    kwargs: dict[str, Any] = {"qk_layernorm": hf_config.model_type in ("qwen3", "qwen3_moe")}
+    if num_experts(hf_config) == 0:
+        return kwargs
+    from glue.trainer import cpu_compat
+
+    kwargs.update(
+        num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_layer_freq=[int(is_moe_layer(hf_config, i)) for i in range(hf_config.num_hidden_layers)],
+        # HF: softmax over all experts, top-k, renormalised only with norm_topk_prob. Megatron without pre-softmax
+        # softmaxes the top-k logits, which is exactly the renormalised form.
+        moe_router_pre_softmax=not hf_config.norm_topk_prob, moe_router_score_function="softmax",
+        moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        # SequentialMLP (local spec); the all-to-all dispatcher needs CUDA streams
+        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall",
+    )
+    return kwargs
+
+
+def layer_spec(config: Any) -> Any:
+    """Local (no Transformer Engine) layer spec; MoE models get the per-layer block spec (dense or MoE by
+    `moe_layer_freq`, SequentialMLP experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if config.num_moe_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
 def build_model(hf_config: Any, *, tp_size: int) -> torch.nn.Module:
     """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard, random weights."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    config = transformer_config(hf_config, tp_size=tp_size)
     return GPTModel(
-        config=transformer_config(hf_config, tp_size=tp_size),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=layer_spec(config),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), parallel_output=True,
