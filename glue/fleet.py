@@ -57,10 +57,10 @@ def _die_with_parent() -> None:
 class _Managed:
     """One started process: its role (for messages), pid, and log file."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path):
+    def __init__(self, name: str, cmd: list[str], log_path: Path, extra_env: dict[str, str] | None = None):
         self.name, self.cmd, self.log_path = name, cmd, log_path
         self._log: IO[bytes] = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         on_main_thread = threading.current_thread() is threading.main_thread()
         try:
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -105,7 +105,8 @@ class RolloutFleet:
                  router_policy: str = "round_robin", engine_startup_timeout_s: float = 120,
                  engine_args: Sequence[str] = (), router_args: Sequence[str] = (), log_dir: str | Path | None = None,
                  engine_command: Sequence[str] = EMBEDDED_ENGINE, router_command: Sequence[str] = ROUTER,
-                 router_startup_timeout_s: float = 60, stop_grace_s: float = 10):
+                 router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
+                 engine_env: Sequence[dict[str, str]] = ()):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
@@ -113,6 +114,7 @@ class RolloutFleet:
         self.engine_startup_timeout_s = engine_startup_timeout_s
         self.router_startup_timeout_s = router_startup_timeout_s
         self.engine_args, self.router_args = list(engine_args), list(router_args)
+        self.engine_env = list(engine_env)  # per engine index, e.g. its CUDA_VISIBLE_DEVICES from the placement
         self.engine_command, self.router_command = list(engine_command), list(router_command)
         self.stop_grace_s = stop_grace_s
         self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd() / "fleet-logs"
@@ -160,7 +162,8 @@ class RolloutFleet:
             url = f"http://{self.host}:{port}"
             cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
                    *self.engine_args]
-            self._engines.append(_Managed(f"engine {i} ({url})", cmd, self.log_dir / f"engine_{i}.log"))
+            env = self.engine_env[i] if i < len(self.engine_env) else None
+            self._engines.append(_Managed(f"engine {i} ({url})", cmd, self.log_dir / f"engine_{i}.log", env))
             self.engine_urls.append(url)
             self.started_pids.append(self._engines[-1].proc.pid)
 

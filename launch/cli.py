@@ -1,23 +1,97 @@
-"""`sluice --config run.yaml [section.key=value | --section.key value ...] [--dry-run]`: parse, validate, run."""
+"""`sluice --config run.yaml [section.key=value ...] [--<megatron-field> ...] [--sglang-* ...] [--router-* ...]
+[--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit)."""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, NoReturn
 
-from launch.config import ConfigError, load_config, to_dict
+from launch.config import ConfigError, load_config, merge, to_dict
+
+USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
+         "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]")
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="sluice",
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line naming the problem (argparse's default prints the usage, which is a page long here)."""
+        self.exit(2, f"sluice: error: {message} (see sluice --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full CLI: sluice's own flags, then the generated megatron / sglang / router groups."""
+    from launch.megatron_args import add_megatron_flags
+    from launch.options import add_options
+    from launch.router_args import router_options
+    from launch.sglang_args import sglang_options
+
+    parser = _Parser(
+        prog="sluice", usage=USAGE, allow_abbrev=False,
         description="RL post-training: SGLang rollout fleet behind sgl-router, megatron-core trainer, weight bridge.",
         epilog="Any config key can be overridden as section.key=value or --section.key value (CLI wins over YAML), "
                "e.g. `sluice --config examples/configs/demo.yaml run.num_steps=5 --trainer.lr 1e-3`.",
     )
-    parser.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync)")
-    parser.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it, and exit")
+    own = parser.add_argument_group("sluice")
+    own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, cluster, "
+                                      "sglang, router)")
+    own.add_argument("--dry-run", action="store_true",
+                     help="resolve and validate, print the config and the placement plan (ranks, engine and router "
+                          "commands), and exit without starting anything")
+    add_megatron_flags(parser)
+    sglang = sglang_options()
+    group = parser.add_argument_group(
+        "sglang (generated from the installed sglang's ServerArgs; forwarded to every engine)",
+        "Any SGLang server option as --sglang-<option>; YAML: sglang.<option>." if sglang is not None else
+        "sglang is not installed: --sglang-<option> [VALUE] is forwarded verbatim, unchecked.")
+    if sglang is not None:
+        add_options(group, sglang, prefix="sglang", section="sglang")
+    router = router_options()
+    group = parser.add_argument_group("router (generated from sglang_router's RouterArgs; forwarded to sgl-router)",
+                                      "Any sgl-router option as --router-<option>; YAML: router.<option>.")
+    if router is not None:
+        add_options(group, router, prefix="router", section="router")
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections."""
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    rest, verbatim = _verbatim_sglang(rest)
+    flags: dict[str, Any] = {"sglang": verbatim} if verbatim else {}
+    megatron = {}
+    for dest, value in list(vars(args).items()):
+        section, sep, key = dest.partition(":")
+        if not sep:
+            continue
+        delattr(args, dest)
+        if section == "megatron":
+            megatron[key] = value
+        else:
+            flags.setdefault(section, {})[key] = value
+    if megatron:
+        from launch.megatron_args import route
+
+        merge(flags, route(megatron))
+    args.flags = flags
     return args, _overrides(rest, parser)
+
+
+def _verbatim_sglang(rest: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Without sglang installed, `--sglang-x [value]` cannot be checked: keep it as given (a bare flag is true)."""
+    out, verbatim, i = [], {}, 0
+    while i < len(rest):
+        item = rest[i]
+        if item.startswith("--sglang-"):
+            name, eq, value = item[len("--sglang-"):].partition("=")
+            if not eq and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                value, eq = rest[i + 1], "="
+                i += 1
+            verbatim[name.replace("-", "_")] = value if eq else True
+        else:
+            out.append(item)
+        i += 1
+    return out, verbatim
 
 
 def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -26,6 +100,8 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
     while i < len(rest):
         item = rest[i]
         if item.startswith("--") and "=" not in item:
+            if "." not in item:
+                parser.error(f"unrecognised option {item!r}: not a sluice, megatron, --sglang-* or --router-* flag")
             if i + 1 >= len(rest):
                 parser.error(f"{item} needs a value")
             out.append(f"{item[2:]}={rest[i + 1]}")
@@ -41,14 +117,16 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(args.config, overrides)
+        from launch.plan import resolve
+
+        cfg, plan = resolve(load_config(args.config, overrides, args.flags))
     except (ConfigError, FileNotFoundError) as err:
         print(f"sluice: config error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         import yaml
 
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict()}, sort_keys=False, width=1000), end="")
         return 0
     from launch.runner import run
 

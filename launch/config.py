@@ -11,7 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -44,12 +44,49 @@ class RunConfig:
     output_dir: str = "runs"
     num_steps: int = 30  # training steps (one rollout batch each)
     seed: int = 0
-    ray_address: str | None = None  # attach to an existing Ray cluster; null starts a local one
+    mode: Literal["sync", "async"] = "sync"  # sync: every rollout comes from the latest weights
+    ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null starts a local one
     ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"run.num_steps must be >= 1, got {self.num_steps}")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where the trainer ranks and the engines go: one Ray placement group, one bundle per device."""
+
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"  # separate devices, or shared ones
+    num_nodes: int = 1  # nodes the run spans (each started with `ray start`)
+    gpus_per_node: int = 0  # 0: no GPU, every trainer rank and engine gets a CPU bundle instead
+    trainer_gpus: int | None = None  # devices of the trainer; null = TP x PP x CP x DP
+    engine_gpus: int | None = None  # devices of all engines; null = rollout.num_engines x engine_tensor_parallel_size
+    engine_tensor_parallel_size: int = 1  # SGLang --tp-size of every engine
+    engine: Literal["auto", "embedded", "sglang"] = "auto"  # auto: SGLang servers on GPU, the embedded engine on CPU
+    cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "engine_tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"cluster.gpus_per_node must be >= 0 (0 = CPU only), got {self.gpus_per_node}")
+        for name in ("trainer_gpus", "engine_gpus"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name} must be >= 1 or null, got {getattr(self, name)}")
+        if not self.cpus_per_bundle > 0:
+            raise ValueError(f"cluster.cpus_per_bundle must be > 0, got {self.cpus_per_bundle}")
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.gpus_per_node > 0
+
+    @property
+    def engine_kind(self) -> str:
+        if self.engine != "auto":
+            return self.engine
+        return "sglang" if self.uses_gpus else "embedded"
 
 
 @dataclass(kw_only=True)
@@ -60,6 +97,9 @@ class SluiceConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
+    router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)
 
     @property
     def run_dir(self) -> Path:
@@ -70,17 +110,30 @@ class ConfigError(ValueError):
     """A config key or value is wrong; the message names the key and the fix."""
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> SluiceConfig:
-    """Read YAML (optional), apply `key.sub=value` overrides (CLI wins), build and validate the typed config."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                flags: dict[str, Any] | None = None) -> SluiceConfig:
+    """Read YAML (optional), merge pass-through `flags` (nested sections, from --<megatron-field>, --sglang-*,
+    --router-*), apply `key.sub=value` overrides (CLI wins over YAML), build and validate the typed config.
+    Pass-through values are checked against the backends' definitions later, by `launch.plan.resolve`."""
     raw: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
         raw = yaml.safe_load(text) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    merge(raw, flags or {})
     for item in overrides:
         apply_override(raw, item)
     return build(SluiceConfig, raw, prefix="")
+
+
+def merge(raw: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Deep-merge `extra` into `raw` (extra wins)."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            merge(raw[key], value)
+        else:
+            raw[key] = value
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -1,4 +1,5 @@
-"""Bring a run up and down: run directory, model, Ray, fleet + router, trainer, weight bridge, then the loop.
+"""Bring a run up and down: plan, run directory, model, Ray + placement group, fleet + router, trainer, weight
+bridge, then the loop.
 
 Everything started here is stopped here (ExitStack), on success, on error and on Ctrl-C.
 """
@@ -6,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import sys
 from pathlib import Path
 
-from launch.config import SluiceConfig, write_resolved
+from launch.config import ConfigError, SluiceConfig, write_resolved
+from launch.plan import RunPlan, resolve
 
 
 def run(cfg: SluiceConfig) -> Path:
     """Run `cfg` to completion; returns the run directory (metrics.jsonl, config.yaml, logs/)."""
+    cfg, plan = resolve(cfg)
+    if plan.notes:
+        raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
     check_plugins(cfg)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -23,8 +27,9 @@ def run(cfg: SluiceConfig) -> Path:
     write_resolved(cfg, run_dir / "config.yaml")
     model_path = prepare_model(cfg, run_dir)
     with contextlib.ExitStack() as stack:
-        start_ray(cfg, stack)
-        fleet, client, trainer, bridge, manager, loop = start_components(cfg, model_path, run_dir, stack)
+        placement = start_ray(cfg, plan, stack)
+        fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
+                                                                         stack)
         from tqdm import tqdm
 
         from glue.controller import run_sync_loop
@@ -63,17 +68,25 @@ def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
     return save_tiny_model(str(run_dir / "init_model"), **asdict(cfg.model.tiny))
 
 
-def start_ray(cfg: SluiceConfig, stack: contextlib.ExitStack) -> None:
-    import ray
+def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
+    """Start or attach to Ray and reserve the plan's placement group (a launch.cluster.Placement)."""
+    from launch import cluster
 
-    if cfg.run.ray_address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user test cluster
-    ray.init(address=cfg.run.ray_address, num_cpus=None if cfg.run.ray_address else cfg.run.ray_num_cpus,
-             include_dashboard=False, log_to_driver=False, configure_logging=False)
-    stack.callback(ray.shutdown)
+    cluster.start_ray(address=cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus, stack=stack)
+    placement = cluster.reserve(plan, stack)
+    cluster.check_engines_local(placement, plan)
+    return placement
 
 
-def start_components(cfg: SluiceConfig, model_path: str, run_dir: Path, stack: contextlib.ExitStack):
+def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[dict]:
+    """Each trainer rank pinned to its bundle: a whole GPU on GPU, `trainer.num_cpus_per_worker` CPUs on CPU."""
+    gpu = 1 if plan.device == "gpu" else 0
+    return [placement.actor_options(r.bundle, num_cpus=0 if gpu else cfg.trainer.num_cpus_per_worker, num_gpus=gpu)
+            for r in plan.trainer]
+
+
+def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
+                     stack: contextlib.ExitStack):
     from glue.engine_client import EngineClient
     from glue.fleet import RolloutFleet
     from glue.rollout import RolloutManager
@@ -82,10 +95,13 @@ def start_components(cfg: SluiceConfig, model_path: str, run_dir: Path, stack: c
 
     fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
                          router_policy=cfg.rollout.router_policy,
-                         engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs")
+                         engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
+                         engine_command=plan.engine_command, engine_args=plan.engine_args,
+                         router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines])
     stack.callback(fleet.stop)
     fleet.start()
-    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss)
+    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss,
+                           actor_options=trainer_actor_options(cfg, plan, placement))
     stack.callback(trainer.shutdown)
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)

@@ -4,13 +4,24 @@ Light module: imports no backend, so a run config can be built and validated any
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+# The parallel sizes the glue itself reads (placement, world size); every other megatron-core field travels in
+# `megatron` untouched. The launcher routes `--tensor-model-parallel-size` etc. here by their megatron names.
+PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                  "expert_model_parallel_size")
 
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    tensor_model_parallel_size: int = 1  # Megatron TP degree; the trainer starts TP x PP Ray actors
+    tensor_model_parallel_size: int = 1  # Megatron TP degree; the trainer starts TP x PP x CP x DP Ray actors
     pipeline_model_parallel_size: int = 1  # Megatron PP degree (only 1 in this first form)
+    context_parallel_size: int = 1  # Megatron CP degree (sequence split across ranks)
+    expert_model_parallel_size: int = 1  # Megatron EP degree (experts split across TP x CP x DP ranks)
+    expert_tensor_parallel_size: int | None = None  # Megatron ETP degree of expert layers (null = TP)
+    data_parallel_size: int = 1  # trainer replicas; world size = TP x PP x CP x DP
+    megatron: dict[str, Any] = field(default_factory=dict)  # other megatron-core config fields, passed through as-is
     lr: float = 1e-3  # AdamW learning rate (tiny random models need a high one)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     adam_beta1: float = 0.9  # AdamW beta1
@@ -26,7 +37,7 @@ class TrainerConfig:
     master_port: int = 0  # rendezvous port of the trainer's torch.distributed group (0 = pick a free one)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "micro_batch_size", "num_mini_batches", "num_epochs"):
+        for name in (*PARALLEL_SIZES, "data_parallel_size", "micro_batch_size", "num_mini_batches", "num_epochs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"trainer.{name} must be an integer >= 1, got {value!r}")
@@ -50,8 +61,50 @@ class TrainerConfig:
             raise ValueError(f"trainer.num_cpus_per_worker must be > 0, got {self.num_cpus_per_worker}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"trainer.master_port must be a TCP port or 0, got {self.master_port}")
+        self._check_parallel_layout()
+
+    def _check_parallel_layout(self) -> None:
+        """megatron-core's own layout rules, checked before any rank starts (its errors come much later)."""
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        if etp < 1:
+            raise ValueError(f"trainer.expert_tensor_parallel_size must be >= 1 or null, got {etp}")
+        dense = self.tensor_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+        if dense % (etp * self.expert_model_parallel_size):
+            raise ValueError(
+                f"expert layout ETP x EP = {etp} x {self.expert_model_parallel_size} must divide TP x CP x DP = "
+                f"{self.tensor_model_parallel_size} x {self.context_parallel_size} x {self.data_parallel_size} = {dense} "
+                "(megatron-core folds expert parallelism into the dense ranks); change "
+                "--expert-model-parallel-size / --expert-tensor-parallel-size or the trainer's GPU count")
+        if self.megatron.get("sequence_parallel") and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (megatron-core refuses it "
+                             "at TP=1); drop it or raise TP")
 
     @property
     def world_size(self) -> int:
-        """Number of trainer ranks (TP x PP; data parallelism comes later)."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Number of trainer ranks: TP x PP x CP x DP."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+                * self.data_parallel_size)
+
+    def megatron_values(self) -> dict[str, Any]:
+        """Every megatron-core config field this config sets, by field name: the passed-through ones plus the
+        parallel sizes the glue reads (those win: placement was computed from them)."""
+        sizes = {name: getattr(self, name) for name in PARALLEL_SIZES}
+        sizes["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        return {**self.megatron, **sizes}
+
+    def parallel_state_sizes(self) -> dict[str, Any]:
+        """Keyword arguments of megatron's `parallel_state.initialize_model_parallel` for this layout."""
+        values = self.megatron_values()
+        keys = (*PARALLEL_SIZES, "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
+        return {key: values[key] for key in keys if values.get(key) is not None}
+
+    def unsupported(self) -> list[str]:
+        """Valid megatron-core layouts this trainer build does not run yet, one line each (empty = runnable).
+
+        The launcher prints these in `--dry-run` and refuses to start a run that has any.
+        """
+        notes = []
+        if self.world_size != self.tensor_model_parallel_size * self.pipeline_model_parallel_size:
+            notes.append(f"CP x DP = {self.context_parallel_size} x {self.data_parallel_size}: this trainer runs "
+                         "TP x PP ranks only (glue/trainer/worker.py); use --context-parallel-size 1 and one replica")
+        return notes

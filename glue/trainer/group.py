@@ -2,7 +2,7 @@
 group, behind blocking methods the controller and the weight bridge call. Assumes `ray.init` was done."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from glue.trainer.config import TrainerConfig
 from glue.types import TrainBatch
@@ -11,16 +11,21 @@ from glue.types import TrainBatch
 class TrainerGroup:
     """The trainer as the loop sees it: `train_step`, `compute_logprobs`, `version`, and the weight-source calls."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: Any):
+    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: Any,
+                 actor_options: Sequence[dict[str, Any]] | None = None):
+        """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
+        launch.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs."""
         import ray
 
         from glue.trainer.worker import TrainerWorker
 
+        if actor_options is not None and len(actor_options) != cfg.world_size:
+            raise ValueError(f"TrainerGroup: {len(actor_options)} actor_options for {cfg.world_size} ranks")
         self.cfg, self.version = cfg, 0
         actor_cls = ray.remote(TrainerWorker)
         self._actors = [
-            actor_cls.options(num_cpus=cfg.num_cpus_per_worker).remote(
-                model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=cfg.world_size)
+            actor_cls.options(**(actor_options[rank] if actor_options else {"num_cpus": cfg.num_cpus_per_worker}))
+            .remote(model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=cfg.world_size)
             for rank in range(cfg.world_size)
         ]
         try:

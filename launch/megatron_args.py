@@ -1,0 +1,108 @@
+"""Megatron pass-through: one `--<field-name>` flag per field of megatron-core's ModelParallelConfig,
+TransformerConfig, DistributedDataParallelConfig and OptimizerConfig (generated, typed, with megatron's own field
+docs as help), routed into the `trainer:` section: the fields TrainerConfig declares itself (the parallel sizes the
+glue reads, the AdamW settings) by name, every other one into `trainer.megatron` unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+from typing import Any
+
+from glue.trainer.config import TrainerConfig
+from glue.trainer.megatron_fields import MegatronField, check_value, megatron_fields
+
+# Megatron spellings of TrainerConfig fields whose name differs.
+TRAINER_ALIASES = {"clip_grad": "grad_clip"}
+# Model shape comes from the HF checkpoint the engines also load; a different value would build another model.
+CHECKPOINT_FIELDS = {
+    "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size",
+    "layernorm_epsilon": "rms_norm_eps", "add_qkv_bias": "attention_bias / model_type", "qk_layernorm": "model_type",
+    "num_moe_experts": "num_experts", "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size", "normalization": "model_type", "gated_linear_unit": "model_type",
+    "activation_func": "hidden_act", "add_bias_linear": "mlp_bias",
+}
+GROUP_TITLE = "megatron-core (generated from ModelParallelConfig, TransformerConfig, DDP and optimizer configs)"
+
+
+def trainer_field_of(name: str) -> str | None:
+    """The TrainerConfig field a megatron field is routed to, or None when it goes into trainer.megatron."""
+    own = {f.name for f in dataclasses.fields(TrainerConfig)} - {"megatron"}
+    name = TRAINER_ALIASES.get(name, name)
+    return name if name in own else None
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per megatron field; parsed values land in dest `megatron:<field>`."""
+    group = parser.add_argument_group(GROUP_TITLE, "Megatron-LM spellings; values reach the trainer's megatron-core "
+                                      "configs unchanged (YAML: trainer.megatron.<field>).")
+    for spec in megatron_fields().values():
+        kwargs: dict[str, Any] = {"dest": f"megatron:{spec.name}", "default": argparse.SUPPRESS,
+                                  "help": _help(spec)}
+        if spec.kind == "flag":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = spec.scalar if spec.scalar in (int, float) else str
+            if spec.choices:
+                kwargs["choices"] = spec.choices
+            if spec.kind == "list":
+                kwargs["nargs"] = "+"
+            if spec.kind == "object":
+                kwargs["metavar"] = "MODULE:ATTR"
+        group.add_argument("--" + spec.name.replace("_", "-"), **kwargs)
+
+
+def _help(spec: MegatronField) -> str:
+    text = spec.help.split(". ")[0].rstrip(".").replace("%", "%%")
+    if len(text) > 160:
+        text = text[:157].rsplit(" ", 1)[0] + "..."
+    where = trainer_field_of(spec.name)
+    target = f"trainer.{where}" if where else f"trainer.megatron.{spec.name}"
+    default = "" if spec.default is None else f"; default {spec.default}"
+    return f"{text} [{'/'.join(spec.owners)} -> {target}{default}]"
+
+
+def route(values: dict[str, Any]) -> dict[str, Any]:
+    """Parsed flag values {field: value} -> the nested `trainer:` overrides they stand for."""
+    trainer: dict[str, Any] = {}
+    for name, value in values.items():
+        if isinstance(value, list) and megatron_fields()[name].allows_scalar and len(value) == 1:
+            value = value[0]
+        target = trainer_field_of(name)
+        if target:
+            trainer[target] = value
+        else:
+            trainer.setdefault("megatron", {})[name] = value
+    return {"trainer": trainer}
+
+
+def check_megatron(values: dict[str, Any]) -> dict[str, Any]:
+    """Validate `trainer.megatron` against megatron-core's fields: unknown names (with a did-you-mean), fields sluice
+    owns, value kinds. Raises ValueError naming the key and the fix; returns the checked values."""
+    fields = megatron_fields()
+    out = {}
+    for name, value in values.items():
+        where = f"trainer.megatron.{name}"
+        if name not in fields:
+            guess = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean {guess[0]!r} (--{guess[0].replace('_', '-')})?" if guess else ""
+            raise ValueError(f"unknown megatron-core config field {where}{hint}")
+        if trainer_field_of(name):
+            raise ValueError(f"{where} is a trainer setting: use trainer.{trainer_field_of(name)} "
+                             f"(--{name.replace('_', '-')}) instead")
+        if name in CHECKPOINT_FIELDS:
+            raise ValueError(f"{where} (--{name.replace('_', '-')}) comes from the checkpoint's config.json "
+                             f"({CHECKPOINT_FIELDS[name]}); change model.path (or model.tiny) instead")
+        out[name] = check_value(fields[name], value, where)
+    return out
+
+
+def unused_by_trainer(values: dict[str, Any]) -> list[str]:
+    """Passed-through fields only megatron's optimizer / DDP configs declare: this trainer does not build those
+    (it steps torch AdamW with trainer.lr, adam_*, weight_decay, grad_clip), so they would be ignored."""
+    fields = megatron_fields()
+    return [f"trainer.megatron.{name} (--{name.replace('_', '-')}): only {'/'.join(fields[name].owners)} declares it "
+            "and this trainer build does not use megatron-core's optimizer or DDP wrappers yet; drop it"
+            for name in values if name in fields and not {"TransformerConfig", "ModelParallelConfig"} & set(fields[name].owners)]

@@ -1,0 +1,235 @@
+"""Resolve a loaded config into a run plan: pass-through values checked against Megatron / SGLang / sgl-router,
+cross-section rules checked (parallel sizes vs devices, engine layout, placement), and the placement computed:
+one bundle per device, trainer ranks and engines on bundles, the engine and router command lines.
+
+Pure: starts nothing and imports no Ray. `sluice --dry-run` prints `RunPlan.to_dict()`; the runner follows it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from launch.config import ConfigError, SluiceConfig
+
+HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
+
+
+@dataclass
+class TrainerRank:
+    rank: int
+    bundle: int
+    node: int
+    device: int | None  # GPU index on the node; None for a CPU bundle
+    coords: dict[str, int]  # tp / cp / dp / pp coordinate (megatron's default tp-cp-ep-dp-pp order)
+
+
+@dataclass
+class EngineLaunch:
+    index: int
+    bundles: list[int]
+    node: int
+    devices: list[int] | None  # GPU indices on the node (CUDA_VISIBLE_DEVICES), None on CPU
+    command: list[str]  # full command line, with HOST / PORT placeholders
+
+
+@dataclass
+class RunPlan:
+    placement: str
+    device: str  # "gpu" or "cpu"
+    num_nodes: int
+    bundles: list[dict[str, float]]  # Ray resources of each placement-group bundle
+    bundle_slots: list[tuple[int, int | None]]  # (node, device) each bundle stands for, after the stable sort
+    trainer: list[TrainerRank]
+    engines: list[EngineLaunch]
+    engine_command: list[str]  # program + flags shared by every engine (before --model-path/--host/--port)
+    engine_args: list[str]  # flags after them: sluice's engine layout + the --sglang-* pass-through
+    router_command: list[str]  # full router command line, with placeholders
+    router_args: list[str]  # the --router-* pass-through
+    notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "placement": self.placement, "device": self.device, "num_nodes": self.num_nodes,
+            "placement_group": {"bundles": len(self.bundles), "bundle": self.bundles[0] if self.bundles else {}},
+            "trainer": [f"rank {r.rank}: bundle {r.bundle}, node {r.node}, {_where(r.device)}, "
+                        + " ".join(f"{k}={v}" for k, v in r.coords.items()) for r in self.trainer],
+            "engines": [{"engine": e.index, "bundles": e.bundles, "node": e.node,
+                         "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command)}
+                        for e in self.engines],
+            "router": shlex.join(self.router_command),
+            "notes": self.notes,
+        }
+
+
+def _where(device: int | None) -> str:
+    return "cpu" if device is None else f"gpu {device}"
+
+
+def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
+    """Check pass-through values and cross-section rules, return the checked config and its plan.
+    Raises ConfigError with the key and the fix."""
+    try:
+        cfg = _checked_passthrough(cfg)
+        _check_layout(cfg)
+        return cfg, _plan(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _checked_passthrough(cfg: SluiceConfig) -> SluiceConfig:
+    from launch import router_args, sglang_args
+    from launch.megatron_args import check_megatron
+    from launch.options import check_values
+
+    trainer = dataclasses.replace(cfg.trainer, megatron=check_megatron(cfg.trainer.megatron))
+    sglang_specs = sglang_args.sglang_options()
+    sglang = dict(cfg.sglang)
+    if sglang_specs is None:
+        if sglang:
+            print("sluice: warning: sglang is not installed, so sglang.* / --sglang-* options are forwarded verbatim "
+                  "without validation", file=sys.stderr)
+        bad = sorted(set(sglang) & set(sglang_args.OWNED))
+        if bad:
+            raise ValueError(f"--sglang-{bad[0].replace('_', '-')} is set by sluice itself; use {sglang_args.OWNED[bad[0]]}")
+    else:
+        sglang = check_values(sglang, sglang_specs, section="sglang", prefix="sglang", owned=sglang_args.OWNED)
+    router_specs = router_args.router_options()
+    router = dict(cfg.router)
+    if router_specs is not None:
+        router = check_values(router, router_specs, section="router", prefix="router", owned=router_args.OWNED)
+    return dataclasses.replace(cfg, trainer=trainer, sglang=sglang, router=router)
+
+
+def _check_layout(cfg: SluiceConfig) -> None:
+    """The rules that span sections; each message names the settings and what to change."""
+    t, c = cfg.trainer, cfg.cluster
+    sizes = (f"TP x PP x CP x DP = {t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x "
+             f"{t.context_parallel_size} x {t.data_parallel_size} = {t.world_size}")
+    if c.trainer_gpus is not None and c.trainer_gpus != t.world_size:
+        raise ValueError(f"{sizes} != cluster.trainer_gpus={c.trainer_gpus}: change the parallel sizes "
+                         "(--tensor-model-parallel-size, ..., trainer.data_parallel_size) or cluster.trainer_gpus")
+    engine_gpus = _engine_gpus(cfg)
+    if engine_gpus % c.engine_tensor_parallel_size:
+        raise ValueError(f"cluster.engine_tensor_parallel_size={c.engine_tensor_parallel_size} does not divide "
+                         f"cluster.engine_gpus={engine_gpus}; every engine needs the same number of GPUs")
+    if engine_gpus // c.engine_tensor_parallel_size != cfg.rollout.num_engines:
+        raise ValueError(f"cluster.engine_gpus={engine_gpus} / engine_tensor_parallel_size="
+                         f"{c.engine_tensor_parallel_size} = {engine_gpus // c.engine_tensor_parallel_size} engines, "
+                         f"but rollout.num_engines={cfg.rollout.num_engines}; make them agree")
+    if cfg.run.mode == "async" and c.placement == "colocated":
+        raise ValueError("run.mode=async needs cluster.placement=disaggregated: colocated engines and trainer take "
+                         "turns on the same devices, so they cannot run at the same time")
+    if cfg.run.mode == "async":
+        raise ValueError("run.mode=async is not available in this build (the loop is synchronous); use run.mode=sync")
+    if c.uses_gpus:
+        _check_gpu_counts(cfg, engine_gpus)
+    elif c.num_nodes > 1:
+        raise ValueError("cluster.gpus_per_node=0 (CPU bundles) places everything on one node; set "
+                         "cluster.num_nodes=1, or set cluster.gpus_per_node for a GPU cluster")
+    if not c.uses_gpus and c.cpus_per_bundle < t.num_cpus_per_worker:
+        raise ValueError(f"cluster.cpus_per_bundle={c.cpus_per_bundle:g} < trainer.num_cpus_per_worker="
+                         f"{t.num_cpus_per_worker:g}: a trainer rank would never fit its bundle; raise the first")
+    if c.engine_kind == "embedded":
+        _check_embedded_engine(cfg)
+    if cfg.run.ray_address is None:
+        needed = _num_bundles(cfg, engine_gpus) * c.cpus_per_bundle
+        if needed > cfg.run.ray_num_cpus:
+            raise ValueError(f"the placement group needs {needed:g} CPUs but the local Ray cluster has "
+                             f"run.ray_num_cpus={cfg.run.ray_num_cpus}; raise it or lower cluster.cpus_per_bundle")
+
+
+def _engine_gpus(cfg: SluiceConfig) -> int:
+    c = cfg.cluster
+    return c.engine_gpus if c.engine_gpus is not None else cfg.rollout.num_engines * c.engine_tensor_parallel_size
+
+
+def _num_bundles(cfg: SluiceConfig, engine_gpus: int) -> int:
+    trainer = cfg.trainer.world_size
+    return max(trainer, engine_gpus) if cfg.cluster.placement == "colocated" else trainer + engine_gpus
+
+
+def _check_gpu_counts(cfg: SluiceConfig, engine_gpus: int) -> None:
+    c, trainer = cfg.cluster, cfg.trainer.world_size
+    total = c.num_nodes * c.gpus_per_node
+    if c.placement == "colocated" and max(trainer, engine_gpus) > total:
+        raise ValueError(f"colocated placement asks for {max(trainer, engine_gpus)} GPUs (trainer {trainer}, engines "
+                         f"{engine_gpus}, shared) but cluster.num_nodes x gpus_per_node = {total}; lower the parallel "
+                         "sizes / rollout.num_engines or add nodes")
+    if c.placement == "disaggregated" and trainer + engine_gpus > total:
+        raise ValueError(f"disaggregated placement asks for trainer {trainer} + engines {engine_gpus} = "
+                         f"{trainer + engine_gpus} GPUs but cluster.num_nodes x gpus_per_node = {total}; lower the "
+                         "parallel sizes / rollout.num_engines, add nodes, or use cluster.placement=colocated")
+    if c.gpus_per_node % c.engine_tensor_parallel_size:
+        raise ValueError(f"cluster.engine_tensor_parallel_size={c.engine_tensor_parallel_size} does not divide "
+                         f"cluster.gpus_per_node={c.gpus_per_node}: an engine would span two nodes")
+
+
+def _check_embedded_engine(cfg: SluiceConfig) -> None:
+    """The CPU stand-in speaks SGLang's API but implements few of its options: refuse the rest before start-up."""
+    import contextlib
+    import io
+
+    from glue.embedded_engine.__main__ import parse_args
+    from launch.options import to_argv
+    from launch.sglang_args import sglang_options
+
+    if cfg.cluster.engine_tensor_parallel_size != 1:
+        raise ValueError("the embedded engine (CPU) runs one process per engine: set "
+                         "cluster.engine_tensor_parallel_size=1, or cluster.engine=sglang on a GPU cluster")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parse_args(["--model-path", "unused", *to_argv(cfg.sglang, sglang_options())])
+    except SystemExit:
+        reason = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "rejected"
+        raise ValueError(f"the embedded engine (used on CPU) does not implement these sglang options: {reason}; "
+                         "drop them from sglang: / --sglang-*, or run SGLang servers on GPU (cluster.gpus_per_node)"
+                         ) from None
+
+
+def _plan(cfg: SluiceConfig) -> RunPlan:
+    from glue.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER
+    from launch.megatron_args import unused_by_trainer
+    from launch.options import to_argv
+    from launch.router_args import router_options
+    from launch.sglang_args import sglang_options
+
+    c, engine_gpus = cfg.cluster, _engine_gpus(cfg)
+    n_bundles = _num_bundles(cfg, engine_gpus)
+    slots = [(b // c.gpus_per_node, b % c.gpus_per_node) if c.uses_gpus else (0, None) for b in range(n_bundles)]
+    resources = {"GPU": 1.0, "CPU": c.cpus_per_bundle} if c.uses_gpus else {"CPU": c.cpus_per_bundle}
+    trainer = [TrainerRank(rank=r, bundle=r, node=slots[r][0], device=slots[r][1], coords=_coords(cfg, r))
+               for r in range(cfg.trainer.world_size)]
+    first = 0 if c.placement == "colocated" else cfg.trainer.world_size
+    engine_command = list(SGLANG_SERVER if c.engine_kind == "sglang" else EMBEDDED_ENGINE)
+    layout = ["--tp-size", str(c.engine_tensor_parallel_size)] if c.engine_kind == "sglang" else []
+    engine_args = layout + to_argv(cfg.sglang, sglang_options())
+    model = cfg.model.path or str(cfg.run_dir / "init_model")
+    engines = []
+    for e in range(cfg.rollout.num_engines):
+        bundles = list(range(first + e * c.engine_tensor_parallel_size, first + (e + 1) * c.engine_tensor_parallel_size))
+        devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
+        engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
+                                    command=[*engine_command, "--model-path", model, "--host", HOST, "--port", PORT,
+                                             *engine_args]))
+    router_args = to_argv(cfg.router, router_options())
+    router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
+                      "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_args]
+    notes = cfg.trainer.unsupported() + unused_by_trainer(cfg.trainer.megatron)
+    return RunPlan(placement=c.placement, device="gpu" if c.uses_gpus else "cpu", num_nodes=c.num_nodes,
+                   bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
+                   engines=engines, engine_command=engine_command, engine_args=engine_args,
+                   router_command=router_command, router_args=router_args, notes=notes)
+
+
+def _coords(cfg: SluiceConfig, rank: int) -> dict[str, int]:
+    """Megatron's default rank order is tp-cp-ep-dp-pp: TP varies fastest, PP slowest."""
+    t = cfg.trainer
+    coords = {}
+    for name, size in (("tp", t.tensor_model_parallel_size), ("cp", t.context_parallel_size),
+                       ("dp", t.data_parallel_size), ("pp", t.pipeline_model_parallel_size)):
+        coords[name], rank = rank % size, rank // size
+    return coords
