@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 EMBEDDED_ENGINE = (sys.executable, "-m", "glue.embedded_engine")
 SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")  # the GPU engine; same --model-path/--host/--port
@@ -213,6 +213,37 @@ class RolloutFleet:
                     f"{self._router.log_path}:\n{self._router.log_tail()}"
                 )
             time.sleep(0.2)
+
+    def add_engine(self, prepare: Callable[[str], None] | None = None) -> str:
+        """Start one more engine (late, or replacing one that died), wait until it serves, let `prepare(url)` bring
+        it to the current weights (e.g. `WeightBridge.add_engine`), and only then register it with the router
+        (`POST /workers`); returns its url. If `prepare` fails the engine is stopped and never routed to."""
+        if self._router is None:
+            raise RuntimeError("RolloutFleet.add_engine needs a started fleet; call start() first")
+        i, port = len(self._engines), free_ports(1, self.host)[0]
+        url = f"http://{self.host}:{port}"
+        cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
+               *self.engine_args]
+        self._engines.append(_Managed(f"engine {i} ({url})", cmd, self.log_dir / f"engine_{i}.log"))
+        self.engine_urls.append(url)
+        self.started_pids.append(self._engines[-1].proc.pid)
+        try:
+            self._wait_engines_healthy()
+            if prepare is not None:
+                prepare(url)
+            request = urllib.request.Request(f"{self.router_url}/workers", data=json.dumps({"url": url}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30):
+                pass
+            self._wait_router_ready()
+        except BaseException:
+            engine = self._engines.pop()
+            self.engine_urls.remove(url)
+            engine.signal_group(signal.SIGKILL)
+            engine.proc.wait()
+            engine.close_log()
+            raise
+        return url
 
     def stop(self) -> None:
         """SIGTERM every process group this fleet started (router first), SIGKILL what is left after
