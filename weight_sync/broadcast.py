@@ -4,7 +4,7 @@ same names, dtypes and shapes in the same order, as SGLang's `/update_weights_fr
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,16 @@ def receive_tensors(
     return named
 
 
-def broadcast_bucket(group: WeightGroup, flat: torch.Tensor, src: int = 0) -> None:
+def broadcast_bucket(group: WeightGroup, flat: torch.Tensor, src: int = 0, wait: bool = True) -> Any:
     """One collective for a whole bucket: the source sends `flat`, every other rank receives into its own `flat`
-    (a preallocated uint8 buffer of the bucket's size, on `group.device`)."""
+    (a preallocated uint8 buffer of the bucket's size, on `group.device`). With `wait=False` returns the work
+    handle, so the caller can read `flat` (checksum it) while it is on the wire, then `.wait()`."""
     if flat.device.type != group.device.type:
         raise ValueError(f"weight group {group.name!r} ({group.backend_name}) broadcasts {group.device.type} tensors, "
                          f"the bucket is on {flat.device}")
-    _broadcast_all(group, [flat], src)
+    if group.backend is None:
+        raise RuntimeError(f"weight group {group.name!r} was destroyed; create it again before broadcasting")
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    work = group.backend.broadcast([flat], opts)
+    return work.wait() if wait else work

@@ -56,12 +56,15 @@ class _Channel:
                 out["path"] = self.writer.commit()
             return out
         flat = pack_bucket(layout, tensors, self.buffer)
-        out = {"checksum": checksum(flat) if self.with_checksum else None}
-        if self.kind == "broadcast":
+        if self.kind == "broadcast":  # checksum while the bucket is on the wire (both only read it)
             from weight_sync.broadcast import broadcast_bucket
 
-            broadcast_bucket(self.group, flat, src=0)
-        elif self.segment is not None:
+            work = broadcast_bucket(self.group, flat, src=0, wait=False)
+            out = {"checksum": checksum(flat) if self.with_checksum else None}
+            work.wait()
+            return out
+        out = {"checksum": checksum(flat) if self.with_checksum else None}
+        if self.segment is not None:
             from weight_sync.ipc import encode_shm_handle
 
             out["handle"] = encode_shm_handle(self.segment, layout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ class WeightReceiver:
         self.groups: dict[str, WeightGroup] = {}
         self._lock = threading.Lock()  # one group change or one update at a time
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # reused by every broadcast bucket
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-checksum")
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> tuple[bool, str]:
@@ -82,7 +84,7 @@ class WeightReceiver:
                 self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
             flat = self._receive_buffer[: layout.nbytes]
             broadcast_bucket(group, flat, src=0)
-            return (*self.runner.load_weights(unpack_bucket(layout, flat), weight_version), [checksum(flat)])
+            return (*self._load_with_checksum(layout, flat, weight_version),)
 
     def update_from_tensor(self, *, handles: list[str], weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: map, checksum,
@@ -95,11 +97,17 @@ class WeightReceiver:
         with self._lock:
             layout, flat = open_shm_handle(handles[0])
             try:
-                sums = [checksum(flat)]
-                ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
+                return self._load_with_checksum(layout, flat, weight_version)
             finally:
                 del flat  # unmap now, not when the garbage collector gets to it
-        return ok, message, sums
+
+    def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
+                            ) -> tuple[bool, str, list[str]]:
+        """Copy a bucket into the model while another thread checksums it (both only read it; zlib and the copy
+        release the GIL)."""
+        pending = self._hasher.submit(checksum, flat)
+        ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
+        return ok, message, [pending.result()]
 
     def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
