@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from typing import Any, NoReturn
 
@@ -57,7 +58,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    rest, verbatim = _verbatim_sglang(rest)
+    rest, verbatim = _unparsed_sglang(rest)
     flags: dict[str, Any] = {"sglang": verbatim} if verbatim else {}
     megatron = {}
     for dest, value in list(vars(args).items()):
@@ -77,8 +78,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, _overrides(rest, parser)
 
 
-def _verbatim_sglang(rest: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """Without sglang installed, `--sglang-x [value]` cannot be checked: keep it as given (a bare flag is true)."""
+def _unparsed_sglang(rest: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """`--sglang-x [value]` the parser did not know (sglang not installed, or a misspelling): keep it as given (a
+    bare flag is true); `plan.resolve` checks it against sglang's options (with a did-you-mean) or, without
+    sglang, forwards it verbatim with a warning."""
     out, verbatim, i = [], {}, 0
     while i < len(rest):
         item = rest[i]
@@ -99,9 +102,12 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
     out, i = [], 0
     while i < len(rest):
         item = rest[i]
+        if item.startswith("--") and "." not in item.partition("=")[0]:
+            known = [s for a in parser._actions for s in a.option_strings]  # argparse has no public list
+            guess = difflib.get_close_matches(item.partition("=")[0], known, n=1)
+            hint = f"; did you mean {guess[0]}?" if guess else ""
+            parser.error(f"unrecognised option {item!r}: not a sluice, megatron, --sglang-* or --router-* flag{hint}")
         if item.startswith("--") and "=" not in item:
-            if "." not in item:
-                parser.error(f"unrecognised option {item!r}: not a sluice, megatron, --sglang-* or --router-* flag")
             if i + 1 >= len(rest):
                 parser.error(f"{item} needs a value")
             out.append(f"{item[2:]}={rest[i + 1]}")
@@ -115,7 +121,10 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as done:  # --help, or a one-line argparse error already printed
+        return int(done.code or 0)
     try:
         from launch.plan import resolve
 

@@ -64,7 +64,9 @@ def reserve(plan: RunPlan, stack: contextlib.ExitStack, timeout_s: float = 120) 
                            "that joined (`ray status`)")
     probe = ray.remote(_probe_fn)
     found = ray.get([probe.options(**_probe_options(group, b, plan)).remote() for b in range(len(plan.bundles))])
-    order = sorted(range(len(found)), key=lambda b: (found[b][0], found[b][1] if found[b][1] is not None else b, b))
+    here = ray.util.get_node_ip_address()  # the driver's node sorts first: plan bundle 0 (engines) lives there
+    order = sorted(range(len(found)), key=lambda b: (found[b][0] != here, found[b][0],
+                                                     found[b][1] if found[b][1] is not None else b, b))
     return Placement(group=group, ray_bundle=order, node_ip=[found[b][0] for b in order],
                      gpu_id=[found[b][1] for b in order])
 
@@ -93,5 +95,5 @@ def check_engines_local(placement: Placement, plan: RunPlan) -> None:
         node = placement.node_ip[engine.bundles[0]]
         if node != here:
             raise RuntimeError(f"engine {engine.index} is placed on node {node} but this driver runs on {here}: "
-                               "starting engines on other nodes is not supported yet; use cluster.placement="
-                               "colocated, or give the driver's node enough GPUs for every engine")
+                               "starting engines on other nodes is not supported yet; run the driver on a node "
+                               "with cluster.engine_gpus free GPUs (engines take the first bundles)")

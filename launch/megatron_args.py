@@ -51,6 +51,8 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs["nargs"] = "+"
             if spec.kind == "object":
                 kwargs["metavar"] = "MODULE:ATTR"
+            elif not spec.choices:
+                kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(spec.scalar, "STR")
         group.add_argument("--" + spec.name.replace("_", "-"), **kwargs)
 
 

@@ -43,6 +43,8 @@ def add_options(group: Any, specs: dict[str, OptionSpec], *, prefix: str, sectio
             kwargs["type"] = spec.scalar if spec.scalar in (int, float) else str
             if spec.choices:
                 kwargs["choices"] = spec.choices
+            else:
+                kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(spec.scalar, "VALUE")
             kwargs["nargs"] = {"one": None, "optional": "?", "many": "+", "any": "*"}[spec.takes]
             if spec.takes == "optional":
                 kwargs["const"] = True

@@ -100,11 +100,22 @@ def layer_spec(config: Any) -> Any:
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
-def build_model(hf_config: Any, *, tp_size: int) -> torch.nn.Module:
-    """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard, random weights."""
+def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
+    """`config` with the passed-through megatron-core fields it declares set unchanged (they win over the derived
+    ones; megatron's own __post_init__ validates the result)."""
+    import dataclasses
+
+    from glue.trainer.megatron_fields import to_megatron
+
+    return dataclasses.replace(config, **to_megatron(type(config), megatron_args or {}))
+
+
+def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None) -> torch.nn.Module:
+    """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard, random weights.
+    `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig fields."""
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(hf_config, tp_size=tp_size)
+    config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec(config),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,

@@ -52,11 +52,12 @@ class TrainerWorker:
         torch.distributed.init_process_group("gloo" if cpu_compat.is_cpu_only() else "nccl",
                                              rank=self.rank, world_size=self.world_size)
         self.device = torch.device("cpu") if cpu_compat.is_cpu_only() else torch.device("cuda", torch.cuda.current_device())
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.cfg.tensor_model_parallel_size)
+        parallel_state.initialize_model_parallel(**self.cfg.parallel_state_sizes())
         tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.hf_config = model.read_hf_config(self.model_path)
-        self.model = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size)
+        self.model = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size,
+                                       megatron_args=self.cfg.megatron_values())
         model.load_hf_weights(self.model, self.model_path, self.hf_config, tp_rank=self.tp_rank,
                               tp_size=self.cfg.tensor_model_parallel_size)
         self.model.to(self.device)

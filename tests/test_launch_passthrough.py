@@ -1,0 +1,171 @@
+"""The launcher's pass-through: Megatron flags generated from megatron-core's configs, --sglang-* from sglang's
+source, --router-* from sglang_router; values arrive unchanged where they are used; bad ones fail in one line."""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.cli import build_parser, main, parse_args
+from launch.config import load_config
+from launch.plan import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "examples/configs/demo.yaml")
+GPU_NODE = ["cluster.gpus_per_node=8"]  # a GPU-shaped plan: SGLang server engines (never started by a dry run)
+
+
+@pytest.fixture(scope="module")
+def help_text():
+    return build_parser().format_help()
+
+
+def dry_run(capsys, *argv):
+    assert main(["--dry-run", *argv]) == 0, capsys.readouterr().err
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_generated_megatron_flags_cover_every_public_field_of_model_parallel_config(help_text):
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    parser = build_parser()
+    options = {s for a in parser._actions for s in a.option_strings}
+    fields = [f.name for f in dataclasses.fields(ModelParallelConfig) if not f.name.startswith("_")]
+    missing = [name for name in fields if "--" + name.replace("_", "-") not in options]
+    assert len(fields) > 60 and not missing, missing
+
+
+def test_help_groups_megatron_sglang_and_router_flags(help_text):
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--virtual-pipeline-model-parallel-size", "--context-parallel-size", "--expert-model-parallel-size",
+                 "--expert-tensor-parallel-size", "--sequence-parallel", "--moe-router-topk-scaling-factor",
+                 "--moe-token-dispatcher-type", "--recompute-granularity", "--use-distributed-optimizer",
+                 "--sglang-mem-fraction-static", "--sglang-enable-memory-saver", "--router-request-timeout-secs"):
+        assert f"  {flag}" in help_text, flag
+    titles = [line for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert [t.split()[0] for t in titles[1:]] == ["sluice:", "megatron-core", "sglang", "router"], titles
+
+
+def test_a_megatron_flag_value_arrives_unchanged_in_the_transformer_config(tiny_model_dir):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from glue.trainer.model import read_hf_config, transformer_config, with_passthrough
+
+    args, overrides = parse_args(["--config", DEMO, "--hidden-dropout", "0.25", "--recompute-granularity", "selective",
+                                  "--attention-backend", "local", "--window-size", "8", "-1",
+                                  "--no-attention-softmax-in-fp32", "--init-method-std", "0.125"])
+    cfg, _ = resolve(load_config(args.config, overrides, args.flags))
+    assert cfg.trainer.megatron == {"hidden_dropout": 0.25, "recompute_granularity": "selective",
+                                    "attention_backend": "local", "window_size": [8, -1],
+                                    "attention_softmax_in_fp32": False, "init_method_std": 0.125}
+    hf = read_hf_config(tiny_model_dir)
+    config = with_passthrough(transformer_config(hf, tp_size=1), cfg.trainer.megatron_values())
+    assert config.hidden_dropout == 0.25 and config.recompute_granularity == "selective"
+    assert config.attention_backend is AttnBackend.local and config.window_size == (8, -1)
+    assert config.attention_softmax_in_fp32 is False and config.init_method_std == 0.125
+    assert config.num_layers == hf.num_hidden_layers  # the checkpoint-derived fields stay
+
+
+def test_parallel_size_flags_land_in_the_trainer_section_and_its_megatron_layout():
+    args, overrides = parse_args(["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                  "--expert-tensor-parallel-size", "1", "--sequence-parallel", "--clip-grad", "0.5", "--lr", "3e-4"])
+    trainer = load_config(None, overrides, args.flags).trainer
+    assert (trainer.tensor_model_parallel_size, trainer.expert_model_parallel_size) == (2, 2)
+    assert trainer.grad_clip == 0.5 and trainer.lr == pytest.approx(3e-4)
+    assert trainer.megatron == {"sequence_parallel": True}
+    assert trainer.parallel_state_sizes() == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                                              "context_parallel_size": 1, "expert_model_parallel_size": 2,
+                                              "expert_tensor_parallel_size": 1}
+
+
+def test_sglang_and_router_options_arrive_unchanged_in_every_engine_and_router_command(capsys):
+    plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "cluster.engine_tensor_parallel_size=2",
+                   "--sglang-mem-fraction-static", "0.61", "--sglang-enable-memory-saver", "--sglang-ep-size", "2",
+                   "--sglang-json-model-override-args", '{"rope_theta": 5}', "--router-request-timeout-secs", "77",
+                   "--router-disable-retries")["plan"]
+    assert len(plan["engines"]) == 2
+    for engine in plan["engines"]:
+        assert engine["command"].split(" --port PORT ")[1] == (
+            "--tp-size 2 --mem-fraction-static 0.61 --enable-memory-saver --ep-size 2 "
+            "--json-model-override-args '{\"rope_theta\": 5}'")
+        assert "-m sglang.launch_server" in engine["command"]
+    assert plan["engines"][1]["devices"] == [2, 3]
+    assert plan["router"].endswith("--request-timeout-secs 77 --disable-retries")
+
+
+def test_the_embedded_engine_gets_the_sglang_options_it_implements_and_refuses_the_rest(capsys):
+    plan = dry_run(capsys, "--config", DEMO, "--sglang-max-running-requests", "16")["plan"]
+    assert all(e["command"].endswith("--port PORT --max-running-requests 16") for e in plan["engines"])
+    assert main(["--dry-run", "--config", DEMO, "--sglang-mem-fraction-static", "0.5"]) == 2
+    assert "embedded engine (used on CPU) does not implement" in capsys.readouterr().err
+
+
+def test_the_plan_places_trainer_ranks_after_the_engines_with_megatron_rank_coordinates(capsys):
+    plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--tensor-model-parallel-size", "2",
+                   "trainer.data_parallel_size=2", "cluster.trainer_gpus=4")["plan"]
+    assert plan["placement_group"] == {"bundles": 6, "bundle": {"GPU": 1.0, "CPU": 1.0}}
+    assert plan["trainer"] == [f"rank {r}: bundle {r + 2}, node 0, gpu {r + 2}, tp={r % 2} cp=0 dp={r // 2} pp=0"
+                               for r in range(4)]
+    assert plan["notes"] and "TP x PP ranks only" in plan["notes"][0]  # valid for megatron, not yet for this trainer
+
+
+MALFORMED = [
+    (["--tensor-model-parallel-size", "2", "cluster.trainer_gpus=3"], "TP x PP x CP x DP = 2 x 1 x 1 x 1 = 2 != cluster.trainer_gpus=3"),
+    (["--tensor-model-parallel-size", "two"], "argument --tensor-model-parallel-size: invalid int value: 'two'"),
+    (["--expert-model-parallel-size", "3"], "expert layout ETP x EP = 1 x 3 must divide TP x CP x DP"),
+    (["run.num_stepz=2"], "unknown config key 'run.num_stepz'; did you mean 'run.num_steps'"),
+    (["trainer.megatron.sequence_paralel=true"], "did you mean 'sequence_parallel'"),
+    (["--num-layers", "4"], "comes from the checkpoint's config.json (num_hidden_layers)"),
+    (["--sglang-tp-size", "2"], "--sglang-tp-size (sglang.tp_size) is set by sluice itself; use cluster.engine_tensor_parallel_size"),
+    (["--sglang-model-path", "/m"], "use model.path"),
+    (["--router-policy", "random"], "use rollout.router_policy"),
+    (["--sglang-mem-fraction-statik", "0.5", *GPU_NODE], "did you mean --sglang-mem-fraction-static"),
+    ([*GPU_NODE, "cluster.engine_gpus=6", "cluster.engine_tensor_parallel_size=4"], "engine_tensor_parallel_size=4 does not divide cluster.engine_gpus=6"),
+    (["cluster.gpus_per_node=4", "cluster.placement=colocated", "rollout.num_engines=8"], "colocated placement asks for 8 GPUs"),
+    (["run.mode=async", "cluster.placement=colocated"], "run.mode=async needs cluster.placement=disaggregated"),
+]
+
+
+@pytest.mark.parametrize("argv, message", MALFORMED, ids=[m[1][:40] for m in MALFORMED])
+def test_a_malformed_launch_exits_non_zero_with_one_line_naming_the_problem(capsys, argv, message):
+    assert main(["--dry-run", "--config", DEMO, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
+def test_without_sglang_the_sglang_options_are_forwarded_verbatim_with_a_warning(capsys, monkeypatch):
+    import launch.sglang_args
+
+    monkeypatch.setattr(launch.sglang_args, "sglang_options", lambda: None)
+    plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-some-new-option", "3", "--sglang-some-switch")
+    assert plan["plan"]["engines"][0]["command"].endswith("--tp-size 1 --some-new-option 3 --some-switch")
+    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, "--sglang-port", "1"]) == 2
+    assert "use the placement plan" in capsys.readouterr().err
+
+
+def test_the_sglang_options_read_from_source_are_sglangs_server_arguments():
+    from launch.sglang_args import sglang_options
+
+    options = sglang_options()
+    assert len(options) > 500  # sglang 0.5.23's ServerArgs.add_cli_args registers 531 options besides --help
+    assert options["tp_size"].aliases == ("--tensor-parallel-size",) and options["tp_size"].scalar is int
+    assert options["mem_fraction_static"].scalar is float and options["mem_fraction_static"].takes == "one"
+    assert options["enable_memory_saver"].takes == "none"
+    assert options["dcp_replicate_q_proj"].negatable  # argparse.BooleanOptionalAction
+    assert options["reasoning_parser"].takes == "one"  # registered by hand in add_cli_args
+
+
+def test_each_launch_script_dry_runs_and_prints_the_placement_plan():
+    env = {**os.environ, "SLUICE": str(Path(sys.executable).parent / "sluice"), "PYTHONWARNINGS": "ignore"}
+    scripts = sorted((REPO / "launch/scripts").glob("*.sh"))
+    assert len(scripts) >= 4
+    procs = [subprocess.Popen(["bash", str(s), "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for s in scripts]
+    for script, proc in zip(scripts, procs):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (script.name, err[-2000:])
+        plan = yaml.safe_load(out)["plan"]
+        assert plan["trainer"] and plan["engines"] and "--worker-urls" in plan["router"], script.name
