@@ -76,3 +76,18 @@ def test_importing_the_config_imports_no_backend():
     code = ("import sys, launch.config, glue.config, loss; "
             "bad = [m for m in ('ray', 'sglang', 'megatron') if m in sys.modules]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_launch_plan_modules_import_no_backend_either():
+    code = ("import sys, launch.config, launch.plan, launch.options, launch.sglang_args, glue.trainer.megatron_fields; "
+            "bad = [m for m in ('ray', 'sglang', 'megatron') if m in sys.modules]; print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_cluster_section_is_typed_and_validated():
+    cfg = load_config(None, ["cluster.gpus_per_node=8", "cluster.placement=colocated"])
+    assert cfg.cluster.engine_kind == "sglang" and load_config(None, []).cluster.engine_kind == "embedded"
+    with pytest.raises(ConfigError, match="cluster.placement must be one of"):
+        load_config(None, ["cluster.placement=shared"])
+    with pytest.raises(ConfigError, match="cluster.gpus_per_node must be >= 0"):
+        load_config(None, ["cluster.gpus_per_node=-1"])
