@@ -188,6 +188,9 @@ class RolloutFleet:
         self.router_url = f"http://{self.host}:{self._router_port}"
         cmd = [*self.router_command, "--host", self.host, "--port", str(self._router_port),
                "--policy", self.router_policy, "--worker-urls", *self.engine_urls, *self.router_args]
+        if "--prometheus-port" not in self.router_args:
+            # The router's metrics exporter has a fixed default port: two routers on one machine would collide.
+            cmd += ["--prometheus-port", str(free_ports(1, self.host)[0])]
         self._router = _Managed(f"router ({self.router_url})", cmd, self.log_dir / "router.log")
         self.started_pids.append(self._router.proc.pid)
 
