@@ -1,8 +1,6 @@
 """Buckets by hand: sizes, order, the alignment rule SGLang's receiver enforces, bit-exact pack/unpack, and the
-CRC-32 checksum (zlib's) that chains across tensors the way a flat bucket does."""
+checksum (wrapping sums of 64-bit words) that chains across tensors the way a flat bucket does."""
 from __future__ import annotations
-
-import zlib
 
 import pytest
 import torch
@@ -58,12 +56,48 @@ def test_pack_names_the_tensor_that_does_not_match_its_plan():
         pack_bucket(layout, {}, torch.empty(100, dtype=torch.uint8))
 
 
-def test_checksum_is_zlibs_crc32_and_chains_over_tensors_like_the_flat_bucket():
-    a, b = torch.arange(6, dtype=torch.float32), torch.tensor([1, 2, 3], dtype=torch.int16)
-    raw = a.numpy().tobytes() + b.numpy().tobytes()
-    assert checksum(torch.frombuffer(bytearray(raw), dtype=torch.uint8)) == f"{zlib.crc32(raw):08x}"
-    assert checksum_tensors([a, b]) == f"{zlib.crc32(raw):08x}"
-    flipped = bytearray(raw)
-    flipped[5] ^= 1  # one bit anywhere changes it
-    assert checksum(torch.frombuffer(flipped, dtype=torch.uint8)) != checksum_tensors([a, b])
+def _reference_checksum(raw: bytes) -> str:
+    """The checksum's definition, word by word in plain Python."""
+    raw += bytes(-len(raw) % 8)
+    words = [int.from_bytes(raw[i: i + 8], "little") for i in range(0, len(raw), 8)]
+    mask = (1 << 64) - 1
+    return f"{sum(words) & mask:016x}{sum((i + 1) * w for i, w in enumerate(words)) & mask:016x}"
+
+
+def test_checksum_by_hand_for_two_words_and_a_padded_tail():
+    raw = (1).to_bytes(8, "little") + (2).to_bytes(8, "little") + bytes([3])
+    # words 1, 2, 3 -> sum 6; weighted 1*1 + 2*2 + 3*3 = 14
+    assert checksum(torch.frombuffer(bytearray(raw), dtype=torch.uint8)) == f"{6:016x}{14:016x}"
+
+
+def test_checksum_matches_its_definition_and_chains_over_tensors_like_the_flat_bucket():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3 * 1024 + 5, generator=gen)  # several 1024-word rows and a partial one
+    b = torch.tensor([1, 2, 3], dtype=torch.int16)  # 6 bytes: what follows starts misaligned
+    c = torch.randn(2051, generator=gen).to(torch.bfloat16)
+    raw = a.numpy().tobytes() + b.numpy().tobytes() + c.view(torch.int16).numpy().tobytes()
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    assert checksum(flat) == _reference_checksum(raw)
+    assert checksum(flat, threads=3) == checksum(flat)
+    assert checksum_tensors([a, b, c]) == checksum(flat)
+    assert checksum(flat[1:]) == _reference_checksum(raw[1:])  # memory that is not 8-byte aligned
+
+
+def test_checksum_catches_one_flipped_bit_anywhere_and_swapped_tensors():
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen) for n in (4096, 16, 16, 4096)]
+    flat = torch.cat([t.view(torch.uint8) for t in tensors])
+    reference = checksum(flat)
+    for position in (0, 7, 8, 100, flat.numel() // 2, flat.numel() - 1):
+        for bit in (0, 7):
+            flipped = flat.clone()
+            flipped[position] ^= 1 << bit
+            assert checksum(flipped) != reference, (position, bit)
+    # two adjacent 64-byte tensors exchanged (a name mix-up), and the two big ones exchanged
+    assert checksum_tensors([tensors[0], tensors[2], tensors[1], tensors[3]]) != reference
+    assert checksum_tensors([tensors[3], tensors[1], tensors[2], tensors[0]]) != reference
+    assert checksum_tensors(tensors) == reference
+
+
+def test_dtype_names_resolve_like_sglangs():
     assert str_to_dtype("bfloat16") is torch.bfloat16

@@ -1,11 +1,11 @@
 """Buckets: the one format every transport moves. HF-named tensors are packed back to back into flat uint8 buffers
 of at most `bucket_bytes`, described by a small metadata list (names, dtypes, shapes, byte offsets) — the layout of
-SGLang's `load_format="flattened_bucket"` — and carry a CRC-32 checksum that both ends compute.
+SGLang's `load_format="flattened_bucket"` — and carry a checksum (two wrapping sums of 64-bit words) that both ends compute.
 """
 from __future__ import annotations
 
 import math
-import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -134,17 +134,94 @@ def unpack_bucket(layout: BucketLayout, flat: torch.Tensor) -> list[tuple[str, t
             for s in layout.slots]
 
 
-def checksum(flat: torch.Tensor, start: int = 0) -> str:
-    """CRC-32 of a bucket's bytes as 8 hex digits (3+ GB/s here, and the GIL is released while it runs).
-    Chainable: `checksum(b, start=int(checksum(a), 16)) == checksum(a ++ b)`, so a receiver that holds the tensors
-    one by one (a safetensors file) gets the same value as one that holds the flat bucket."""
-    data = flat if flat.device.type == "cpu" else flat.cpu()
-    return f"{zlib.crc32(memoryview(as_bytes(data).numpy()), start) & 0xFFFFFFFF:08x}"
+# The bucket checksum: the bytes read as little-endian 64-bit words w_0, w_1, ... (the last one zero-padded), and the
+# pair (sum of w_i, sum of (i + 1) * w_i), both mod 2**64. One flipped bit changes the first sum by a power of two, so
+# it is always caught; moving content to another position (swapped tensors) changes the second. Integer sums wrap
+# the same way whatever the summation order, so both ends agree exactly; torch computes them at memory speed,
+# ~4x faster than zlib's CRC-32 here (17-26 ms vs 65+ ms for 221 MB on one thread), which matters because the
+# checksum shares the machine's cores with the broadcast it overlaps.
+_ROW = 1024  # words per row of the 2-D view: word (r, k) has weight base + r * _ROW + k + 1
+_CHUNK_ROWS = 128  # rows reduced per step (1 MB): the second reduction of a chunk reads it from cache
+_MASK = (1 << 64) - 1
+_pool: ThreadPoolExecutor | None = None
+
+
+def _word_sums(words: torch.Tensor, first: int) -> tuple[int, int]:
+    """(sum w, sum (first + i + 1) * w_i) over int64 words whose first one has absolute index `first`."""
+    rows = words.numel() // _ROW
+    plain = weighted = 0
+    if rows:
+        body = words[: rows * _ROW].view(rows, _ROW)
+        cols = torch.zeros(_ROW, dtype=torch.int64, device=words.device)
+        row_sums = []
+        for r in range(0, rows, _CHUNK_ROWS):
+            chunk = body[r: r + _CHUNK_ROWS]
+            row_sums.append(chunk.sum(1))
+            cols += chunk.sum(0)
+        per_row = torch.cat(row_sums)
+        total = int(per_row.sum())
+        row_index = torch.arange(rows, dtype=torch.int64, device=words.device)
+        col_index = torch.arange(_ROW, dtype=torch.int64, device=words.device)
+        plain = total
+        weighted = (first + 1) * total + _ROW * int((per_row * row_index).sum()) + int((cols * col_index).sum())
+    tail = words[rows * _ROW:]
+    if tail.numel():
+        at = first + rows * _ROW + 1
+        plain += int(tail.sum())
+        weighted += int((tail * torch.arange(at, at + tail.numel(), dtype=torch.int64, device=words.device)).sum())
+    return plain & _MASK, weighted & _MASK
+
+
+def _byte_sums(data: torch.Tensor, start: int, parts: int = 1) -> tuple[int, int]:
+    """The checksum's two sums for flat uint8 `data` that sits at byte `start` of the stream. Bytes outside whole
+    aligned words (at most 7 at each end) are added one by one: byte b at position p adds b << 8 * (p % 8) to word
+    p // 8. Data whose memory cannot be viewed as int64 is copied to an aligned buffer first (rare)."""
+    n = data.numel()
+    head = min((-start) % 8, n)
+    words_len = (n - head) // 8 * 8
+    loose = [(start + j, v) for j, v in enumerate(data[:head].tolist())]
+    loose += [(start + j, v) for j, v in
+              zip(range(head + words_len, n), data[head + words_len:].tolist())]
+    plain = weighted = 0
+    for pos, value in loose:
+        word = value << (8 * (pos % 8))
+        plain += word
+        weighted += (pos // 8 + 1) * word
+    if words_len:
+        body = data[head: head + words_len]
+        if body.data_ptr() % 8:
+            body = body.clone()
+        words, first = body.view(torch.int64), (start + head) // 8
+        cuts = [0] + [words.numel() * i // parts // _ROW * _ROW for i in range(1, parts)] + [words.numel()]
+        pieces = [(words[a:b], first + a) for a, b in zip(cuts, cuts[1:]) if b > a]
+        if len(pieces) > 1:
+            global _pool
+            if _pool is None or _pool._max_workers < len(pieces):
+                _pool = ThreadPoolExecutor(max_workers=len(pieces), thread_name_prefix="checksum")
+            results = list(_pool.map(lambda piece: _word_sums(*piece), pieces))
+        else:
+            results = [_word_sums(*piece) for piece in pieces]
+        plain += sum(r[0] for r in results)
+        weighted += sum(r[1] for r in results)
+    return plain & _MASK, weighted & _MASK
+
+
+def _hex(sums: tuple[int, int]) -> str:
+    return f"{sums[0]:016x}{sums[1]:016x}"
+
+
+def checksum(flat: torch.Tensor, threads: int = 1) -> str:
+    """A bucket's checksum (see above) as 32 hex digits. `threads` > 1 splits the work across Python threads (torch
+    releases the GIL): for a process whose torch runs on one thread, like the embedded engine."""
+    return _hex(_byte_sums(as_bytes(flat), 0, max(1, threads)))
 
 
 def checksum_tensors(tensors: Sequence[torch.Tensor]) -> str:
-    """`checksum` of the bucket these tensors make, in this order, without packing them."""
-    crc = 0
+    """`checksum` of the bucket these tensors make, in this order, without packing them (a receiver that holds
+    the tensors one by one, such as a safetensors file, gets the value a flat bucket gives)."""
+    plain = weighted = offset = 0
     for tensor in tensors:
-        crc = int(checksum(tensor, crc), 16)
-    return f"{crc:08x}"
+        data = as_bytes(tensor)
+        a, b = _byte_sums(data, offset)
+        plain, weighted, offset = plain + a, weighted + b, offset + data.numel()
+    return _hex((plain & _MASK, weighted & _MASK))

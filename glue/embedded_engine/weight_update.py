@@ -15,7 +15,7 @@ import torch
 
 from glue.embedded_engine.model_runner import ModelRunner
 from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
-from weight_sync.buckets import BucketLayout, checksum, unpack_bucket
+from weight_sync.buckets import BucketLayout, checksum, dtype_to_str, unpack_bucket
 from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
 
 # SGLang request structs (io_struct.py) and the fields of each that the weight routes read, for the schema test.
@@ -29,6 +29,42 @@ WEIGHT_REQUEST_FIELDS = {
                                              "weight_version"),
 }
 LOAD_FORMATS = (None, "auto", "flattened_bucket")
+CHECKSUM_THREADS = 2  # the engine's torch runs on one thread; while a bucket is checked nothing else runs
+
+
+class ParameterBuckets:
+    """The model's parameters re-homed, per bucket layout, as views of one flat buffer in bucket order, so that a
+    broadcast bucket is received straight into the parameters: no receive buffer, no copy into the model. A layout
+    gets a home on its first bucket (one copy) when every slot names a distinct parameter of that dtype and shape;
+    a parameter moves to the newest layout that names it (older homes that held it are dropped)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.homes: dict[tuple, tuple[torch.Tensor, frozenset[int]]] = {}
+
+    def home(self, layout: BucketLayout) -> torch.Tensor | None:
+        """The flat buffer whose views are `layout`'s parameters, or None when the layout does not fit the model
+        (the caller then loads through the checked copy path, which explains what is wrong). Call it with the
+        model lock held."""
+        key = tuple((s.name, s.dtype, s.shape) for s in layout.slots)
+        if key in self.homes:
+            return self.homes[key][0]
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        chosen = [params.get(s.name) for s in layout.slots]
+        if not chosen or any(p is None for p in chosen) or len({id(p) for p in chosen}) != len(chosen):
+            return None
+        if any(tuple(p.shape) != s.shape or dtype_to_str(p.dtype) != s.dtype or p.device != chosen[0].device
+               for p, s in zip(chosen, layout.slots)):
+            return None
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=chosen[0].device)
+        with torch.no_grad():
+            for param, (_, view) in zip(chosen, unpack_bucket(layout, flat)):
+                view.copy_(param.data)
+                param.data = view
+        ids = frozenset(id(p) for p in chosen)
+        self.homes = {k: v for k, v in self.homes.items() if not v[1] & ids}
+        self.homes[key] = (flat, ids)
+        return flat
 
 
 class WeightReceiver:
@@ -39,7 +75,8 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self._lock = threading.Lock()  # one group change or one update at a time
-        self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # reused by every broadcast bucket
+        self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # for buckets that do not fit the model
+        self._homes = ParameterBuckets(runner.model)
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-checksum")
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -70,7 +107,8 @@ class WeightReceiver:
                                 ) -> tuple[bool, str, list[str] | None]:
         """`/update_weights_from_distributed`: receive everything announced (so the trainer's broadcast always
         completes), then load it all or, if any name or shape does not fit the model, none. `flattened_bucket`
-        receives one flat bucket in one collective and reports its checksum."""
+        receives one flat bucket in one collective, straight into the parameters when the bucket fits the model
+        (`ParameterBuckets`), and reports its checksum."""
         with self._lock:
             group = self.groups.get(group_name)
             if group is None:
@@ -80,6 +118,16 @@ class WeightReceiver:
                 named = receive_tensors(group, names, dtypes, shapes, src=0)
                 return (*self.runner.load_weights(named, weight_version), None)
             layout = BucketLayout.from_json(0, {"names": names, "dtypes": dtypes, "shapes": shapes})
+            with self.runner.model_lock:  # no forward reads the parameters while they are overwritten
+                home = self._homes.home(layout)
+                if home is not None:
+                    # A broken broadcast leaves this bucket's parameters partly written, as a failure between two
+                    # buckets leaves the model half updated: the bridge then fails the sync, loudly.
+                    broadcast_bucket(group, home, src=0)
+            if home is not None:
+                if weight_version is not None:
+                    self.runner.set_weight_version(weight_version)
+                return True, f"Succeeded to update {len(names)} parameter(s).", [checksum(home, CHECKSUM_THREADS)]
             if self._receive_buffer.numel() < layout.nbytes:
                 self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
             flat = self._receive_buffer[: layout.nbytes]
