@@ -151,8 +151,8 @@ class WeightReceiver:
 
     def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
                             ) -> tuple[bool, str, list[str]]:
-        """Copy a bucket into the model while another thread checksums it (both only read it; zlib and the copy
-        release the GIL)."""
+        """Copy a bucket into the model while another thread checksums it (both only read it; torch releases the
+        GIL in both)."""
         pending = self._hasher.submit(checksum, flat)
         ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
         return ok, message, [pending.result()]
