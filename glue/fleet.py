@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Any, Callable, Sequence
 
 EMBEDDED_ENGINE = (sys.executable, "-m", "glue.embedded_engine")
 SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")  # the GPU engine; same --model-path/--host/--port
@@ -55,20 +55,26 @@ def _die_with_parent() -> None:
 
 
 class _Managed:
-    """One started process: its role (for messages), pid, and log file."""
+    """One process started by this process: its role (for messages), url, pid, and log file. `glue.engine_host`
+    keeps one inside a Ray actor for engines on other nodes, behind the same methods."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, extra_env: dict[str, str] | None = None):
-        self.name, self.cmd, self.log_path = name, cmd, log_path
+    def __init__(self, name: str, cmd: list[str], log_path: Path, extra_env: dict[str, str] | None = None,
+                 url: str | None = None, cwd: str | None = None):
+        self.name, self.cmd, self.log_path, self.url = name, cmd, log_path, url
         self._log: IO[bytes] = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         on_main_thread = threading.current_thread() is threading.main_thread()
         try:
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env,
+                                         start_new_session=True, env=env, cwd=cwd,
                                          preexec_fn=_die_with_parent if on_main_thread else None)
         except OSError as err:
             self._log.close()
             raise RuntimeError(f"cannot start {name}: {err}; command: {' '.join(cmd)}") from err
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()
@@ -89,7 +95,21 @@ class _Managed:
         except ProcessLookupError:
             pass
 
-    def close_log(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM the process group if the process still runs."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the group (also reaps children the leader left behind in it), reap, close the log."""
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait()
         self._log.close()
 
 
@@ -99,6 +119,8 @@ class RolloutFleet:
     `engine_command` is the program before the flags: the embedded engine by default, `SGLANG_SERVER` on GPU.
     The fleet appends `--model-path --host --port` and then `engine_args` (pass-through flags such as
     `--num-threads 1` or SGLang's `--tp 2`); `router_args` are appended to the router's command line.
+    With `engine_hosts` (Ray actor options per engine, `launch.cluster.Placement.actor_options`), engine i is
+    started on its placement-group bundle's node by a `glue.engine_host` actor; without, as a child of this process.
     """
 
     def __init__(self, *, model_path: str, num_engines: int = 2, host: str = "127.0.0.1",
@@ -106,7 +128,7 @@ class RolloutFleet:
                  engine_args: Sequence[str] = (), router_args: Sequence[str] = (), log_dir: str | Path | None = None,
                  engine_command: Sequence[str] = EMBEDDED_ENGINE, router_command: Sequence[str] = ROUTER,
                  router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
-                 engine_env: Sequence[dict[str, str]] = ()):
+                 engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = ()):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
@@ -115,6 +137,9 @@ class RolloutFleet:
         self.router_startup_timeout_s = router_startup_timeout_s
         self.engine_args, self.router_args = list(engine_args), list(router_args)
         self.engine_env = list(engine_env)  # per engine index, e.g. its CUDA_VISIBLE_DEVICES from the placement
+        self.engine_hosts = list(engine_hosts)
+        if self.engine_hosts and len(self.engine_hosts) != num_engines:
+            raise ValueError(f"RolloutFleet: {len(self.engine_hosts)} engine_hosts for {num_engines} engines")
         self.engine_command, self.router_command = list(engine_command), list(router_command)
         self.stop_grace_s = stop_grace_s
         self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd() / "fleet-logs"
@@ -127,7 +152,7 @@ class RolloutFleet:
     @property
     def pids(self) -> list[int]:
         """Pids of every process this fleet started (engines, then the router)."""
-        return [m.proc.pid for m in self._processes()]
+        return [m.pid for m in self._processes()]
 
     def _processes(self) -> list[_Managed]:
         return self._engines + ([self._router] if self._router else [])
@@ -159,13 +184,29 @@ class RolloutFleet:
         ports = free_ports(self.num_engines + 1, self.host)
         self._router_port = ports[-1]
         for i, port in enumerate(ports[:-1]):
+            self._launch_engine(i, port)
+
+    def _launch_engine(self, i: int, port: int | None = None) -> None:
+        """Start engine i: through its host actor on its bundle's node (which picks the address and port there),
+        or as a child process on `self.host:port`. A replacement engine (i >= num_engines) reuses the bundle of
+        engine i % num_engines."""
+        log_path = self.log_dir / f"engine_{i}.log"
+        env = self.engine_env[i % len(self.engine_env)] if self.engine_env else None
+        if self.engine_hosts:
+            from glue.engine_host import RemoteEngine
+
+            engine: Any = RemoteEngine(f"engine {i}", command=self.engine_command, model_path=self.model_path,
+                                       args=self.engine_args, env=env, log_path=log_path,
+                                       actor_options=self.engine_hosts[i % len(self.engine_hosts)])
+        else:
+            port = port or free_ports(1, self.host)[0]
             url = f"http://{self.host}:{port}"
             cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
                    *self.engine_args]
-            env = self.engine_env[i] if i < len(self.engine_env) else None
-            self._engines.append(_Managed(f"engine {i} ({url})", cmd, self.log_dir / f"engine_{i}.log", env))
-            self.engine_urls.append(url)
-            self.started_pids.append(self._engines[-1].proc.pid)
+            engine = _Managed(f"engine {i} ({url})", cmd, log_path, env, url=url)
+        self._engines.append(engine)
+        self.engine_urls.append(engine.url)
+        self.started_pids.append(engine.pid)
 
     def _wait_engines_healthy(self) -> None:
         deadline = time.monotonic() + self.engine_startup_timeout_s
@@ -223,13 +264,8 @@ class RolloutFleet:
         (`POST /workers`); returns its url. If `prepare` fails the engine is stopped and never routed to."""
         if self._router is None:
             raise RuntimeError("RolloutFleet.add_engine needs a started fleet; call start() first")
-        i, port = len(self._engines), free_ports(1, self.host)[0]
-        url = f"http://{self.host}:{port}"
-        cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
-               *self.engine_args]
-        self._engines.append(_Managed(f"engine {i} ({url})", cmd, self.log_dir / f"engine_{i}.log"))
-        self.engine_urls.append(url)
-        self.started_pids.append(self._engines[-1].proc.pid)
+        self._launch_engine(len(self._engines))
+        url = self.engine_urls[-1]
         try:
             self._wait_engines_healthy()
             if prepare is not None:
@@ -242,9 +278,7 @@ class RolloutFleet:
         except BaseException:
             engine = self._engines.pop()
             self.engine_urls.remove(url)
-            engine.signal_group(signal.SIGKILL)
-            engine.proc.wait()
-            engine.close_log()
+            engine.kill()
             raise
         return url
 
@@ -253,17 +287,11 @@ class RolloutFleet:
         `stop_grace_s`; safe to call twice."""
         procs = ([self._router] if self._router else []) + self._engines[::-1]
         for m in procs:
-            if m.proc.poll() is None:
-                m.signal_group(signal.SIGTERM)
+            m.terminate()
         deadline = time.monotonic() + self.stop_grace_s
         for m in procs:
-            try:
-                m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            m.signal_group(signal.SIGKILL)  # also reaps children the leader left behind in its group
-            m.proc.wait()
-            m.close_log()
+            m.wait(max(0.0, deadline - time.monotonic()))
+            m.kill()
         self._engines, self._router = [], None
         self.engine_urls, self.router_url = [], None
         atexit.unregister(self.stop)

@@ -1,7 +1,7 @@
 """Ray for a run: start a local cluster or attach to one (`ray start` on every node), reserve the plan's single
 placement group, and map its bundles to nodes and devices in a stable order (node address, then GPU id), so plan
-bundle b is the same node/GPU on every run. Trainer ranks are scheduled into their bundles; engines get the
-CUDA_VISIBLE_DEVICES of theirs.
+bundle b is the same node/GPU on every run. Trainer ranks are scheduled into their bundles; each engine is started
+on its bundle's node by a host actor (glue.engine_host) and gets the CUDA_VISIBLE_DEVICES of its bundles.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def reserve(plan: RunPlan, stack: contextlib.ExitStack, timeout_s: float = 120) 
                            "that joined (`ray status`)")
     probe = ray.remote(_probe_fn)
     found = ray.get([probe.options(**_probe_options(group, b, plan)).remote() for b in range(len(plan.bundles))])
-    here = ray.util.get_node_ip_address()  # the driver's node sorts first: plan bundle 0 (engines) lives there
+    here = ray.util.get_node_ip_address()  # the driver's node sorts first: the router's engines are near it
     order = sorted(range(len(found)), key=lambda b: (found[b][0] != here, found[b][0],
                                                      found[b][1] if found[b][1] is not None else b, b))
     return Placement(group=group, ray_bundle=order, node_ip=[found[b][0] for b in order],
@@ -85,15 +85,3 @@ def _probe_fn() -> tuple[str, int | None]:
     gpus = ray.get_gpu_ids()
     return ray.util.get_node_ip_address(), int(gpus[0]) if gpus else None
 
-
-def check_engines_local(placement: Placement, plan: RunPlan) -> None:
-    """Engines are started as processes of this driver, so their bundles must be on this node."""
-    import ray
-
-    here = ray.util.get_node_ip_address()
-    for engine in plan.engines:
-        node = placement.node_ip[engine.bundles[0]]
-        if node != here:
-            raise RuntimeError(f"engine {engine.index} is placed on node {node} but this driver runs on {here}: "
-                               "starting engines on other nodes is not supported yet; run the driver on a node "
-                               "with cluster.engine_gpus free GPUs (engines take the first bundles)")

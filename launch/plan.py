@@ -162,9 +162,6 @@ def _check_gpu_counts(cfg: SluiceConfig, engine_gpus: int) -> None:
         raise ValueError(f"disaggregated placement asks for trainer {trainer} + engines {engine_gpus} = "
                          f"{trainer + engine_gpus} GPUs but cluster.num_nodes x gpus_per_node = {total}; lower the "
                          "parallel sizes / rollout.num_engines, add nodes, or use cluster.placement=colocated")
-    if engine_gpus > c.gpus_per_node:
-        raise ValueError(f"engines need {engine_gpus} GPUs but one node has cluster.gpus_per_node={c.gpus_per_node}: "
-                         "engines run on the driver's node; lower rollout.num_engines / engine_tensor_parallel_size")
     if c.gpus_per_node % c.engine_tensor_parallel_size:
         raise ValueError(f"cluster.engine_tensor_parallel_size={c.engine_tensor_parallel_size} does not divide "
                          f"cluster.gpus_per_node={c.gpus_per_node}: an engine would span two nodes")
@@ -204,7 +201,8 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     n_bundles = _num_bundles(cfg, engine_gpus)
     slots = [(b // c.gpus_per_node, b % c.gpus_per_node) if c.uses_gpus else (0, None) for b in range(n_bundles)]
     resources = {"GPU": 1.0, "CPU": c.cpus_per_bundle} if c.uses_gpus else {"CPU": c.cpus_per_bundle}
-    # Engines take the first bundles: bundle 0 is on the driver's node, and engines are the driver's processes.
+    # Engines take the first bundles (the driver's node sorts first, near the router); each is started on its
+    # bundle's node by a host actor, so engines may spread over nodes.
     first = 0 if c.placement == "colocated" else engine_gpus
     trainer = [TrainerRank(rank=r, bundle=first + r, node=slots[first + r][0], device=slots[first + r][1],
                            coords=_coords(cfg, r)) for r in range(cfg.trainer.world_size)]

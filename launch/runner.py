@@ -73,9 +73,7 @@ def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
     from launch import cluster
 
     cluster.start_ray(address=cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus, stack=stack)
-    placement = cluster.reserve(plan, stack)
-    cluster.check_engines_local(placement, plan)
-    return placement
+    return cluster.reserve(plan, stack)
 
 
 def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[dict]:
@@ -83,6 +81,12 @@ def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[d
     gpu = 1 if plan.device == "gpu" else 0
     return [placement.actor_options(r.bundle, num_cpus=0 if gpu else cfg.trainer.num_cpus_per_worker, num_gpus=gpu)
             for r in plan.trainer]
+
+
+def engine_host_options(placement, engine) -> dict:
+    """An engine's host actor sits on its first bundle and reserves nothing: the engine process uses the bundle's
+    devices through CUDA_VISIBLE_DEVICES, and in colocated placement the trainer rank holds the bundle's GPU."""
+    return placement.actor_options(engine.bundles[0], num_cpus=0)
 
 
 def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
@@ -97,7 +101,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                          router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
                          engine_command=plan.engine_command, engine_args=plan.engine_args,
-                         router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines])
+                         router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
+                         engine_hosts=[engine_host_options(placement, e) for e in plan.engines])
     stack.callback(fleet.stop)
     fleet.start()
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss,

@@ -35,7 +35,6 @@ def test_bundles_map_to_gpus_in_order_and_each_trainer_rank_gets_its_bundles_gpu
         ranks = [gpus_seen.options(**placement.actor_options(r.bundle, num_cpus=0, num_gpus=1)).remote()
                  for r in plan.trainer]
         assert ray.get(ranks, timeout=60) == [[2], [3]]
-        cluster.check_engines_local(placement, plan)  # single node: the engines' bundles are the driver's
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 # Several nodes: one Ray cluster across them (`ray start` on every node), then sluice on the head node attaches
 # to it (run.ray_address=auto) and places trainer ranks and engines with one placement group.
 #
-# On the head node (it also runs the driver, the engines and the router):
+# On the head node (it runs the driver and the router; engines start on their bundles' nodes):
 #   ROLE=head   NUM_NODES=2 launch/scripts/multi_node.sh [sluice args...]
 # On every other node, once the head is up:
 #   ROLE=worker HEAD_IP=10.0.0.1 launch/scripts/multi_node.sh
