@@ -1,5 +1,6 @@
 """The synchronous GRPO loop: generate -> reward -> train -> sync -> log. Components do the work; this file only
-says in which order (mode: sync is max_staleness = 0, the special case the async loop will generalise)."""
+says in which order (mode: sync is max_staleness = 0, the special case the async loop will generalise). Who holds
+the devices in each phase is the `glue.colocation` component's business."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from glue.colocation import Colocation, Disaggregated
 from glue.metrics import MetricsLogger, StepTimer
 from glue.types import Group, SampleStatus, TrainBatch
 
@@ -27,18 +29,23 @@ class FleetControl(Protocol):
 
 
 def run_sync_loop(*, num_steps: int, manager: Any, trainer: Trainer, fleet: FleetControl, bridge: Bridge,
-                  loss_cfg: Any, logger: MetricsLogger, loop: asyncio.AbstractEventLoop, progress: Any = None) -> None:
-    """Run `num_steps` on-policy steps; every step's rollouts come from the weights of the step before."""
+                  loss_cfg: Any, logger: MetricsLogger, loop: asyncio.AbstractEventLoop, progress: Any = None,
+                  colocation: Colocation | None = None) -> None:
+    """Run `num_steps` on-policy steps; every step's rollouts come from the weights of the step before.
+    `colocation` (default: separate devices) hands the devices over before each phase and owns the weight sync."""
+    phases = colocation or Disaggregated(bridge)
     for step in range(1, num_steps + 1):
         timer = StepTimer()
         with timer("rollout"):
+            phases.before_rollout()
             groups = loop.run_until_complete(manager.generate_step())
         batch = build_train_batch(groups, loss_cfg)
         with timer("train"):
+            phases.before_train()
             train_metrics = trainer.train_step(batch)
         with timer("sync"):
-            sync_weights(fleet, bridge, trainer.version)
-        record = {"step": step, **rollout_metrics(groups), **train_metrics, **timer.metrics,
+            sync_weights(fleet, phases, trainer.version)
+        record = {"step": step, **rollout_metrics(groups), **train_metrics, **timer.metrics, **phases.metrics(),
                   "weights/version": trainer.version}
         logger.log(record)
         if progress is not None:

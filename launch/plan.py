@@ -203,6 +203,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     resources = {"GPU": 1.0, "CPU": c.cpus_per_bundle} if c.uses_gpus else {"CPU": c.cpus_per_bundle}
     # Engines take the first bundles (the driver's node sorts first, near the router); each is started on its
     # bundle's node by a host actor, so engines may spread over nodes.
+    # Colocated: trainer rank r shares bundle r with an engine; glue.colocation hands the device over per phase.
     first = 0 if c.placement == "colocated" else engine_gpus
     trainer = [TrainerRank(rank=r, bundle=first + r, node=slots[first + r][0], device=slots[first + r][1],
                            coords=_coords(cfg, r)) for r in range(cfg.trainer.world_size)]

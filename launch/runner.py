@@ -30,6 +30,10 @@ def run(cfg: SluiceConfig) -> Path:
         placement = start_ray(cfg, plan, stack)
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
                                                                          stack)
+        from glue.colocation import make_colocation
+
+        colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
+                                     timeout_s=cfg.sync.timeout_s)
         from tqdm import tqdm
 
         from glue.controller import run_sync_loop
@@ -38,7 +42,8 @@ def run(cfg: SluiceConfig) -> Path:
         progress = stack.enter_context(tqdm(total=cfg.run.num_steps, desc=f"sluice {cfg.run.name}", unit="step",
                                             file=sys.stdout, dynamic_ncols=True))
         run_sync_loop(num_steps=cfg.run.num_steps, manager=manager, trainer=trainer, fleet=client, bridge=bridge,
-                      loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), loop=loop, progress=progress)
+                      loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), loop=loop, progress=progress,
+                      colocation=colocation)
     from glue.metrics import learning_summary, read_metrics
 
     print(f"sluice: run finished; {learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; "

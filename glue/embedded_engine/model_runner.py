@@ -23,6 +23,14 @@ from glue.embedded_engine.sampling import sample_token
 ABORT_MESSAGE = "Aborted"
 
 
+class MemoryReleasedError(RuntimeError):
+    """A request arrived while the engine has released memory it needs to generate."""
+
+    def __init__(self, tags: list[str]):
+        super().__init__(f"the engine has released its memory ({', '.join(tags)}) with /release_memory_occupation "
+                         "and cannot generate; call /resume_memory_occupation first")
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request while it is generated, and its result once `finish_reason` is set."""
@@ -59,6 +67,8 @@ class ModelRunner:
         self._seeds = torch.Generator().manual_seed(seed)
         self._thread = threading.Thread(target=self._loop, name="model-runner", daemon=True)
         self.forward_count = 0  # forwards run so far (prefill and decode)
+        self.released: set[str] = set()  # memory tags given up by /release_memory_occupation ("weights", "kv_cache")
+        self._weight_shapes: dict[int, torch.Size] = {}  # id(parameter) -> shape, while "weights" is released
 
     # ---- calls from the HTTP side (any thread) ----
     def start(self) -> None:
@@ -71,8 +81,11 @@ class ModelRunner:
         self._thread.join(timeout=30)
 
     def submit(self, request: GenerationRequest, on_done: Callable[[Sequence], None]) -> Sequence:
-        """Queue a request; `on_done(seq)` is called from the runner thread when it finishes (or is aborted)."""
+        """Queue a request; `on_done(seq)` is called from the runner thread when it finishes (or is aborted).
+        Raises MemoryReleasedError while weights or KV cache are released."""
         with self._cond:
+            if self.released:
+                raise MemoryReleasedError(sorted(self.released))
             seed = request.sampling.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
@@ -121,8 +134,46 @@ class ModelRunner:
         with self._cond:
             return {"num_running_reqs": len(self._active), "num_waiting_reqs": len(self._waiting)}
 
+    # ---- memory occupation (colocated placement: the trainer uses the device during training) ----
+    def release_memory(self, tags: set[str]) -> None:
+        """Give up memory: any tag aborts every request and drops the KV cache (new requests are refused until
+        resumed); "weights" also frees every parameter's storage (the contents are lost: sync weights after resume)."""
+        with self._cond:
+            self.released |= tags
+        self.abort(abort_all=True)
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._active, timeout=60):
+                raise TimeoutError("release_memory_occupation: in-flight requests were not aborted within 60 s")
+            self._batch = KVBatch()
+        if "weights" in tags:
+            with self.model_lock:
+                for p in self.model.parameters():
+                    if p.numel():
+                        self._weight_shapes[id(p)] = p.shape
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """Take memory back; "weights" re-allocates every parameter (zeros until the next weight update)."""
+        if "weights" in tags:
+            with self.model_lock:
+                for p in self.model.parameters():
+                    if id(p) in self._weight_shapes:
+                        p.data = torch.zeros(self._weight_shapes.pop(id(p)), dtype=p.dtype, device=p.device)
+        with self._cond:
+            self.released -= tags
+            self._cond.notify_all()
+
+    def weight_bytes(self) -> int:
+        """Bytes the parameters' storages hold now (0 while "weights" is released)."""
+        with self.model_lock:
+            return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                        for p in self.model.parameters() if p.numel()}.values())
+
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> tuple[bool, str]:
         """Copy tensors into the model's parameters by HF name, all or nothing, between two forwards."""
+        if "weights" in self.released:
+            return False, ("the engine's weights are released (/release_memory_occupation); call "
+                           "/resume_memory_occupation with tags [\"weights\"] before updating them")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unknown = [n for n, _ in named_tensors if n not in params]
         if unknown:

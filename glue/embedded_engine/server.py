@@ -1,7 +1,7 @@
 """The embedded engine's HTTP front: SGLang's endpoints and JSON field names on aiohttp, in front of the model runner.
 
 The subset sluice uses (generate, pause/continue, abort, weights by broadcast / tensor handles / disk, the weights
-checker, versions, health, info), so
+checker, versions, memory release/resume for colocated placement, health, info), so
 the same client code drives this engine on CPU and real SGLang servers on GPUs.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from glue.embedded_engine.model_runner import ModelRunner, Sequence
+from glue.embedded_engine.model_runner import MemoryReleasedError, ModelRunner, Sequence
 from glue.embedded_engine.request_schema import RequestError, parse_generate
 from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload
 
@@ -92,6 +92,19 @@ def update_response(ok: bool, message: str, checksums: list[str] | None, **extra
     return web.json_response(body, status=200 if ok else 400)
 
 
+MEMORY_TAGS = ("weights", "kv_cache")  # sglang.srt.constants GPU_MEMORY_TYPE_WEIGHTS / _KV_CACHE
+
+
+def memory_tags(body: dict[str, Any]) -> set[str]:
+    """The `tags` of a memory-occupation request as a set; null or absent means every tag."""
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
+        raise RequestError("tags", f"must be null or a list of {list(MEMORY_TAGS)}, got {tags!r}")
+    return set(tags)
+
+
 class EngineServer:
     """Routes SGLang's HTTP API to a `ModelRunner` and a `WeightReceiver`."""
 
@@ -119,7 +132,9 @@ class EngineServer:
                 "/update_weights_from_distributed": self.update_weights_from_distributed,
                 "/update_weights_from_tensor": self.update_weights_from_tensor,
                 "/update_weights_from_disk": self.update_weights_from_disk, "/weights_checker": self.weights_checker,
-                "/update_weight_version": self.update_weight_version}
+                "/update_weight_version": self.update_weight_version,
+                "/release_memory_occupation": self.release_memory_occupation,
+                "/resume_memory_occupation": self.resume_memory_occupation}
         app.router.add_routes([web.get(p, h) for p, h in get.items()] + [web.post(p, h) for p, h in post.items()])
         app.router.add_route("PUT", "/generate", self.generate)
         app.router.add_route("GET", "/weights_checker", self.weights_checker)
@@ -133,8 +148,13 @@ class EngineServer:
         def resolver(fut: asyncio.Future) -> Callable[[Sequence], None]:
             return lambda seq: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
 
-        for req, fut in zip(requests, futures):
-            self.runner.submit(req, resolver(fut))
+        try:
+            for req, fut in zip(requests, futures):
+                self.runner.submit(req, resolver(fut))
+        except MemoryReleasedError as e:
+            for req in requests:
+                self.runner.abort(rid=req.rid)
+            raise RequestError("memory", str(e)) from None
         try:
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: free the rows it was holding
@@ -154,7 +174,7 @@ class EngineServer:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Generate one token; while generation is deliberately paused the engine is healthy without it."""
-        if self.runner.is_paused:
+        if self.runner.is_paused or self.runner.released:
             return web.Response(status=200)
         body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "rid": f"HEALTH_CHECK_{next(self._rids)}"}
@@ -167,7 +187,8 @@ class EngineServer:
         return web.json_response({**self.model_info, "weight_version": self.runner.weight_version})
 
     async def get_server_info(self, request: web.Request) -> web.Response:
-        state = {**self.runner.load(), "forward_count": self.runner.forward_count, "is_paused": self.runner.is_paused}
+        state = {**self.runner.load(), "forward_count": self.runner.forward_count, "is_paused": self.runner.is_paused,
+                 "memory_released": sorted(self.runner.released), "weight_bytes": self.runner.weight_bytes()}
         return web.json_response({**self.server_info, "weight_version": self.runner.weight_version,
                                   "internal_states": [state], "startup_time": self.started_at})
 
@@ -199,6 +220,19 @@ class EngineServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         """No prefix cache to flush: each request's KV lives only while it runs."""
         return web.Response(text="Cache flushed.\n", status=200)
+
+    # ---- memory occupation (SGLang's Release/ResumeMemoryOccupationReqInput: `tags`, null = all) ----
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = memory_tags(await read_object(request))
+        await asyncio.to_thread(self.runner.release_memory, tags)
+        if "weights" in tags:
+            await asyncio.to_thread(self.receiver.drop_parameter_homes)
+        return web.json_response({"success": True, "message": f"released {sorted(tags)}"})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = memory_tags(await read_object(request))
+        await asyncio.to_thread(self.runner.resume_memory, tags)
+        return web.json_response({"success": True, "message": f"resumed {sorted(tags)}"})
 
     # ---- weights ----
     async def init_weights_update_group(self, request: web.Request) -> web.Response:

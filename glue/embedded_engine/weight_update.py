@@ -79,6 +79,13 @@ class WeightReceiver:
         self._homes = ParameterBuckets(runner.model)
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-checksum")
 
+    def drop_parameter_homes(self) -> None:
+        """Forget the flat buffers parameters were re-homed into, so released weights free their memory (a
+        resumed parameter has new storage; the next broadcast re-homes it)."""
+        with self._lock:
+            self._homes.homes.clear()
+            self._receive_buffer = torch.empty(0, dtype=torch.uint8)
+
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> tuple[bool, str]:
         """`/init_weights_update_group`: join as rank `rank_offset` (rank 0 is the trainer)."""

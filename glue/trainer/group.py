@@ -93,6 +93,15 @@ class TrainerGroup:
         """Every weight as a full HF-named CPU tensor (for checks and checkpoints)."""
         return self._all("full_hf_state")[0]
 
+    def offload(self) -> int:
+        """Colocated placement: every rank moves its weights and optimizer state to host memory before rollout;
+        returns the bytes the ranks' training state still holds (0)."""
+        return sum(self._all("offload"))
+
+    def onload(self) -> int:
+        """Colocated placement: every rank takes its weights and optimizer state back before training."""
+        return sum(self._all("onload"))
+
     def shutdown(self) -> None:
         """Leave the process groups and kill the actors (idempotent)."""
         import ray

@@ -31,6 +31,7 @@ class TrainerWorker:
         self.version = 0
         self._weight_groups: dict[str, Any] = {}
         self._bucket_source: Any = None  # weight_sync.source.BucketSource on rank 0, made on first use
+        self._offloaded: dict[Any, torch.Tensor] | None = None  # host copies while offloaded (colocated placement)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This host's address (Ray's node IP inside an actor, else loopback) and a free port, for rank 0."""
@@ -157,6 +158,52 @@ class TrainerWorker:
             for g in grads:
                 g.mul_(self.cfg.grad_clip / (norm + 1e-6))
         return norm
+
+    # ---- colocated placement: give the device to the engines during rollout ----
+    def _optimizer_tensors(self) -> list[tuple[dict[str, Any], str]]:
+        """(state dict, key) of every optimizer state tensor with data (AdamW's exp_avg, exp_avg_sq)."""
+        return [(state, k) for state in self.optimizer.state.values() for k, v in state.items()
+                if torch.is_tensor(v) and v.dim() > 0]
+
+    def training_state_bytes(self) -> int:
+        """Bytes the model's parameters, gradients and optimizer state hold right now (0 while offloaded)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for p in self.model.parameters() for t in (p.data, p.grad) if t is not None and t.numel()}
+        storages.update({state[k].untyped_storage().data_ptr(): state[k].untyped_storage().nbytes()
+                         for state, k in self._optimizer_tensors()})
+        return sum(storages.values())
+
+    def offload(self) -> int:
+        """Copy parameters and optimizer state to host memory (a separate storage, also when the device is the
+        CPU), free the device copies and drop gradients; returns `training_state_bytes()` (0). Idempotent."""
+        if self._offloaded is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self._bucket_source is not None:
+                self._bucket_source.staged = {}  # the last sync's full tensors: re-gathered at the next one
+            self._offloaded = {}
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    self._offloaded[p] = p.data.to("cpu", copy=True)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                for state, k in self._optimizer_tensors():
+                    self._offloaded[(id(state), k)] = state[k].to("cpu", copy=True)
+                    state[k] = torch.empty(0, dtype=state[k].dtype, device=state[k].device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
+        return self.training_state_bytes()
+
+    def onload(self) -> int:
+        """Bring parameters and optimizer state back to the device; returns `training_state_bytes()`."""
+        if self._offloaded is not None:
+            saved, self._offloaded = self._offloaded, None
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.data = saved[p].to(self.device)
+                for state in self.optimizer.state.values():
+                    for k in list(state):
+                        if (id(state), k) in saved:
+                            state[k] = saved[(id(state), k)].to(self.device)
+        return self.training_state_bytes()
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(HF name, dtype name, full shape) of every tensor `send_weights` sends, in send order."""

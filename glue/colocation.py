@@ -1,0 +1,105 @@
+"""Who holds the devices in each phase of a step. The loop calls `before_rollout()` and `before_train()`; with
+`cluster.placement: colocated` trainer and engines share devices and take turns (`Colocated`), otherwise both stay
+resident and nothing happens (`Disaggregated`)."""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from weight_sync.engine_calls import post_json, run_together
+
+# SGLang's memory tags (sglang.srt.constants GPU_MEMORY_TYPE_*), the `tags` of its memory-occupation requests.
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+
+
+class Colocation(Protocol):
+    def before_rollout(self) -> None: ...
+    def before_train(self) -> None: ...
+    def sync(self, version: int) -> None: ...
+    def metrics(self) -> dict[str, float]: ...
+
+
+class OffloadableTrainer(Protocol):
+    version: int
+
+    def offload(self) -> int: ...
+    def onload(self) -> int: ...
+
+
+class Disaggregated:
+    """Separate devices: trainer and engines keep their memory; weights are synced right after training."""
+
+    def __init__(self, bridge: Any):
+        self.bridge = bridge
+
+    def before_rollout(self) -> None:
+        pass
+
+    def before_train(self) -> None:
+        pass
+
+    def sync(self, version: int) -> None:
+        self.bridge.sync(version)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class Colocated:
+    """Shared devices. Before rollout: engines take their weights memory back and receive the current weights
+    (the trainer is still resident, so it is the bridge's source), then the trainer offloads and the engines take
+    their KV cache back. Before training: engines release weights and KV cache, the trainer onloads.
+
+    `sync(version)` only records the version: after training the engines hold no weights to update, so the
+    transfer happens in the next `before_rollout`, where a resumed engine needs it anyway."""
+
+    def __init__(self, *, trainer: OffloadableTrainer, bridge: Any, engine_urls: Sequence[str],
+                 timeout_s: float = 300.0):
+        self.trainer, self.bridge, self.engine_urls, self.timeout_s = trainer, bridge, engine_urls, timeout_s
+        self._engines_released = False
+        self._version: int | None = None
+        self._metrics: dict[str, float] = {}
+
+    def before_rollout(self) -> None:
+        if self._engines_released:
+            self._engines("/resume_memory_occupation", [WEIGHTS])
+            self.bridge.sync(self._version if self._version is not None else self.trainer.version)
+        self._metrics["colocation/trainer_bytes_in_rollout"] = float(self.trainer.offload())
+        if self._engines_released:
+            self._engines("/resume_memory_occupation", [KV_CACHE])
+            self._engines_released = False
+        self._record_engine_bytes("colocation/engine_weight_bytes_in_rollout")
+
+    def before_train(self) -> None:
+        self._engines("/release_memory_occupation", [KV_CACHE, WEIGHTS])
+        self._engines_released = True
+        self._record_engine_bytes("colocation/engine_weight_bytes_in_train")
+        self._metrics["colocation/trainer_bytes_in_train"] = float(self.trainer.onload())
+
+    def sync(self, version: int) -> None:
+        self._version = version
+
+    def metrics(self) -> dict[str, float]:
+        """Bytes each side held at the start of this step's phases (0 = released / offloaded)."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def _engines(self, route: str, tags: list[str]) -> None:
+        run_together([lambda u=url: post_json(f"{u}{route}", {"tags": tags}, self.timeout_s)
+                      for url in self.engine_urls], self.timeout_s)
+
+    def _record_engine_bytes(self, key: str) -> None:
+        """Engine weight bytes from `/get_server_info` where the engine reports them (the embedded engine does)."""
+        states = [post_json(f"{u}/get_server_info", None, self.timeout_s).get("internal_states", [{}])[0]
+                  for u in self.engine_urls]
+        if all("weight_bytes" in s for s in states):
+            self._metrics[key] = float(sum(s["weight_bytes"] for s in states))
+
+
+def make_colocation(placement: str, *, trainer: Any, bridge: Any, engine_urls: Sequence[str],
+                    timeout_s: float = 300.0) -> Colocation:
+    """`cluster.placement` -> the component the loop calls around each phase."""
+    if placement == "colocated":
+        return Colocated(trainer=trainer, bridge=bridge, engine_urls=engine_urls, timeout_s=timeout_s)
+    if placement == "disaggregated":
+        return Disaggregated(bridge)
+    raise ValueError(f"cluster.placement must be 'colocated' or 'disaggregated', got {placement!r}")

@@ -1,0 +1,93 @@
+"""Colocated placement for real: the embedded engine's /release_memory_occupation and /resume_memory_occupation
+(SGLang's routes and `tags`), and a 3-step colocated CPU run where the trainer offloads before each rollout and the
+engines release before each training step, measured at each phase start."""
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from glue.metrics import read_metrics
+from launch.cli import main
+
+DEMO = str(Path(__file__).resolve().parents[1] / "examples/configs/demo.yaml")
+
+
+def post(url: str, payload: dict | None = None) -> tuple[int, dict]:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def greedy(url: str) -> tuple[int, dict]:
+    return post(f"{url}/generate", {"input_ids": [1, 2, 3], "return_logprob": True,
+                                    "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}})
+
+
+def state(url: str) -> dict:
+    return post(f"{url}/get_server_info")[1]["internal_states"][0]
+
+
+def test_released_engine_refuses_generates_frees_its_weights_and_after_resume_and_a_weight_update_serves_again(
+        engine_processes, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    expected_bytes = sum(p.numel() * 4 for p in model.parameters())  # float32, tied tensors counted once
+    vocab = model.config.vocab_size
+    url = engine_processes.start(tiny_model_dir, "--num-threads", "1")
+    status, before = greedy(url)
+    assert status == 200 and state(url)["weight_bytes"] == expected_bytes
+
+    assert post(f"{url}/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    status, body = greedy(url)
+    assert status == 400 and "/resume_memory_occupation" in body["error"]["message"]
+    assert state(url)["weight_bytes"] == expected_bytes  # the KV cache alone was released
+    assert post(f"{url}/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert greedy(url)[1]["output_ids"] == before["output_ids"]
+
+    assert post(f"{url}/release_memory_occupation", {"tags": None})[0] == 200  # null: every tag
+    assert state(url)["weight_bytes"] == 0 and state(url)["memory_released"] == ["kv_cache", "weights"]
+    assert greedy(url)[0] == 400
+    assert post(f"{url}/update_weights_from_disk", {"model_path": tiny_model_dir})[1]["success"] is False
+    assert post(f"{url}/resume_memory_occupation", {})[0] == 200
+    assert state(url)["weight_bytes"] == expected_bytes
+    # The contents were given up: all-zero weights give equal logits, so every token has logprob -ln(vocab).
+    zeros = greedy(url)[1]["meta_info"]["output_token_logprobs"]
+    assert all(abs(lp + math.log(vocab)) < 1e-5 for lp, _, _ in zeros)
+    assert post(f"{url}/update_weights_from_disk", {"model_path": tiny_model_dir})[1]["success"] is True
+    after = greedy(url)[1]
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert post(f"{url}/release_memory_occupation", {"tags": ["cuda_graph"]})[0] == 400  # not an engine memory
+
+
+@pytest.mark.slow
+def test_a_colocated_cpu_run_swaps_trainer_and_engine_memory_around_each_phase_and_trains_on_policy(tmp_path, capsys):
+    argv = ["--config", DEMO, "cluster.placement=colocated", "sync.transport=ipc", "run.num_steps=3",
+            f"run.output_dir={tmp_path}", "run.name=coloc", "rollout.prompts_per_step=4"]
+    assert main(argv) == 0, capsys.readouterr().err
+    records = read_metrics(tmp_path / "coloc" / "metrics.jsonl")
+    assert [r["weights/version"] for r in records] == [1, 2, 3]
+    # Resumed engines got the trainer's weights back before each rollout (zeros would be far off).
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
+    from transformers import AutoModelForCausalLM
+
+    engine_bytes = 2 * sum(p.numel() * 4 for p in
+                           AutoModelForCausalLM.from_pretrained(tmp_path / "coloc" / "init_model").parameters())
+    params = records[0]["colocation/trainer_bytes_in_train"]  # step 1: AdamW has no state yet
+    for r in records:
+        assert r["colocation/trainer_bytes_in_rollout"] == 0  # offloaded while the engines generate
+        assert r["colocation/engine_weight_bytes_in_rollout"] == engine_bytes
+        assert r["colocation/engine_weight_bytes_in_train"] == 0  # released while the trainer trains
+    assert params > 0
+    # Later steps bring back params + AdamW's two moments per parameter; gradients were dropped.
+    assert [r["colocation/trainer_bytes_in_train"] for r in records[1:]] == [3 * params, 3 * params]
