@@ -140,7 +140,35 @@ class BroadcastTransport(_Base):
         super().close()
 
 
-class IpcTransport(_Base):
+class _PointToPoint(_Base):
+    """A transport whose source keeps one channel open across syncs (`CHANNEL`, opened with `_channel_spec()`);
+    engines need nothing per connection."""
+
+    CHANNEL = ""
+
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+        self._open = False
+
+    def _channel_spec(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def connect(self, urls: Sequence[str]) -> None:
+        if not self._open:
+            self.source.open_weight_channel(self.CHANNEL, self._channel_spec())
+            self._open = True
+
+    def disconnect(self, urls: Sequence[str]) -> None:
+        """Point to point: nothing per engine to undo."""
+
+    def close(self) -> None:
+        if self._open:
+            self.source.close_weight_channel(self.CHANNEL)
+            self._open = False
+        super().close()
+
+
+class IpcTransport(_PointToPoint):
     """One shared segment (CPU) or CUDA buffer on the source, reused for every bucket of every sync: the source packs
     bucket i into it, every engine copies it out and unmaps it, and only then is bucket i+1 packed."""
 
@@ -149,12 +177,10 @@ class IpcTransport(_Base):
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, device: str, with_checksum: bool,
                  timeout_s: float):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
-        self.device, self._open = device, False
+        self.device = device
 
-    def connect(self, urls: Sequence[str]) -> None:
-        if not self._open:
-            self.source.open_weight_channel(self.CHANNEL, self._spec("ipc", device=self.device))
-            self._open = True
+    def _channel_spec(self) -> dict[str, Any]:
+        return self._spec("ipc", device=self.device)
 
     def transfer(self, urls: Sequence[str]) -> Transfer:
         result = Transfer(engines={url: [] for url in urls})
@@ -167,17 +193,8 @@ class IpcTransport(_Base):
                 result.engines[url] += _reported(answer, 1, url)
         return result
 
-    def disconnect(self, urls: Sequence[str]) -> None:
-        """Point to point: nothing per engine to undo."""
 
-    def close(self) -> None:
-        if self._open:
-            self.source.close_weight_channel(self.CHANNEL)
-            self._open = False
-        super().close()
-
-
-class DiskTransport(_Base):
+class DiskTransport(_PointToPoint):
     """The source writes a safetensors checkpoint (one shard per bucket) and renames it into place; every engine
     then loads it through `/update_weights_from_disk`."""
 
@@ -187,12 +204,9 @@ class DiskTransport(_Base):
                  with_checksum: bool, timeout_s: float):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
         self.directory = directory or tempfile.mkdtemp(prefix="sluice-weights-")
-        self._open = False
 
-    def connect(self, urls: Sequence[str]) -> None:
-        if not self._open:
-            self.source.open_weight_channel(self.CHANNEL, self._spec("disk", dir=self.directory))
-            self._open = True
+    def _channel_spec(self) -> dict[str, Any]:
+        return self._spec("disk", dir=self.directory)
 
     def transfer(self, urls: Sequence[str]) -> Transfer:
         result = Transfer(engines={})
@@ -204,12 +218,3 @@ class DiskTransport(_Base):
         for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_disk", payload)):
             result.engines[url] = _reported(answer, len(self.layouts), url)
         return result
-
-    def disconnect(self, urls: Sequence[str]) -> None:
-        """Point to point: nothing per engine to undo."""
-
-    def close(self) -> None:
-        if self._open:
-            self.source.close_weight_channel(self.CHANNEL)
-            self._open = False
-        super().close()
