@@ -11,15 +11,8 @@ import time
 import pytest
 
 from glue.engine_client import EngineClient
+from conftest import is_gone
 from glue.fleet import RolloutFleet
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def parent_pid(pid: int) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import is_gone
 from glue.engine_client import EngineClient, EngineHTTPError
 from glue.fleet import RolloutFleet
 
@@ -24,15 +24,6 @@ SAMPLING = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
 def server_state(engine_url: str) -> dict:
     with urllib.request.urlopen(f"{engine_url}/get_server_info", timeout=5) as resp:
         return json.loads(resp.read())["internal_states"][0]
-
-
-def is_gone(pid: int) -> bool:
-    """True when neither the process nor anything left in its process group exists."""
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
