@@ -94,11 +94,13 @@ def engine_url(engine_processes, tiny_model_dir) -> str:
 
 
 def _hf_weights(model_dir: str):
-    """The HF model in `model_dir` and copies of its parameters by HF name."""
+    """The HF model in `model_dir` and its checkpoint tensors by checkpoint name (what trainers and SGLang use:
+    one tensor per expert where transformers fuses experts into 3-D parameters)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    return model, list(load_file(f"{model_dir}/model.safetensors").items())
 
 
 def _sync(url: str, named: list[tuple[str, torch.Tensor]], version: str, group_name: str = "weight_update_group"):
@@ -127,13 +129,16 @@ def _sync(url: str, named: list[tuple[str, torch.Tensor]], version: str, group_n
     return reply["status"], reply["answer"]
 
 
-def test_an_engine_that_receives_another_models_weights_generates_like_that_model(
-        engine_processes, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_an_engine_that_receives_another_models_weights_generates_like_that_model(engine_processes, tmp_path, family):
     from glue.embedded_engine.tiny_model import save_tiny_model
 
-    url = engine_processes.start(tiny_model_dir)
-    old_model, _ = _hf_weights(tiny_model_dir)
-    new_model, new_weights = _hf_weights(save_tiny_model(tmp_path / "seed1", seed=1))
+    start_dir = save_tiny_model(tmp_path / "seed0", family=family, seed=0)
+    url = engine_processes.start(start_dir)
+    old_model, _ = _hf_weights(start_dir)
+    new_model, new_weights = _hf_weights(save_tiny_model(tmp_path / "seed1", family=family, seed=1))
+    if family == "qwen3_moe":  # per-expert checkpoint names land in the engine's fused expert parameters
+        assert any(n.endswith("experts.3.up_proj.weight") for n, _ in new_weights)
     status, answer = _sync(url, new_weights, version="1")
     assert status == 200 and answer["success"] is True, answer
     assert call(url, "/get_weight_version") == (200, {"weight_version": "1"})

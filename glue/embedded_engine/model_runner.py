@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache
 
+from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.kv_batch import KVBatch, cache_tensors
 from glue.embedded_engine.request_schema import GenerationRequest
 from glue.embedded_engine.sampling import sample_token
@@ -170,14 +171,14 @@ class ModelRunner:
                         for p in self.model.parameters() if p.numel()}.values())
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> tuple[bool, str]:
-        """Copy tensors into the model's parameters by HF name, all or nothing, between two forwards."""
+        """Copy tensors into the model's weights by HF checkpoint name, all or nothing, between two forwards."""
         if "weights" in self.released:
             return False, ("the engine's weights are released (/release_memory_occupation); call "
                            "/resume_memory_occupation with tags [\"weights\"] before updating them")
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = checkpoint_tensors(self.model)
         unknown = [n for n, _ in named_tensors if n not in params]
         if unknown:
-            return False, (f"unknown parameter name(s) {unknown[:5]} ({len(unknown)} in all); the model's names look "
+            return False, (f"unknown parameter name(s) {unknown[:5]} ({len(unknown)} in all); the checkpoint's names look "
                            f"like {list(params)[:3]}. Convert trainer names to HF names before sending.")
         bad = [f"{n}: sent {tuple(t.shape)}, model has {tuple(params[n].shape)}"
                for n, t in named_tensors if tuple(t.shape) != tuple(params[n].shape)]

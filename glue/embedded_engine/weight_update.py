@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.model_runner import ModelRunner
 from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
 from weight_sync.buckets import BucketLayout, checksum, dtype_to_str, unpack_bucket
@@ -177,15 +178,15 @@ class WeightReceiver:
         return ok, message, sums
 
     def check_weights(self, action: str) -> dict[str, Any]:
-        """SGLang's `/weights_checker` answer for action "checksum": per-parameter SHA-256 prefixes of the live
-        weights, taken between two forwards."""
+        """SGLang's `/weights_checker` answer for action "checksum": per-tensor SHA-256 prefixes of the live weights
+        by checkpoint name (what the trainer sends), taken between two forwards."""
         from weight_sync.source import tensor_checksum
 
         if action != "checksum":
             return {"success": False, "message": f"action {action!r} is not supported by the embedded engine; "
                                                  "use 'checksum'"}
         with self.runner.model_lock:
-            sums = {n: tensor_checksum(p) for n, p in self.runner.model.named_parameters()}
+            sums = {n: tensor_checksum(t) for n, t in checkpoint_tensors(self.runner.model, with_tied_copies=False).items()}
         overall = hashlib.sha256()
         for name in sorted(sums):
             overall.update(name.encode())
