@@ -109,7 +109,10 @@ def test_the_plan_places_trainer_ranks_after_the_engines_with_megatron_rank_coor
     assert plan["placement_group"] == {"bundles": 6, "bundle": {"GPU": 1.0, "CPU": 1.0}}
     assert plan["trainer"] == [f"rank {r}: bundle {r + 2}, node 0, gpu {r + 2}, tp={r % 2} cp=0 dp={r // 2} pp=0"
                                for r in range(4)]
-    assert plan["notes"] and "TP x PP ranks only" in plan["notes"][0]  # valid for megatron, not yet for this trainer
+    assert plan["notes"] == []  # a DP=2 layout is runnable
+    notes = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--context-parallel-size", "2",
+                    "cluster.trainer_gpus=2")["plan"]["notes"]
+    assert len(notes) == 1 and "context parallelism" in notes[0]  # valid for megatron, not yet for this trainer
 
 
 MALFORMED = [

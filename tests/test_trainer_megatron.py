@@ -87,19 +87,22 @@ def _worker_main(rank: int, world_size: int, port: int, model_path: str, cfg: Tr
     results.put(pickle.dumps((rank, before, entropy, metrics, after, weights if rank == 0 else None)))
 
 
-def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch) -> dict:
-    """Spawn `tp_size` ranks, collect rank 0's results; every process is stopped by its own handle."""
+def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, **layout) -> dict:
+    """Spawn TP x DP ranks (`layout`: more TrainerConfig fields, e.g. data_parallel_size), collect rank 0's
+    results; every process is stopped by its own handle."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cfg = TrainerConfig(tensor_model_parallel_size=tp_size, micro_batch_size=4, lr=1e-2, num_cpus_per_worker=1)
+    cfg = TrainerConfig(**{"tensor_model_parallel_size": tp_size, "micro_batch_size": 4, "lr": 1e-2,
+                           "num_cpus_per_worker": 1, **layout})
+    world = cfg.world_size
     port = _free_port()
-    procs = [ctx.Process(target=_worker_main, args=(r, tp_size, port, model_path, cfg, batch, results))
-             for r in range(tp_size)]
+    procs = [ctx.Process(target=_worker_main, args=(r, world, port, model_path, cfg, batch, results))
+             for r in range(world)]
     try:
         for p in procs:
             p.start()
         outs = {}
-        while len(outs) < tp_size:
+        while len(outs) < world:
             try:
                 rank, *rest = pickle.loads(results.get(timeout=5))
                 outs[rank] = rest
@@ -241,11 +244,14 @@ def test_trainer_config_names_the_field_and_the_fix():
         TrainerConfig(micro_batch_size=0)
 
 
-def test_a_worker_refuses_data_parallelism_and_kl_without_a_reference_model():
+def test_a_worker_refuses_a_wrong_world_size_context_parallelism_and_kl_without_a_reference_model():
     from glue.trainer.worker import TrainerWorker
 
-    with pytest.raises(ValueError, match="data parallelism is not supported"):
+    with pytest.raises(ValueError, match=r"world size 2 != TP x PP x CP x DP = 1"):
         TrainerWorker(model_path="unused", cfg=TrainerConfig(), loss_cfg=LossConfig(), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="set trainer.context_parallel_size: 1"):
+        TrainerWorker(model_path="unused", cfg=TrainerConfig(context_parallel_size=2), loss_cfg=LossConfig(), rank=0,
+                      world_size=2)
     with pytest.raises(ValueError, match="set loss.kl_loss_coef: 0"):
         TrainerWorker(model_path="unused", cfg=TrainerConfig(), loss_cfg=LossConfig(kl_loss_coef=0.1), rank=0,
                       world_size=1)

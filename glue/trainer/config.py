@@ -17,7 +17,7 @@ PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
 class TrainerConfig:
     tensor_model_parallel_size: int = 1  # Megatron TP degree; the trainer starts TP x PP x CP x DP Ray actors
     pipeline_model_parallel_size: int = 1  # Megatron PP degree (only 1 in this first form)
-    context_parallel_size: int = 1  # Megatron CP degree (sequence split across ranks)
+    context_parallel_size: int = 1  # Megatron CP degree (sequence split across ranks; not run by this trainer yet)
     expert_model_parallel_size: int = 1  # Megatron EP degree (experts split across TP x CP x DP ranks)
     expert_tensor_parallel_size: int | None = None  # Megatron ETP degree of expert layers (null = TP)
     data_parallel_size: int = 1  # trainer replicas; world size = TP x PP x CP x DP
@@ -104,7 +104,7 @@ class TrainerConfig:
         The launcher prints these in `--dry-run` and refuses to start a run that has any.
         """
         notes = []
-        if self.world_size != self.tensor_model_parallel_size * self.pipeline_model_parallel_size:
-            notes.append(f"CP x DP = {self.context_parallel_size} x {self.data_parallel_size}: this trainer runs "
-                         "TP x PP ranks only (glue/trainer/worker.py); use --context-parallel-size 1 and one replica")
+        if self.context_parallel_size != 1:
+            notes.append(f"CP = {self.context_parallel_size}: this trainer does not run context parallelism yet (it needs "
+                         "the Transformer-Engine attention); use --context-parallel-size 1")
         return notes

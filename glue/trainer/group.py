@@ -1,5 +1,6 @@
-"""Driver side of the trainer: one `TrainerWorker` Ray actor per rank (TP x PP), wired to one torch.distributed
-group, behind blocking methods the controller and the weight bridge call. Assumes `ray.init` was done."""
+"""Driver side of the trainer: one `TrainerWorker` Ray actor per rank (TP x PP x CP x DP), wired to one
+torch.distributed group, behind blocking methods the controller and the weight bridge call. Assumes `ray.init` was
+done."""
 from __future__ import annotations
 
 from typing import Any, Sequence

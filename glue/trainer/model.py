@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from weight_sync.convert import hf_to_megatron, is_tied, shard_for_tp
+from weight_sync.convert import hf_to_megatron_local, is_tied
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
@@ -138,21 +138,21 @@ def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, *, tp_rank: int, tp_size: int) -> None:
-    """Copy the checkpoint's weights into this rank's shard of `model` (every parameter must be covered)."""
-    full = hf_to_megatron(read_hf_state(model_dir), hf_config)
+def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layout: Any) -> None:
+    """Copy the checkpoint's weights into this rank's part of `model`: its TP shard and, for MoE, its experts
+    (`layout`: a weight_sync.convert.ParallelLayout). Every parameter must be covered."""
+    local = hf_to_megatron_local(read_hf_state(model_dir), hf_config, layout)
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(full))
-    unexpected = sorted(set(full) - set(params))
+    missing = sorted(set(params) - set(local))
+    unexpected = sorted(set(local) - set(params))
     if missing or unexpected:
         raise ValueError(f"HF -> megatron conversion does not cover the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; the converter table and the layer spec disagree")
     with torch.no_grad():
         for name, param in params.items():
-            shard = shard_for_tp(name, full[name], tp_rank, tp_size)
-            if shard.shape != param.shape:
-                raise ValueError(f"{name}: checkpoint shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
-            param.copy_(shard.to(param.dtype))
+            if local[name].shape != param.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(local[name].shape)} != parameter {tuple(param.shape)}")
+            param.copy_(local[name].to(param.dtype))
 
 
 def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""One trainer rank: megatron-core model + AdamW on this rank's TP shard. `TrainerGroup` runs one per rank as a
-Ray actor; it turns a `TrainBatch` into a PPO update (loss from `loss/`) and its weights into HF-named tensors
-for the weight bridge. A plain class, so tests can also drive it from spawned processes.
+"""One trainer rank: megatron-core model + AdamW on this rank's shard (TP shard, its experts under EP, its rows of
+the batch under DP; `glue.trainer.parallel` says which). `TrainerGroup` runs one per rank as a Ray actor; it turns a
+`TrainBatch` into a PPO update (loss from `loss/`) and its weights into HF-named tensors for the weight bridge.
+A plain class, so tests can also drive it from spawned processes.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from glue.trainer.config import TrainerConfig
+from glue.trainer.parallel import RankPlace, finalize_gradients, full_hf_state, gather_dp, gradient_norm, hf_weight_specs
 from glue.types import TrainBatch
 
 
@@ -20,9 +22,12 @@ class TrainerWorker:
     """Construct anywhere; `initialize()` joins the trainer's process group and loads the model."""
 
     def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: Any, rank: int, world_size: int):
-        if world_size != cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size:
-            raise ValueError(f"trainer world size {world_size} != TP x PP = {cfg.world_size}; data parallelism is not "
-                             "supported by this first-form trainer, start exactly TP x PP workers")
+        if world_size != cfg.world_size:
+            raise ValueError(f"trainer world size {world_size} != TP x PP x CP x DP = {cfg.world_size}; start exactly "
+                             "that many workers")
+        if cfg.context_parallel_size != 1:
+            raise ValueError("context parallelism is not supported by this trainer yet (it needs the Transformer-Engine "
+                             "attention); set trainer.context_parallel_size: 1")
         if getattr(loss_cfg, "kl_loss_coef", 0) > 0:
             raise ValueError("loss.kl_loss_coef > 0 needs reference-model logprobs, which this first-form trainer does "
                              "not compute yet; set loss.kl_loss_coef: 0")
@@ -55,20 +60,15 @@ class TrainerWorker:
         self.device = torch.device("cpu") if cpu_compat.is_cpu_only() else torch.device("cuda", torch.cuda.current_device())
         parallel_state.initialize_model_parallel(**self.cfg.parallel_state_sizes())
         tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.place = RankPlace.from_parallel_state()
         self.hf_config = model.read_hf_config(self.model_path)
         self.model = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size,
                                        megatron_args=self.cfg.megatron_values())
-        model.load_hf_weights(self.model, self.model_path, self.hf_config, tp_rank=self.tp_rank,
-                              tp_size=self.cfg.tensor_model_parallel_size)
+        model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
-
-    def _micro_batches(self, batch_size: int) -> list[slice]:
-        step = self.cfg.micro_batch_size
-        return [slice(i, min(i + step, batch_size)) for i in range(0, batch_size, step)]
 
     def _forward(self, tokens: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs [B, T], entropy [B, T] or None) of this micro-batch; differentiable when grad is enabled."""
@@ -80,14 +80,20 @@ class TrainerWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False) -> Any:
-        """Logprob of tokens[:, t+1] at position t with the current weights, [B, T] on CPU (last column 0).
+        """Logprob of tokens[:, t+1] at position t with the current weights, [B, T] on CPU (last column 0); each
+        DP rank computes its share of the rows and every rank gets all of them.
 
         With `with_entropy`, returns `(logprobs, entropy)`, both [B, T].
         """
         tokens = batch.tokens if isinstance(batch, TrainBatch) else batch
-        parts = [self._forward(tokens[s], with_entropy) for s in self._micro_batches(tokens.shape[0])]
-        logprobs = torch.cat([p[0] for p in parts]).cpu()
-        return (logprobs, torch.cat([p[1] for p in parts]).cpu()) if with_entropy else logprobs
+        rows = tokens.shape[0]
+        parts = [(self._forward(tokens[s], with_entropy), is_real)
+                 for s, is_real in self.place.micro_batches(slice(0, rows), self.cfg.micro_batch_size)]
+        real = [p for p, is_real in parts if is_real]
+        logprobs = gather_dp(_cat_rows([p[0] for p in real], tokens, self.device), rows, self.place).cpu()
+        if not with_entropy:
+            return logprobs
+        return logprobs, gather_dp(_cat_rows([p[1] for p in real], tokens, self.device), rows, self.place).cpu()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """PPO update(s) on `batch`: old logprobs from the current weights, then `num_epochs` x `num_mini_batches`
@@ -111,8 +117,9 @@ class TrainerWorker:
         return metrics
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, rows: slice) -> dict[str, float]:
-        """One optimizer step over `rows` of the batch; returns its loss, grad norm and the loss's metrics
-        (token-weighted means over micro-batches; `pg_loss` shares are summed)."""
+        """One optimizer step over `rows` of the batch (this DP rank trains on its share, gradients are summed
+        over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over micro-batches
+        and DP ranks; `pg_loss` shares are summed)."""
         from loss import compute_policy_loss, count_tokens_and_seqs
 
         num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
@@ -120,10 +127,9 @@ class TrainerWorker:
         version_at_step = self.version
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0}
-        for sub in self._micro_batches(rows.stop - rows.start):
-            s = slice(rows.start + sub.start, rows.start + sub.stop)
+        for s, is_real in self.place.micro_batches(rows, self.cfg.micro_batch_size):
             logprobs, entropy = self._forward(batch.tokens[s], with_entropy=needs_entropy)
-            mask = batch.logprob_mask[s].float().to(self.device)
+            mask = batch.logprob_mask[s].float().to(self.device) * float(is_real)
             loss, loss_metrics = compute_policy_loss(
                 self.loss_cfg, logprobs=logprobs, old_logprobs=old_logprobs[s].to(self.device),
                 rollout_logprobs=batch.rollout_logprobs[s].float().to(self.device),
@@ -135,23 +141,28 @@ class TrainerWorker:
             share = float(mask.sum()) / max(num_tokens, 1)
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
+        sums = self._sum_over_dp(sums)
+        finalize_gradients(self.model, self.model.config, self.place)
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         self.version += 1
         return sums
 
-    def _clip_gradients(self) -> float:
-        """Global L2 norm of the gradients across TP shards (duplicated params counted once); clip to grad_clip."""
-        from megatron.core import parallel_state, tensor_parallel
+    def _sum_over_dp(self, sums: dict[str, float]) -> dict[str, float]:
+        """Each DP rank's metric shares, summed (every rank has the same keys: one loss config)."""
+        if self.place.dp_size == 1:
+            return sums
+        from megatron.core import parallel_state
 
+        names = sorted(sums)
+        values = torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group(with_context_parallel=False))
+        return dict(zip(names, values.tolist()))
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm of the gradients (each shard counted once); clip to grad_clip."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        owned = [p.grad for p in self.model.parameters()
-                 if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in owned:
-            sq += g.float().pow(2).sum()
-        torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
-        norm = float(sq.sqrt())
+        norm = gradient_norm(self.model, self.place)
         if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at version {self.version}; lower trainer.lr or check the batch")
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
@@ -208,27 +219,12 @@ class TrainerWorker:
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(HF name, dtype name, full shape) of every tensor `send_weights` sends, in send order."""
         from weight_sync.broadcast import dtype_to_str
-        from weight_sync.convert import gather_from_tp, megatron_to_hf
 
-        tp = self.cfg.tensor_model_parallel_size
-        meta = {n: gather_from_tp(n, [torch.empty(p.shape, dtype=p.dtype, device="meta")] * tp)
-                for n, p in self.model.named_parameters()}
-        return [(n, dtype_to_str(t.dtype), tuple(t.shape)) for n, t in megatron_to_hf(meta, self.hf_config).items()]
+        return [(n, dtype_to_str(dtype), shape) for n, dtype, shape in hf_weight_specs(self.model, self.hf_config, self.place)]
 
     def full_hf_state(self) -> dict[str, torch.Tensor]:
-        """Every weight as a full HF-named CPU tensor (collective: all TP ranks must call it)."""
-        from megatron.core import parallel_state
-
-        from weight_sync.convert import gather_from_tp, megatron_to_hf
-
-        group = parallel_state.get_tensor_model_parallel_group()
-        tp = self.cfg.tensor_model_parallel_size
-        full = {}
-        for name, param in self.model.named_parameters():
-            shards = [torch.empty_like(param.data) for _ in range(tp)]
-            torch.distributed.all_gather(shards, param.data.contiguous(), group=group)
-            full[name] = gather_from_tp(name, [s.cpu() for s in shards])
-        return megatron_to_hf(full, self.hf_config)
+        """Every weight as a full HF-named CPU tensor (collective: every rank must call it)."""
+        return full_hf_state(self.model, self.hf_config, self.place)
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str = "gloo") -> None:
@@ -298,3 +294,8 @@ def _split_rows(batch_size: int, num_parts: int) -> list[slice]:
         raise ValueError(f"trainer.num_mini_batches={num_parts} exceeds the batch size {batch_size}; lower it")
     bounds = [round(i * batch_size / num_parts) for i in range(num_parts + 1)]
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _cat_rows(parts: list[torch.Tensor], tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Concatenated micro-batch outputs, or an empty [0, T] tensor for a DP rank with no rows."""
+    return torch.cat(parts) if parts else torch.zeros((0, tokens.shape[1]), dtype=torch.float32, device=device)

@@ -1,0 +1,193 @@
+"""Where one trainer rank sits in megatron-core's parallel layout (TP x EP x DP, experts folded into the dense
+ranks) and what that means for the data and the gradients: which rows of a batch it trains on, how its gradients
+meet the other ranks' before the optimizer step, and how its local shards become the full HF-named weights.
+
+Every function here is a collective or depends on `parallel_state` being initialised; the worker calls them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def dp_share(rows: slice, dp_rank: int, dp_size: int) -> slice:
+    """Data-parallel rank `dp_rank`'s contiguous share of `rows`: near-equal shares, in rank order (may be empty)."""
+    n = rows.stop - rows.start
+    return slice(rows.start + round(dp_rank * n / dp_size), rows.start + round((dp_rank + 1) * n / dp_size))
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights live on their expert-parallel rank only (the router and shared experts are dense)."""
+    return ".mlp.experts." in name
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """This rank's coordinates, plus every member of its expert group (ETP x EP ranks) as (ep_rank, etp_rank)."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    ep_size: int
+    etp_size: int
+    ep_rank: int
+    etp_rank: int
+    expert_members: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_parallel_state(cls) -> "RankPlace":
+        """Read the coordinates megatron assigned (collective over the expert group, once)."""
+        from megatron.core import parallel_state as ps
+
+        mine = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+        group = ps.get_expert_tensor_and_model_parallel_group()
+        members: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(members, mine, group=group)
+        return cls(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                   dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                   ep_size=ps.get_expert_model_parallel_world_size(),
+                   etp_size=ps.get_expert_tensor_parallel_world_size(), ep_rank=mine[0], etp_rank=mine[1],
+                   expert_members=tuple(tuple(m) for m in members))
+
+    def layout(self, tp_rank: int | None = None, member: tuple[int, int] | None = None):
+        """The converter's ParallelLayout of this rank, or of the rank holding dense TP shard `tp_rank` and the
+        expert shard of expert-group `member`."""
+        from weight_sync.convert import ParallelLayout
+
+        ep_rank, etp_rank = member if member is not None else (self.ep_rank, self.etp_rank)
+        return ParallelLayout(tp_rank=self.tp_rank if tp_rank is None else tp_rank, tp_size=self.tp_size,
+                              ep_rank=ep_rank, ep_size=self.ep_size, etp_rank=etp_rank, etp_size=self.etp_size)
+
+    def gather_layouts(self) -> list[Any]:
+        """Layouts that together cover every dense TP shard and every expert shard. Layout i pairs dense shard
+        i mod TP with expert member i mod M: any pairing works because the converter reads each shard once from
+        whichever layout holds it, and max(TP, M) layouts cover both sets."""
+        count = max(self.tp_size, len(self.expert_members))
+        return [self.layout(i % self.tp_size, self.expert_members[i % len(self.expert_members)]) for i in range(count)]
+
+    # ---- data: which rows this data-parallel rank trains on ----
+    def dp_rows(self, rows: slice) -> slice:
+        """This DP rank's contiguous share of `rows` (near-equal shares; a share may be empty)."""
+        return dp_share(rows, self.dp_rank, self.dp_size)
+
+    def micro_batches(self, rows: slice, micro_batch_size: int) -> list[tuple[slice, bool]]:
+        """(rows, is_real) micro-batches of this rank's share of `rows`, the same count on every DP rank: expert
+        parallelism makes every forward a collective across DP ranks, so a rank with fewer rows runs padding
+        micro-batches (one row, masked out) instead of skipping them."""
+        n = rows.stop - rows.start
+        largest = math.ceil(n / self.dp_size)
+        count = max(1, math.ceil(largest / micro_batch_size))
+        mine = self.dp_rows(rows)
+        size = mine.stop - mine.start
+        out = []
+        for i in range(count):
+            lo, hi = mine.start + round(i * size / count), mine.start + round((i + 1) * size / count)
+            out.append((slice(lo, hi), True) if hi > lo else (slice(rows.start, rows.start + 1), False))
+        return out
+
+
+def finalize_gradients(model: torch.nn.Module, config: Any, place: RankPlace) -> None:
+    """Make each rank's gradients the full batch's gradient of its own shard, as megatron's finalize_model_grads does:
+    - sum over TP the gradients of replicated parameters that only saw part of the activations (norms under sequence
+      parallelism, and Qwen3's per-head q/k norms, whose heads are split over TP);
+    - sum over DP (dense parameters) and over expert-DP (expert parameters). The loss was normalised by the global
+      token / sequence counts, so the sum, not the mean, is the full-batch gradient."""
+    from megatron.core import parallel_state as ps
+
+    tp_partial, dense, expert = [], [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if (getattr(config, "sequence_parallel", False) and getattr(p, "sequence_parallel", False)) or (
+                getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)):
+            tp_partial.append(p.grad)
+        (expert if is_expert_param(name) else dense).append(p.grad)
+    if place.tp_size > 1:
+        _all_reduce_sum(tp_partial, ps.get_tensor_model_parallel_group())
+    if place.dp_size > 1:
+        _all_reduce_sum(dense, ps.get_data_parallel_group())
+    if torch.distributed.get_world_size(ps.get_expert_data_parallel_group()) > 1:
+        _all_reduce_sum(expert, ps.get_expert_data_parallel_group())
+
+
+def gradient_norm(model: torch.nn.Module, place: RankPlace) -> float:
+    """Global L2 norm of the (finalized) gradients, each shard counted once: dense shards over TP, expert shards
+    over ETP x EP. DP replicas hold equal gradients and are not counted again."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    def owned(name: str, p: torch.nn.Parameter) -> bool:
+        if is_expert_param(name):
+            return getattr(p, "tensor_model_parallel", False) or place.etp_rank == 0
+        return tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+
+    device = next(model.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float32, device=device)  # [dense, expert]
+    for name, p in model.named_parameters():
+        if p.grad is not None and owned(name, p):
+            sums[int(is_expert_param(name))] += p.grad.float().pow(2).sum()
+    torch.distributed.all_reduce(sums[0:1], group=ps.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(sums[1:2], group=ps.get_expert_tensor_and_model_parallel_group())
+    return float(sums.sum().sqrt())
+
+
+def _all_reduce_sum(grads: list[torch.Tensor], group: Any) -> None:
+    """One collective for a list of gradients: flatten, sum, copy back."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def gather_dp(part: torch.Tensor, rows: int, place: RankPlace) -> torch.Tensor:
+    """Every DP rank's `part` ([its dp_rows of `rows`, ...]) concatenated in rank order: the full [rows, ...]."""
+    if place.dp_size == 1:
+        return part
+    from megatron.core import parallel_state as ps
+
+    largest = math.ceil(rows / place.dp_size)
+    padded = torch.zeros((largest, *part.shape[1:]), dtype=part.dtype, device=part.device)
+    padded[: part.shape[0]] = part
+    parts = [torch.empty_like(padded) for _ in range(place.dp_size)]
+    torch.distributed.all_gather(parts, padded, group=ps.get_data_parallel_group())
+    shares = [dp_share(slice(0, rows), r, place.dp_size) for r in range(place.dp_size)]
+    return torch.cat([p[: s.stop - s.start] for p, s in zip(parts, shares)])
+
+
+def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> dict[str, torch.Tensor]:
+    """Every weight as a full HF-named CPU tensor (collective: every rank calls it; each gets the full state).
+    Dense shards are gathered over TP, expert shards over the ETP x EP group, then the converter assembles them."""
+    from megatron.core import parallel_state as ps
+
+    from weight_sync.convert import megatron_to_hf
+
+    tp_group, expert_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_and_model_parallel_group()
+    layouts = place.gather_layouts()
+    states: list[dict[str, torch.Tensor]] = [{} for _ in layouts]
+    for name, param in model.named_parameters():
+        expert = is_expert_param(name)
+        size = len(place.expert_members) if expert else place.tp_size
+        shards = [torch.empty_like(param.data) for _ in range(size)]
+        torch.distributed.all_gather(shards, param.data.contiguous(), group=expert_group if expert else tp_group)
+        for i, state in enumerate(states):
+            state[name] = shards[i % size].cpu()
+    return megatron_to_hf(states, hf_config, layouts)
+
+
+def hf_weight_specs(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> list[tuple[str, Any, tuple]]:
+    """(HF name, dtype, full shape) of every tensor `full_hf_state` returns, in its order; no communication
+    (meta tensors: every rank's shard of a parameter has the same shape)."""
+    from weight_sync.convert import megatron_to_hf
+
+    layouts = place.gather_layouts()
+    meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in model.named_parameters()}
+    full = megatron_to_hf([dict(meta) for _ in layouts], hf_config, layouts)
+    return [(n, t.dtype, tuple(t.shape)) for n, t in full.items()]

@@ -1,0 +1,73 @@
+"""The trainer's data and expert parallelism on CPU/gloo, for real (spawned ranks): splitting the batch over DP ranks,
+the experts over EP ranks, or Qwen3's q/k-norm heads over TP ranks must give the same train step as one rank — the
+same loss, gradient norm, updated logprobs and gathered HF weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glue.embedded_engine.tiny_model import save_tiny_model
+from test_trainer_megatron import make_batch, run_trainer_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def assert_same_step(one: dict, many: dict, what: str) -> None:
+    """`many` (a parallel layout) trained exactly like `one` (a single rank), up to float rounding."""
+    m1, m2 = one["metrics"], many["metrics"]
+    assert m1["weights/version"] == m2["weights/version"] == 1.0
+    for name in ("train/loss", "train/pg_loss", "train/clipfrac", "train/entropy"):
+        assert abs(m1[name] - m2[name]) < 1e-6, f"{what}: {name} {m2[name]} != {m1[name]}"
+    assert abs(m1["train/grad_norm"] - m2["train/grad_norm"]) < 1e-5 * max(1.0, m1["train/grad_norm"]), \
+        f"{what}: grad norm {m2['train/grad_norm']} != {m1['train/grad_norm']}"
+    assert (many["before"] - one["before"]).abs().max().item() < 1e-5, f"{what}: logprobs before the step differ"
+    assert (many["after"] - one["after"]).abs().max().item() < 1e-5, f"{what}: logprobs after the step differ"
+    assert list(many["weights"]) == list(one["weights"]), f"{what}: gathered HF names differ"
+    for name, w1 in one["weights"].items():
+        # Adam's first step moves each weight by about lr * sign(g): rounding-level gradients may flip sign
+        assert (many["weights"][name] - w1).abs().max().item() < 1e-2 * 1e-2, f"{what}: {name}"
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch()
+
+
+def test_two_data_parallel_ranks_train_exactly_like_one(tmp_path_factory, batch):
+    model = save_tiny_model(str(tmp_path_factory.mktemp("qwen2")), family="qwen2", seed=3)
+    one = run_trainer_ranks(model, 1, batch)
+    # micro_batch_size 4 on 6 rows: one rank runs 4 + 2 rows, each DP rank a single micro-batch of 3
+    two = run_trainer_ranks(model, 1, batch, data_parallel_size=2)
+    assert_same_step(one, two, "DP=2")
+
+
+def test_qwen3_q_and_k_norm_gradients_are_summed_over_tensor_parallel_heads(tmp_path_factory, batch):
+    # Each TP rank normalises only its own heads with the shared q/k norm weights: without the TP sum the ranks'
+    # copies drift apart and the gradient norm misses half of those weights' gradient.
+    model = save_tiny_model(str(tmp_path_factory.mktemp("qwen3")), family="qwen3", seed=3)
+    one = run_trainer_ranks(model, 1, batch)
+    two = run_trainer_ranks(model, 2, batch)
+    assert any("q_norm" in n for n in one["weights"]), "the check needs a model with q/k norms"
+    assert_same_step(one, two, "Qwen3 TP=2")
+
+
+def test_experts_split_over_two_expert_parallel_ranks_train_exactly_like_one_rank(tmp_path_factory, batch):
+    model = save_tiny_model(str(tmp_path_factory.mktemp("moe")), family="qwen3_moe", seed=3)
+    one = run_trainer_ranks(model, 1, batch)
+    # EP=2 over DP=2: each rank holds 2 of the 4 experts, sees half the rows, and the allgather dispatcher moves
+    # tokens between the ranks in every forward
+    two = run_trainer_ranks(model, 1, batch, data_parallel_size=2, expert_model_parallel_size=2)
+    experts = [n for n in one["weights"] if ".mlp.experts." in n]
+    assert len(experts) == 2 * 4 * 3, "every layer's 4 experts (gate, up, down) come back from the EP ranks"
+    assert_same_step(one, two, "EP=2 x DP=2")
+
+
+def test_expert_replicas_sum_their_gradients_and_uneven_shares_keep_every_rank_in_step(tmp_path_factory, batch):
+    # 6 rows, micro-batch 1, 4 DP ranks: shares of 1-2 rows, so ranks with one row run a masked padding micro-batch
+    # while the others run their second (every forward is a collective across the EP group). EP=2 over DP=4: each
+    # expert has two replicas, whose gradients must be summed over the expert-data-parallel group.
+    model = save_tiny_model(str(tmp_path_factory.mktemp("moe4")), family="qwen3_moe", seed=3)
+    one = run_trainer_ranks(model, 1, batch, micro_batch_size=1)
+    four = run_trainer_ranks(model, 1, batch, micro_batch_size=1, data_parallel_size=4, expert_model_parallel_size=2)
+    assert_same_step(one, four, "EP=2 x DP=4, uneven shares")
+    assert torch.isfinite(four["after"]).all()
