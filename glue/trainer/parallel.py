@@ -164,7 +164,8 @@ def gather_dp(part: torch.Tensor, rows: int, place: RankPlace) -> torch.Tensor:
 
 def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> dict[str, torch.Tensor]:
     """Every weight as a full HF-named CPU tensor (collective: every rank calls it; each gets the full state).
-    Dense shards are gathered over TP, expert shards over the ETP x EP group, then the converter assembles them."""
+    Dense shards are gathered over TP, expert shards over the ETP x EP group, then the converter assembles them.
+    Read it before the next optimizer step: unsharded tensors may be the parameters themselves."""
     from megatron.core import parallel_state as ps
 
     from weight_sync.convert import megatron_to_hf
@@ -175,8 +176,11 @@ def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> d
     for name, param in model.named_parameters():
         expert = is_expert_param(name)
         size = len(place.expert_members) if expert else place.tp_size
-        shards = [torch.empty_like(param.data) for _ in range(size)]
-        torch.distributed.all_gather(shards, param.data.contiguous(), group=expert_group if expert else tp_group)
+        if size == 1:  # nothing to gather: no copy either (on CPU the state then aliases the parameters)
+            shards = [param.data]
+        else:
+            shards = [torch.empty_like(param.data) for _ in range(size)]
+            torch.distributed.all_gather(shards, param.data.contiguous(), group=expert_group if expert else tp_group)
         for i, state in enumerate(states):
             state[name] = shards[i % size].cpu()
     return megatron_to_hf(states, hf_config, layouts)

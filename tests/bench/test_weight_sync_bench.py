@@ -84,6 +84,23 @@ def time_bridge(url: str, source, tmp_path: Path, **sync) -> dict:
     return median
 
 
+def summarize(t: dict, nbytes: int, raw_s: float, settings: dict) -> dict:
+    return {"bytes": nbytes, "seconds": round(t["total_s"], 4), "gb_per_s": round(nbytes / t["total_s"] / 1e9, 3),
+            "ratio_to_raw": round(raw_s / t["total_s"], 3), "buckets": int(t["buckets"]),
+            "breakdown_s": {k: round(t[k], 4) for k in ("stage_s", "transfer_s", "verify_s")}, "settings": settings}
+
+
+def start_trainer_rank(model_dir: str):
+    """A one-rank megatron-core trainer in this process, loaded from `model_dir`: a weight source like the run's."""
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.worker import TrainerWorker
+    from loss import LossConfig
+
+    worker = TrainerWorker(model_path=model_dir, cfg=TrainerConfig(), loss_cfg=LossConfig(), rank=0, world_size=1)
+    worker.initialize("127.0.0.1", free_port())
+    return worker
+
+
 def test_weight_sync_throughput_per_transport_against_a_raw_gloo_broadcast(tmp_path):
     from safetensors.torch import load_file
 
@@ -109,12 +126,16 @@ def test_weight_sync_throughput_per_transport_against_a_raw_gloo_broadcast(tmp_p
                            ("broadcast_verify_off", dict(transport="broadcast", verify="off")),
                            ("broadcast_64MiB_buckets", dict(transport="broadcast", bucket_bytes=64 * 1024**2)),
                            ("ipc", dict(transport="ipc")), ("disk", dict(transport="disk"))]:
-            t = time_bridge(url, source, tmp_path, **sync)
-            results[name] = {"bytes": nbytes, "seconds": round(t["total_s"], 4),
-                             "gb_per_s": round(nbytes / t["total_s"] / 1e9, 3),
-                             "ratio_to_raw": round(raw_s / t["total_s"], 3), "buckets": int(t["buckets"]),
-                             "breakdown_s": {k: round(t[k], 4) for k in ("stage_s", "transfer_s", "verify_s")},
-                             "settings": sync}
+            results[name] = summarize(time_bridge(url, source, tmp_path, **sync), nbytes, raw_s, sync)
+        # The same broadcast from a real megatron-core trainer rank (TP=1): stage_s is then the gather of the
+        # megatron parameters and their conversion to HF names and layouts (fused QKV / gate-up split).
+        trainer = start_trainer_rank(model_dir)
+        try:
+            results["broadcast_from_megatron_tp1"] = summarize(
+                time_bridge(url, trainer, tmp_path, transport="broadcast"), nbytes, raw_s,
+                {"transport": "broadcast", "source": "megatron-core TrainerWorker, TP=1"})
+        finally:
+            trainer.shutdown()
     finally:
         proc.terminate()
         proc.join(timeout=30)
