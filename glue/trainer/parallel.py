@@ -162,9 +162,11 @@ def gather_dp(part: torch.Tensor, rows: int, place: RankPlace) -> torch.Tensor:
     return torch.cat([p[: s.stop - s.start] for p, s in zip(parts, shares)])
 
 
-def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> dict[str, torch.Tensor]:
-    """Every weight as a full HF-named CPU tensor (collective: every rank calls it; each gets the full state).
-    Dense shards are gathered over TP, expert shards over the ETP x EP group, then the converter assembles them.
+def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace, *, keep: bool = True
+                  ) -> dict[str, torch.Tensor]:
+    """Every weight as a full HF-named CPU tensor (collective: every rank calls it). Dense shards are gathered over
+    TP, expert shards over the ETP x EP group, then the converter assembles them. Ranks with `keep=False` only
+    take part in the gathers and return {}, so one host copy of the model is made, not one per rank.
     Read it before the next optimizer step: unsharded tensors may be the parameters themselves."""
     from megatron.core import parallel_state as ps
 
@@ -181,9 +183,11 @@ def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> d
         else:
             shards = [torch.empty_like(param.data) for _ in range(size)]
             torch.distributed.all_gather(shards, param.data.contiguous(), group=expert_group if expert else tp_group)
-        for i, state in enumerate(states):
-            state[name] = shards[i % size].cpu()
-    return megatron_to_hf(states, hf_config, layouts)
+        if keep:
+            shards = [shard.cpu() for shard in shards]
+            for i, state in enumerate(states):
+                state[name] = shards[i % size]
+    return megatron_to_hf(states, hf_config, layouts) if keep else {}
 
 
 def hf_weight_specs(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> list[tuple[str, Any, tuple]]:

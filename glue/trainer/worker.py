@@ -223,8 +223,8 @@ class TrainerWorker:
         return [(n, dtype_to_str(dtype), shape) for n, dtype, shape in hf_weight_specs(self.model, self.hf_config, self.place)]
 
     def full_hf_state(self) -> dict[str, torch.Tensor]:
-        """Every weight as a full HF-named CPU tensor (collective: every rank must call it)."""
-        return full_hf_state(self.model, self.hf_config, self.place)
+        """Every weight as a full HF-named CPU tensor on rank 0, {} elsewhere (collective: every rank calls it)."""
+        return full_hf_state(self.model, self.hf_config, self.place, keep=self.rank == 0)
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str = "gloo") -> None:
@@ -238,7 +238,8 @@ class TrainerWorker:
             group_name=group_name, backend=backend)
 
     def send_weights(self, group_name: str) -> None:
-        """All TP ranks gather full tensors; rank 0 broadcasts them, HF-named, in `hf_weight_specs()` order."""
+        """Every rank takes part in the gather; rank 0 broadcasts the full tensors, HF-named, in `hf_weight_specs()`
+        order."""
         state = self.full_hf_state()
         if self.rank != 0:
             return
@@ -262,7 +263,7 @@ class TrainerWorker:
             self._source().open_channel(name, spec)
 
     def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None:
-        """Collective: every TP rank gathers full HF tensors; rank 0 keeps them for `send_weight_bucket`."""
+        """Collective: every rank takes part in the gather; rank 0 keeps the full HF tensors for `send_weight_bucket`."""
         state = self.full_hf_state()
         return self._source().stage(state, with_tensor_checksums) if self.rank == 0 else None
 
