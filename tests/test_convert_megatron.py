@@ -71,6 +71,7 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
     from megatron.core.models.gpt import GPTModel
 
     from glue.trainer import model as tmodel
+    from glue.trainer.layer_spec import layer_spec
 
     _, _, tp, pp, ep = case
     ps.destroy_model_parallel()
@@ -81,7 +82,7 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
     padded = padded_vocab_size(hf_config.vocab_size, tp, divisible_by=16)
     config = dataclasses.replace(tmodel.transformer_config(hf_config, tp_size=tp), pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
-    gpt = GPTModel(config=config, transformer_layer_spec=tmodel.layer_spec(config), vocab_size=padded,
+    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(config), vocab_size=padded,
                    max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                    post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                    position_embedding_type="rope", rotary_base=tmodel.rope_theta(hf_config), parallel_output=True)

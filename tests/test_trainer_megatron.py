@@ -55,14 +55,14 @@ def hf_teacher_forced_logprobs(model_dir: str, tokens: torch.Tensor, with_entrop
     return (logprobs, -(logp.exp() * logp).sum(-1)) if with_entropy else logprobs
 
 
-def make_batch(rollout_logprobs_from: str | None = None) -> TrainBatch:
+def make_batch(rollout_logprobs_from: str | None = None, response_len: int = RESPONSE_LEN) -> TrainBatch:
     """Six samples of random tokens with rewards 0..5 (advantage = reward - mean); response tokens trainable."""
     gen = torch.Generator().manual_seed(11)
     samples = []
     for i in range(BATCH):
-        tokens = torch.randint(2, 32, (PROMPT_LEN + RESPONSE_LEN,), generator=gen).tolist()
+        tokens = torch.randint(2, 32, (PROMPT_LEN + response_len,), generator=gen).tolist()
         s = Sample(prompt_tokens=tokens[:PROMPT_LEN], reward=float(i), index=i)
-        s.append_response(tokens[PROMPT_LEN:], [-1.0] * RESPONSE_LEN, version=0)
+        s.append_response(tokens[PROMPT_LEN:], [-1.0] * response_len, version=0)
         samples.append(s)
     batch = TrainBatch.from_samples(samples, [float(i) - 2.5 for i in range(BATCH)])
     if rollout_logprobs_from is not None:

@@ -31,6 +31,7 @@ def apply() -> None:
     _patch_default_causal_mask()
     _patch_moe_router()
     _patch_first_dim_collectives()
+    _patch_parallel_linear_backward()
     _applied = True
 
 
@@ -145,3 +146,12 @@ def _patch_first_dim_collectives() -> None:
                                      f.__closure__)
         patched.__kwdefaults__ = f.__kwdefaults__
         setattr(mappings, name, patched)
+
+
+def _patch_parallel_linear_backward() -> None:
+    # Why: under sequence parallelism the parallel linears' backward allocates its all-gather buffer on
+    # torch.cuda.current_device(). Every runtime use of torch.cuda in that module is that call, so the module's
+    # functions see the CPU `torch` as a whole.
+    from megatron.core.tensor_parallel import layers
+
+    layers.torch = _TorchOnCpu("torch")

@@ -90,16 +90,6 @@ def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
     return kwargs
 
 
-def layer_spec(config: Any) -> Any:
-    """Local (no Transformer Engine) layer spec; MoE models get the per-layer block spec (dense or MoE by
-    `moe_layer_freq`, SequentialMLP experts)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-
-    if config.num_moe_experts:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-
-
 def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
     """`config` with the passed-through megatron-core fields it declares set unchanged (they win over the derived
     ones; megatron's own __post_init__ validates the result)."""
@@ -114,6 +104,8 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
     """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard, random weights.
     `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig fields."""
     from megatron.core.models.gpt import GPTModel
+
+    from glue.trainer.layer_spec import layer_spec
 
     config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
     return GPTModel(
@@ -163,6 +155,11 @@ def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> t
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless)."""
     batch, seq_len = tokens.shape
+    if model.config.sequence_parallel:  # the sequence is split over TP ranks: pad it to a multiple of TP
+        tp = model.config.tensor_model_parallel_size
+        padded = -(-seq_len // tp) * tp
+        if padded != seq_len:  # padding sits after every real token, so causal attention never sees it
+            return forward_logits(model, F.pad(tokens, (0, padded - seq_len)))[:, :seq_len]
     position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
     return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device))
 
