@@ -70,16 +70,16 @@ def make_batch(rollout_logprobs_from: str | None = None, response_len: int = RES
     return batch
 
 
-def _worker_main(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, batch: TrainBatch,
-                 results: mp.Queue) -> None:
-    """One trainer rank in a spawned process: logprobs, one train step, logprobs again, gathered HF weights."""
+def _worker_main(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
+                 steps: int, batch: TrainBatch, results: mp.Queue) -> None:
+    """One trainer rank in a spawned process: logprobs, `steps` train steps (the last one's metrics are kept),
+    logprobs again, gathered HF weights."""
     from glue.trainer.worker import TrainerWorker
 
-    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(entropy_coef=ENTROPY_COEF), rank=rank,
-                           world_size=world_size)
+    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=world_size)
     worker.initialize("127.0.0.1", port)
     before, entropy = worker.compute_logprobs(batch, with_entropy=True)
-    metrics = worker.train_step(batch)
+    metrics = [worker.train_step(batch) for _ in range(steps)]
     after = worker.compute_logprobs(batch)
     weights = worker.full_hf_state()
     worker.shutdown()
@@ -87,16 +87,19 @@ def _worker_main(rank: int, world_size: int, port: int, model_path: str, cfg: Tr
     results.put(pickle.dumps((rank, before, entropy, metrics, after, weights if rank == 0 else None)))
 
 
-def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, **layout) -> dict:
-    """Spawn TP x DP ranks (`layout`: more TrainerConfig fields, e.g. data_parallel_size), collect rank 0's
-    results; every process is stopped by its own handle."""
+def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, *, loss_cfg: LossConfig | None = None,
+                      steps: int = 1, **layout) -> dict:
+    """Spawn TP x DP ranks (`layout`: more TrainerConfig fields, e.g. data_parallel_size), train `steps` steps,
+    collect rank 0's results ("metrics": the last step's, "all_metrics": every step's); every process is stopped
+    by its own handle."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     cfg = TrainerConfig(**{"tensor_model_parallel_size": tp_size, "micro_batch_size": 4, "lr": 1e-2,
                            "num_cpus_per_worker": 1, **layout})
     world = cfg.world_size
     port = _free_port()
-    procs = [ctx.Process(target=_worker_main, args=(r, world, port, model_path, cfg, batch, results))
+    loss_cfg = loss_cfg or LossConfig(entropy_coef=ENTROPY_COEF)
+    procs = [ctx.Process(target=_worker_main, args=(r, world, port, model_path, cfg, loss_cfg, steps, batch, results))
              for r in range(world)]
     try:
         for p in procs:
@@ -112,7 +115,8 @@ def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, **layout
         for p in procs:
             p.join(timeout=60)
         before, entropy, metrics, after, weights = outs[0]
-        return {"before": before, "entropy": entropy, "metrics": metrics, "after": after, "weights": weights}
+        return {"before": before, "entropy": entropy, "metrics": metrics[-1], "all_metrics": metrics, "after": after,
+                "weights": weights}
     finally:
         for p in procs:
             if p.is_alive():
@@ -244,7 +248,7 @@ def test_trainer_config_names_the_field_and_the_fix():
         TrainerConfig(micro_batch_size=0)
 
 
-def test_a_worker_refuses_a_wrong_world_size_context_parallelism_and_kl_without_a_reference_model():
+def test_a_worker_refuses_a_wrong_world_size_context_parallelism_and_a_kl_reward_penalty():
     from glue.trainer.worker import TrainerWorker
 
     with pytest.raises(ValueError, match=r"world size 2 != TP x PP x CP x DP = 1"):
@@ -252,6 +256,25 @@ def test_a_worker_refuses_a_wrong_world_size_context_parallelism_and_kl_without_
     with pytest.raises(ValueError, match="set trainer.context_parallel_size: 1"):
         TrainerWorker(model_path="unused", cfg=TrainerConfig(context_parallel_size=2), loss_cfg=LossConfig(), rank=0,
                       world_size=2)
-    with pytest.raises(ValueError, match="set loss.kl_loss_coef: 0"):
-        TrainerWorker(model_path="unused", cfg=TrainerConfig(), loss_cfg=LossConfig(kl_loss_coef=0.1), rank=0,
+    with pytest.raises(ValueError, match="use loss.kl_loss_coef"):
+        TrainerWorker(model_path="unused", cfg=TrainerConfig(), loss_cfg=LossConfig(kl_reward_coef=0.1), rank=0,
                       world_size=1)
+
+
+def test_a_kl_loss_term_is_zero_at_the_reference_then_holds_the_policy_near_it(model_dir):
+    # Step 1 trains from the reference weights, so KL = 0 and the loss is the policy term alone; at step 2 the
+    # policy has moved, the k3 KL to the frozen reference is positive and enters the loss with its coefficient,
+    # and its gradient pulls back: after two steps the policy is closer to where it started than without the term.
+    batch = make_batch()
+    kl = LossConfig(kl_loss_coef=1.0, kl_estimator="k3")
+    with_kl = run_trainer_ranks(model_dir, 1, batch, loss_cfg=kl, steps=2)
+    without = run_trainer_ranks(model_dir, 1, batch, loss_cfg=LossConfig(), steps=2)
+    first, second = with_kl["all_metrics"]
+    assert abs(first["train/kl"]) < 1e-7 and abs(first["train/loss"] - first["train/pg_loss"]) < 1e-7
+    assert second["train/kl"] > 1e-5
+    assert abs(second["train/loss"] - (second["train/pg_loss"] + 1.0 * second["train/kl"])) < 1e-6
+    assert abs(first["train/loss"] - without["all_metrics"][0]["train/loss"]) < 1e-7  # same first step
+    mask = batch.logprob_mask.bool()
+    drift_with = (with_kl["after"] - with_kl["before"])[mask].abs().mean()
+    drift_without = (without["after"] - without["before"])[mask].abs().mean()
+    assert drift_with < drift_without, f"KL term should hold the policy back: {drift_with} vs {drift_without}"

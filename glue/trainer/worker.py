@@ -28,9 +28,9 @@ class TrainerWorker:
         if cfg.context_parallel_size != 1:
             raise ValueError("context parallelism is not supported by this trainer yet (it needs the Transformer-Engine "
                              "attention); set trainer.context_parallel_size: 1")
-        if getattr(loss_cfg, "kl_loss_coef", 0) > 0:
-            raise ValueError("loss.kl_loss_coef > 0 needs reference-model logprobs, which this first-form trainer does "
-                             "not compute yet; set loss.kl_loss_coef: 0")
+        if getattr(loss_cfg, "kl_reward_coef", 0) > 0:
+            raise ValueError("loss.kl_reward_coef > 0 needs reference logprobs before the advantages are computed, "
+                             "which this trainer does not provide yet; use loss.kl_loss_coef (KL as a loss term)")
         self.model_path, self.cfg, self.loss_cfg = model_path, cfg, loss_cfg
         self.rank, self.world_size = rank, world_size
         self.version = 0
@@ -66,28 +66,40 @@ class TrainerWorker:
                                        megatron_args=self.cfg.megatron_values())
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
+        self.reference = None  # the frozen initial policy, for the KL loss term
+        if getattr(self.loss_cfg, "kl_loss_coef", 0) > 0:
+            self.reference = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size,
+                                               megatron_args=self.cfg.megatron_values())
+            model.load_hf_weights(self.reference, self.model_path, self.hf_config, self.place.layout())
+            self.reference.requires_grad_(False).to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
 
-    def _forward(self, tokens: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs [B, T], entropy [B, T] or None) of this micro-batch; differentiable when grad is enabled."""
+    def _forward(self, tokens: torch.Tensor, with_entropy: bool = False, module: torch.nn.Module | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs [B, T], entropy [B, T] or None) of this micro-batch under `module` (default: the policy);
+        differentiable when grad is enabled."""
         from glue.trainer import model
 
-        logits = model.forward_logits(self.model, tokens.to(self.device))
+        logits = model.forward_logits(module or self.model, tokens.to(self.device))
         entropy = model.token_entropy(logits, self.cfg.temperature) if with_entropy else None
         return model.token_logprobs(logits, tokens.to(self.device), self.cfg.temperature), entropy
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False) -> Any:
-        """Logprob of tokens[:, t+1] at position t with the current weights, [B, T] on CPU (last column 0); each
-        DP rank computes its share of the rows and every rank gets all of them.
+    def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False,
+                         reference: bool = False) -> Any:
+        """Logprob of tokens[:, t+1] at position t with the current weights (or the reference model's), [B, T] on
+        CPU (last column 0); each DP rank computes its share of the rows and every rank gets all of them.
 
         With `with_entropy`, returns `(logprobs, entropy)`, both [B, T].
         """
+        if reference and self.reference is None:
+            raise RuntimeError("this trainer keeps no reference model: it is built only when loss.kl_loss_coef > 0")
         tokens = batch.tokens if isinstance(batch, TrainBatch) else batch
         rows = tokens.shape[0]
-        parts = [(self._forward(tokens[s], with_entropy), is_real)
+        module = self.reference if reference else self.model
+        parts = [(self._forward(tokens[s], with_entropy, module), is_real)
                  for s, is_real in self.place.micro_batches(slice(0, rows), self.cfg.micro_batch_size)]
         real = [p for p, is_real in parts if is_real]
         logprobs = gather_dp(_cat_rows([p[0] for p in real], tokens, self.device), rows, self.place).cpu()
@@ -99,13 +111,14 @@ class TrainerWorker:
         """PPO update(s) on `batch`: old logprobs from the current weights, then `num_epochs` x `num_mini_batches`
         optimizer steps, each accumulating micro-batch gradients normalised by the mini-batch's global counts."""
         old_logprobs, entropy = self.compute_logprobs(batch, with_entropy=True)
+        ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
         mask = batch.logprob_mask.float()
         num_tokens = mask.sum().clamp(min=1)
         totals: dict[str, float] = {}
         num_steps = 0
         for _ in range(self.cfg.num_epochs):
             for rows in _split_rows(batch.tokens.shape[0], self.cfg.num_mini_batches):
-                for name, value in self._optimizer_step(batch, old_logprobs, rows).items():
+                for name, value in self._optimizer_step(batch, old_logprobs, ref_logprobs, rows).items():
                     totals[name] = totals.get(name, 0.0) + value
                 num_steps += 1
         metrics = {f"train/{name}": value / num_steps for name, value in totals.items()}
@@ -116,7 +129,8 @@ class TrainerWorker:
         })
         return metrics
 
-    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, rows: slice) -> dict[str, float]:
+    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                        rows: slice) -> dict[str, float]:
         """One optimizer step over `rows` of the batch (this DP rank trains on its share, gradients are summed
         over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over micro-batches
         and DP ranks; `pg_loss` shares are summed)."""
@@ -135,7 +149,8 @@ class TrainerWorker:
                 rollout_logprobs=batch.rollout_logprobs[s].float().to(self.device),
                 advantages=batch.advantages[s].float().to(self.device), mask=mask,
                 num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
-                versions=batch.versions[s].to(self.device), current_version=version_at_step)
+                versions=batch.versions[s].to(self.device), current_version=version_at_step,
+                ref_logprobs=None if ref_logprobs is None else ref_logprobs[s].to(self.device))
             loss.backward()
             sums["loss"] += float(loss.detach())
             share = float(mask.sum()) / max(num_tokens, 1)
@@ -176,10 +191,16 @@ class TrainerWorker:
         return [(state, k) for state in self.optimizer.state.values() for k, v in state.items()
                 if torch.is_tensor(v) and v.dim() > 0]
 
+    def _held_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters this rank holds on its device: the policy's and, with a KL term, the reference model's."""
+        params = list(self.model.parameters())
+        return params + list(self.reference.parameters()) if self.reference is not None else params
+
     def training_state_bytes(self) -> int:
-        """Bytes the model's parameters, gradients and optimizer state hold right now (0 while offloaded)."""
+        """Bytes the model's (and reference model's) parameters, gradients and optimizer state hold right now (0 while
+        offloaded)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for p in self.model.parameters() for t in (p.data, p.grad) if t is not None and t.numel()}
+                    for p in self._held_parameters() for t in (p.data, p.grad) if t is not None and t.numel()}
         storages.update({state[k].untyped_storage().data_ptr(): state[k].untyped_storage().nbytes()
                          for state, k in self._optimizer_tensors()})
         return sum(storages.values())
@@ -193,7 +214,7 @@ class TrainerWorker:
                 self._bucket_source.staged = {}  # the last sync's full tensors: re-gathered at the next one
             self._offloaded = {}
             with torch.no_grad():
-                for p in self.model.parameters():
+                for p in self._held_parameters():
                     self._offloaded[p] = p.data.to("cpu", copy=True)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 for state, k in self._optimizer_tensors():
@@ -208,7 +229,7 @@ class TrainerWorker:
         if self._offloaded is not None:
             saved, self._offloaded = self._offloaded, None
             with torch.no_grad():
-                for p in self.model.parameters():
+                for p in self._held_parameters():
                     p.data = saved[p].to(self.device)
                 for state in self.optimizer.state.values():
                     for k in list(state):
