@@ -222,6 +222,9 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
                       "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_args]
     notes = cfg.trainer.unsupported() + unused_by_trainer(cfg.trainer.megatron)
+    if cfg.loss.kl_reward_coef > 0:
+        notes.append("loss.kl_reward_coef > 0: the trainer has no reference logprobs before the advantages are "
+                     "computed yet; use loss.kl_loss_coef (KL as a loss term)")
     return RunPlan(placement=c.placement, device="gpu" if c.uses_gpus else "cpu", num_nodes=c.num_nodes,
                    bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
                    engines=engines, engine_command=engine_command, engine_args=engine_args,

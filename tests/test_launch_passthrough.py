@@ -113,6 +113,8 @@ def test_the_plan_places_trainer_ranks_after_the_engines_with_megatron_rank_coor
     notes = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--context-parallel-size", "2",
                     "cluster.trainer_gpus=2")["plan"]["notes"]
     assert len(notes) == 1 and "context parallelism" in notes[0]  # valid for megatron, not yet for this trainer
+    notes = dry_run(capsys, "--config", DEMO, "loss.kl_reward_coef=0.1")["plan"]["notes"]
+    assert len(notes) == 1 and "use loss.kl_loss_coef" in notes[0]
 
 
 MALFORMED = [
