@@ -100,8 +100,10 @@ def finalize_gradients(model: torch.nn.Module, config: Any, place: RankPlace) ->
 
     tp_partial, dense, expert = [], [], []
     for name, p in model.named_parameters():
-        if p.grad is None:
+        if not p.requires_grad:
             continue
+        if p.grad is None:  # e.g. an expert no token reached here: the ranks must still flatten the same lists
+            p.grad = torch.zeros_like(p)
         if (getattr(config, "sequence_parallel", False) and getattr(p, "sequence_parallel", False)) or (
                 getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)):
             tp_partial.append(p.grad)
