@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 
-def dp_share(rows: slice, dp_rank: int, dp_size: int) -> slice:
-    """Data-parallel rank `dp_rank`'s contiguous share of `rows`: near-equal shares, in rank order (may be empty)."""
+def row_share(rows: slice, part: int, num_parts: int) -> slice:
+    """Part `part` of `rows` cut into `num_parts` contiguous near-equal shares, in order (a share may be empty):
+    a data-parallel rank's rows, or a PPO mini-batch."""
     n = rows.stop - rows.start
-    return slice(rows.start + round(dp_rank * n / dp_size), rows.start + round((dp_rank + 1) * n / dp_size))
+    return slice(rows.start + round(part * n / num_parts), rows.start + round((part + 1) * n / num_parts))
 
 
 def is_expert_param(name: str) -> bool:
@@ -70,10 +71,6 @@ class RankPlace:
         return [self.layout(i % self.tp_size, self.expert_members[i % len(self.expert_members)]) for i in range(count)]
 
     # ---- data: which rows this data-parallel rank trains on ----
-    def dp_rows(self, rows: slice) -> slice:
-        """This DP rank's contiguous share of `rows` (near-equal shares; a share may be empty)."""
-        return dp_share(rows, self.dp_rank, self.dp_size)
-
     def micro_batches(self, rows: slice, micro_batch_size: int) -> list[tuple[slice, bool]]:
         """(rows, is_real) micro-batches of this rank's share of `rows`, the same count on every DP rank: expert
         parallelism makes every forward a collective across DP ranks, so a rank with fewer rows runs padding
@@ -81,7 +78,7 @@ class RankPlace:
         n = rows.stop - rows.start
         largest = math.ceil(n / self.dp_size)
         count = max(1, math.ceil(largest / micro_batch_size))
-        mine = self.dp_rows(rows)
+        mine = row_share(rows, self.dp_rank, self.dp_size)
         size = mine.stop - mine.start
         out = []
         for i in range(count):
@@ -137,6 +134,18 @@ def gradient_norm(model: torch.nn.Module, place: RankPlace) -> float:
     return float(sums.sum().sqrt())
 
 
+def sum_over_dp(metrics: dict[str, float], place: RankPlace, device: torch.device) -> dict[str, float]:
+    """Each DP rank's metric shares, summed over DP ranks (every rank has the same keys: one loss config)."""
+    if place.dp_size == 1:
+        return metrics
+    from megatron.core import parallel_state as ps
+
+    names = sorted(metrics)
+    values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
+    return dict(zip(names, values.tolist()))
+
+
 def _all_reduce_sum(grads: list[torch.Tensor], group: Any) -> None:
     """One collective for a list of gradients: flatten, sum, copy back."""
     if not grads:
@@ -150,7 +159,7 @@ def _all_reduce_sum(grads: list[torch.Tensor], group: Any) -> None:
 
 
 def gather_dp(part: torch.Tensor, rows: int, place: RankPlace) -> torch.Tensor:
-    """Every DP rank's `part` ([its dp_rows of `rows`, ...]) concatenated in rank order: the full [rows, ...]."""
+    """Every DP rank's `part` ([its row_share of `rows`, ...]) concatenated in rank order: the full [rows, ...]."""
     if place.dp_size == 1:
         return part
     from megatron.core import parallel_state as ps
@@ -160,7 +169,7 @@ def gather_dp(part: torch.Tensor, rows: int, place: RankPlace) -> torch.Tensor:
     padded[: part.shape[0]] = part
     parts = [torch.empty_like(padded) for _ in range(place.dp_size)]
     torch.distributed.all_gather(parts, padded, group=ps.get_data_parallel_group())
-    shares = [dp_share(slice(0, rows), r, place.dp_size) for r in range(place.dp_size)]
+    shares = [row_share(slice(0, rows), r, place.dp_size) for r in range(place.dp_size)]
     return torch.cat([p[: s.stop - s.start] for p, s in zip(parts, shares)])
 
 

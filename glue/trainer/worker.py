@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from glue.trainer.config import TrainerConfig
-from glue.trainer.parallel import RankPlace, finalize_gradients, full_hf_state, gather_dp, gradient_norm, hf_weight_specs
+from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gather_dp, gradient_norm,
+                                   hf_weight_specs, row_share, sum_over_dp)
 from glue.types import TrainBatch
 
 
@@ -156,23 +157,12 @@ class TrainerWorker:
             share = float(mask.sum()) / max(num_tokens, 1)
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
-        sums = self._sum_over_dp(sums)
+        sums = sum_over_dp(sums, self.place, self.device)
         finalize_gradients(self.model, self.model.config, self.place)
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         self.version += 1
         return sums
-
-    def _sum_over_dp(self, sums: dict[str, float]) -> dict[str, float]:
-        """Each DP rank's metric shares, summed (every rank has the same keys: one loss config)."""
-        if self.place.dp_size == 1:
-            return sums
-        from megatron.core import parallel_state
-
-        names = sorted(sums)
-        values = torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group(with_context_parallel=False))
-        return dict(zip(names, values.tolist()))
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (each shard counted once); clip to grad_clip."""
@@ -314,8 +304,7 @@ def _split_rows(batch_size: int, num_parts: int) -> list[slice]:
     """`num_parts` contiguous row ranges of near-equal size (PPO mini-batches)."""
     if num_parts > batch_size:
         raise ValueError(f"trainer.num_mini_batches={num_parts} exceeds the batch size {batch_size}; lower it")
-    bounds = [round(i * batch_size / num_parts) for i in range(num_parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [row_share(slice(0, batch_size), i, num_parts) for i in range(num_parts)]
 
 
 def _cat_rows(parts: list[torch.Tensor], tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
