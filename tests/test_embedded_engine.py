@@ -200,6 +200,8 @@ def test_malformed_json_and_bad_control_payloads_get_400s(engine_url):
     assert status == 400 and answer["success"] is False and "same length" in answer["message"]
     status, answer = call(engine_url, "/init_weights_update_group", {"master_address": "127.0.0.1"})
     assert status == 400 and answer["error"]["field"] == "master_port"
+    status, answer = call(engine_url, "/update_weights_from_disk", {"model_path": "/nowhere", "weight_version": 3})
+    assert status == 400 and answer["success"] is False and "weight_version must be a string" in answer["message"]
     assert call(engine_url, "/health")[0] == 200  # and the engine is still up
 
 

@@ -1,6 +1,7 @@
 """The bridge for real: every transport moves a state dict in several buckets into running embedded engines, which
-then generate exactly like that model; full verification catches weights changed behind the bridge's back; a late
-engine is brought to the current version first; 500 IPC syncs leave shared memory as it was."""
+then generate exactly like that model; the version lands with the last bucket, not before it and not in a later call;
+full verification catches weights changed behind the bridge's back; a late engine is brought to the current version
+first; 500 IPC syncs leave shared memory as it was."""
 from __future__ import annotations
 
 import os
@@ -74,6 +75,36 @@ def test_each_transport_brings_every_engine_to_the_sources_weights_in_several_bu
         bridge.close()
     if transport == "disk":
         assert os.listdir(tmp_path / "ckpt") == []  # the bridge cleans its checkpoints up
+
+
+@pytest.mark.parametrize("transport,version", [("broadcast", "41"), ("ipc", "42"), ("disk", "43")])
+def test_the_last_buckets_request_tags_the_version_so_engines_report_the_old_one_until_every_bucket_landed(
+        engines, tmp_path_factory, tmp_path, transport, version):
+    model, _ = hf_model(tmp_path_factory, 8)
+    source = source_of(model)
+    cfg = SyncConfig(transport=transport, bucket_bytes=40_000, disk_dir=str(tmp_path / "ckpt"))
+    bridge = make_bridge(cfg, source=source, engine_urls=engines)
+    old = [call(url, "/model_info")[1]["weight_version"] for url in engines]
+    assert version not in old
+    between: list[list[str]] = []  # every engine's version as the source is about to send buckets 1, 2, ...
+    send = source.send_weight_bucket
+
+    def look_then_send(channel: str, index: int) -> dict:
+        if index > 0:
+            between.append([call(url, "/model_info")[1]["weight_version"] for url in engines])
+        return send(channel, index)
+
+    source.send_weight_bucket = look_then_send
+    try:
+        source.stage_weights()
+        transfer = bridge.transport.transfer(engines, version)  # the transport alone: no /update_weight_version
+        check_bucket_checksums(transfer, [b.names for b in bridge.layouts])
+        assert between == [old] * (len(bridge.layouts) - 1) and len(between) >= 7
+        for url in engines:
+            assert call(url, "/model_info")[1]["weight_version"] == version
+            assert max_logprob_diff(url, model) < 1e-5
+    finally:
+        bridge.close()
 
 
 def test_full_verification_fails_when_an_engines_weights_changed_behind_the_bridge(

@@ -1,6 +1,6 @@
-"""The weight bridge: trainer weights -> buckets -> transport -> engines, then version tag and verification.
-The controller pauses generation around `sync()`; `add_engine()` brings a late or restarted engine to the current
-version before the fleet puts it behind the router.
+"""The weight bridge: trainer weights -> buckets -> transport -> engines (the last bucket tags the version), then
+verification. The controller pauses generation around `sync()`; `add_engine()` brings a late or restarted engine to
+the current version before the fleet puts it behind the router.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from typing import Any, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, plan_buckets
-from weight_sync.engine_calls import WeightSyncError, post_json, run_together, set_weight_version  # noqa: F401
+from weight_sync.engine_calls import WeightSyncError, post_json, run_together
 from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
                                     free_port)
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
@@ -17,7 +17,7 @@ VERIFY_MODES = ("checksum", "full", "off")
 
 
 class WeightBridge:
-    """Moves the source's weights to every engine; `sync(version)` = transfer -> tag -> verify."""
+    """Moves the source's weights to every engine; `sync(version)` = transfer (tagged `version`) -> verify."""
 
     def __init__(self, source: WeightSource, engine_urls: Sequence[str], *, make_transport: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0):
@@ -38,7 +38,7 @@ class WeightBridge:
         self.transport.connect(self.engine_urls)
 
     def sync(self, version: int) -> dict[str, float]:
-        """Send the source's current weights to every engine, tag them `version`, verify; returns timings."""
+        """Send the source's current weights to every engine tagged `version`, verify; returns timings."""
         self._transfer_and_verify(self.engine_urls, str(version))
         self.version = version
         return self.last_sync
@@ -83,11 +83,12 @@ class WeightBridge:
         t0 = time.perf_counter()
         tensor_sums = self.source.stage_weights(self.verify == "full")
         t1 = time.perf_counter()
-        transfer = self.transport.transfer(urls)
+        transfer = self.transport.transfer(urls, version)
         t2 = time.perf_counter()
         if self.verify != "off":
             check_bucket_checksums(transfer, [b.names for b in self.layouts])
-        run_together([lambda url=url: set_weight_version(url, version, self.timeout_s) for url in urls], self.timeout_s)
+        # The version travels with the last bucket and lands with it (SGLang's update routes take `weight_version`);
+        # no separate /update_weight_version, which would leave a window of new weights under the old tag.
         check_versions(urls, version, self.timeout_s)
         if self.verify == "full":
             run_together([lambda url=url: check_full(url, tensor_sums, self.timeout_s) for url in urls], self.timeout_s)

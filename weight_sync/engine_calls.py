@@ -1,5 +1,6 @@
 """The engine endpoints the bridge speaks, with SGLang's paths and request field names (io_struct.py): weight groups,
-the three update routes, the version tag and the weights checker. Blocking HTTP; the bridge runs calls side by side.
+the three update routes (the last bucket's request carries `weight_version`), the version read-back and the weights
+checker. Blocking HTTP; the bridge runs calls side by side.
 """
 from __future__ import annotations
 
@@ -51,11 +52,6 @@ def run_together(calls: Sequence[Callable[[], Any]], timeout_s: float, pool: Thr
         if err is not None:
             raise err
     return [f.result() for f in futures]
-
-
-def set_weight_version(url: str, version: str, timeout_s: float) -> None:
-    """`/update_weight_version` without aborting requests (a paused in-place request keeps its tokens)."""
-    call_update(url, "/update_weight_version", {"new_version": version, "abort_all_requests": False}, timeout_s)
 
 
 def weight_version(url: str, timeout_s: float) -> str | None:

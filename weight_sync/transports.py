@@ -1,6 +1,7 @@
 """Driver side of the three transports behind one small interface: `connect(urls)` opens a channel from the source
-to those engines, `transfer(urls)` moves every bucket once (the source sends, the engines load), `disconnect(urls)`,
-`close()`. Each engine answers with the checksum of every bucket it received; `transfer` returns both sides' lists.
+to those engines, `transfer(urls, weight_version)` moves every bucket once (the source sends, the engines load; the
+last bucket's request carries the version), `disconnect(urls)`, `close()`. Each engine answers with the checksum of
+every bucket it received; `transfer` returns both sides' lists.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Transfer:
 
 class Transport(Protocol):
     def connect(self, urls: Sequence[str]) -> None: ...
-    def transfer(self, urls: Sequence[str]) -> Transfer: ...
+    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer: ...
     def disconnect(self, urls: Sequence[str]) -> None: ...
     def close(self) -> None: ...
 
@@ -61,10 +62,13 @@ class _Base:
         calls = [lambda url=url: call_update(url, route, payload, self.timeout_s) for url in urls]
         return run_together(calls, self.timeout_s, self._pool)
 
-    def _flags(self, index: int) -> dict[str, Any]:
-        """Flush the engine's prefix cache once, after the last bucket; never abort requests (the controller has
-        paused generation already, in the mode it chose)."""
-        return {"flush_cache": index == len(self.layouts) - 1, "abort_all_requests": False}
+    def _flags(self, index: int, weight_version: str) -> dict[str, Any]:
+        """The last bucket carries `weight_version`: the engine tags its weights in the same step that completes
+        them, so no forward runs on new weights under the old tag. It also flushes the prefix cache, once. Never
+        abort requests (the controller has paused generation already, in the mode it chose)."""
+        if index != len(self.layouts) - 1:
+            return {"flush_cache": False, "abort_all_requests": False}
+        return {"flush_cache": True, "abort_all_requests": False, "weight_version": weight_version}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -106,14 +110,14 @@ class BroadcastTransport(_Base):
         run_together([lambda: self.source.open_weight_channel(name, spec), *engine_calls], self.timeout_s, self._pool)
         self.groups[key] = name
 
-    def transfer(self, urls: Sequence[str]) -> Transfer:
+    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
         name = self.groups.get(tuple(urls))
         if name is None:
             raise WeightSyncError(f"no weight group for engines {list(urls)}; call connect() with that list first")
         result = Transfer(engines={url: [] for url in urls})
         for layout in self.layouts:
             payload = {**layout.to_json(), "group_name": name, "load_format": "flattened_bucket",
-                       **self._flags(layout.index)}
+                       **self._flags(layout.index, weight_version)}
             del payload["offsets"]  # SGLang's struct has no such field; packing order defines them
             calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
             calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s)
@@ -182,12 +186,12 @@ class IpcTransport(_PointToPoint):
     def _channel_spec(self) -> dict[str, Any]:
         return self._spec("ipc", device=self.device)
 
-    def transfer(self, urls: Sequence[str]) -> Transfer:
+    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
         result = Transfer(engines={url: [] for url in urls})
         for layout in self.layouts:
             sent = self.source.send_weight_bucket(self.CHANNEL, layout.index)
             payload = {"serialized_named_tensors": [sent["handle"]], "load_format": "flattened_bucket",
-                       **self._flags(layout.index)}
+                       **self._flags(layout.index, weight_version)}
             result.source.append(sent["checksum"])
             for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_tensor", payload)):
                 result.engines[url] += _reported(answer, 1, url)
@@ -208,13 +212,13 @@ class DiskTransport(_PointToPoint):
     def _channel_spec(self) -> dict[str, Any]:
         return self._spec("disk", dir=self.directory)
 
-    def transfer(self, urls: Sequence[str]) -> Transfer:
+    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
         result = Transfer(engines={})
         sent: dict[str, Any] = {}
         for layout in self.layouts:
             sent = self.source.send_weight_bucket(self.CHANNEL, layout.index)
             result.source.append(sent["checksum"])
-        payload = {"model_path": sent["path"], "abort_all_requests": False, "flush_cache": True}
+        payload = {"model_path": sent["path"], **self._flags(len(self.layouts) - 1, weight_version)}
         for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_disk", payload)):
             result.engines[url] = _reported(answer, len(self.layouts), url)
         return result

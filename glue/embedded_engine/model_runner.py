@@ -1,9 +1,10 @@
 """The engine's model worker: one thread owns the HF model, admits requests into the running batch, decodes and
 samples; the HTTP side submits, aborts, pauses and swaps weights through thread-safe calls.
 
-Continuous batching in a simple form: new requests are prefilled (grouped by prompt length, so no padding) and
-join the running batch at the next step; finished rows leave it. Every forward and every weight copy holds
-`self.model_lock`, so weights never change under a forward.
+Continuous batching in a simple form: new (or retracted) requests are prefilled, grouped by length so no padding,
+and join the running batch at the next step; finished rows leave it. Every forward and every weight copy holds
+`self.model_lock`, so weights never change under a forward; `pause()` returns only once the thread is parked
+between two steps.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from glue.embedded_engine.request_schema import GenerationRequest
 from glue.embedded_engine.sampling import sample_token
 
 ABORT_MESSAGE = "Aborted"
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 
 
 class MemoryReleasedError(RuntimeError):
@@ -48,6 +50,11 @@ class Sequence:
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
 
+    @property
+    def context_ids(self) -> list[int]:
+        """What a prefill runs over: the prompt, plus the output so far for a request retracted mid-generation."""
+        return self.request.input_ids + self.output_ids
+
 
 class ModelRunner:
     """Owns the model and the scheduling thread. Call `start()` once; `stop()` ends the thread."""
@@ -64,6 +71,7 @@ class ModelRunner:
         self._running: list[Sequence] = []  # rows of self._batch, in order
         self._batch = KVBatch()
         self._paused = False
+        self._is_stepping = False  # the runner thread is inside a step (prefill + decode) and may run a forward
         self._stopped = False
         self._seeds = torch.Generator().manual_seed(seed)
         self._thread = threading.Thread(target=self._loop, name="model-runner", daemon=True)
@@ -109,13 +117,24 @@ class ModelRunner:
             self._cond.notify_all()
             return len(queued) + len(running)
 
-    def pause(self, abort_running: bool, timeout_s: float = 60.0) -> None:
-        """Stop taking steps; new requests queue until `resume()`. With `abort_running`, in-flight requests are
-        aborted (SGLang's default "abort" mode) and this returns once they have been answered; otherwise they keep
-        their cache and continue after `resume()` ("in_place" / "retract")."""
+    def pause(self, mode: str, timeout_s: float = 60.0) -> None:
+        """Stop taking steps and return once the runner thread is parked: no forward is in progress and none starts
+        until `resume()`; new requests queue meanwhile. In-flight requests, by SGLang's `mode`:
+        "abort": answered now with an abort finish reason and their output so far.
+        "retract": leave the running batch and lose their KV; they wait at the front of the queue with their output
+        so far and, once resumed, are prefilled again from prompt + output with the weights current then, so no
+        request's KV mixes weight versions.
+        "in_place": keep their KV and continue after `resume()`; after a weight update their next tokens attend to
+        KV computed with the old weights (SGLang's in_place mixes versions in the KV the same way)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cond:
             self._paused = True
-        if abort_running:
+            if not self._cond.wait_for(lambda: not self._is_stepping, timeout=timeout_s):
+                raise TimeoutError(f"pause_generation: the running step did not end within {timeout_s} s")
+            if mode == "retract":
+                self._retract_running()
+        if mode == "abort":
             self.abort(abort_all=True)
             with self._cond:
                 if not self._cond.wait_for(lambda: not self._active, timeout=timeout_s):
@@ -171,7 +190,8 @@ class ModelRunner:
                         for p in self.model.parameters() if p.numel()}.values())
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> tuple[bool, str]:
-        """Copy tensors into the model's weights by HF checkpoint name, all or nothing, between two forwards."""
+        """Copy tensors into the model's weights by HF checkpoint name, all or nothing, between two forwards; a
+        `weight_version` tags them in the same lock hold, so no forward runs on the new weights under the old tag."""
         if "weights" in self.released:
             return False, ("the engine's weights are released (/release_memory_occupation); call "
                            "/resume_memory_occupation with tags [\"weights\"] before updating them")
@@ -213,9 +233,25 @@ class ModelRunner:
                 room = self.max_running_requests - len(self._running)
                 admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 self._active.update(admitted)
-            self._prefill(admitted)
-            if self._running:
-                self._decode_step()
+                self._is_stepping = True  # decided under the lock that pause() takes: a pause waits for this step
+            try:
+                self._prefill(admitted)
+                if self._running:
+                    self._decode_step()
+            finally:
+                with self._cond:
+                    self._is_stepping = False
+                    self._cond.notify_all()
+
+    def _retract_running(self) -> None:
+        """Put the running batch back at the front of the queue, in order, without its KV (called with self._cond
+        held while the thread is parked). Each request keeps its output; its next prefill covers it."""
+        self._drop_aborted()
+        assert self._active == set(self._running), "a parked runner has every admitted request in its batch"
+        self._waiting.extendleft(reversed(self._running))
+        self._active.clear()
+        self._running = []
+        self._batch = KVBatch()
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         """Record the result and hand it back (called with self._cond held)."""
@@ -263,16 +299,16 @@ class ModelRunner:
             return self.model(**inputs, use_cache=True), self.weight_version
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Run each prompt-length group's prompts together and move the survivors into the running batch."""
+        """Run each context-length group's contexts together and move the survivors into the running batch."""
         by_length: dict[int, list[Sequence]] = {}
         for seq in seqs:
             if seq.request.sampling.max_new_tokens == 0:
                 with self._cond:
                     self._finish(seq, {"type": "length", "length": 0})
                 continue
-            by_length.setdefault(len(seq.request.input_ids), []).append(seq)
+            by_length.setdefault(len(seq.context_ids), []).append(seq)
         for length, group in by_length.items():
-            ids = torch.tensor([s.request.input_ids for s in group], dtype=torch.long)
+            ids = torch.tensor([s.context_ids for s in group], dtype=torch.long)
             out, version = self._forward(input_ids=ids, past_key_values=DynamicCache())
             going_on = self._take_tokens(group, out.logits[:, -1], version)
             if going_on:

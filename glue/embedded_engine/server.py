@@ -14,9 +14,9 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from glue.embedded_engine.model_runner import MemoryReleasedError, ModelRunner, Sequence
+from glue.embedded_engine.model_runner import PAUSE_MODES, MemoryReleasedError, ModelRunner, Sequence
 from glue.embedded_engine.request_schema import RequestError, parse_generate
-from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload
+from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload, check_weight_version
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -199,9 +199,9 @@ class EngineServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await read_object(request)
         mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
+        if mode not in PAUSE_MODES:
             return error_response(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}", "mode")
-        await asyncio.to_thread(self.runner.pause, mode == "abort")
+        await asyncio.to_thread(self.runner.pause, mode)  # answers once no forward runs (see ModelRunner.pause)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -277,6 +277,8 @@ class EngineServer:
         if body.get("load_format") != "flattened_bucket":
             return update_response(False, f"load_format {body.get('load_format')!r} is not supported by the embedded "
                                           "engine; send shared-memory buckets with load_format 'flattened_bucket'", None)
+        if (problem := check_weight_version(body)) is not None:
+            return update_response(False, problem, None)
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
         try:
@@ -290,6 +292,8 @@ class EngineServer:
         body = await read_object(request, empty_ok=False)
         if not isinstance(body.get("model_path"), str):
             return update_response(False, f"model_path must be a string, got {body.get('model_path')!r}", None)
+        if (problem := check_weight_version(body)) is not None:
+            return update_response(False, problem, None)
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
         ok, message, sums = await asyncio.to_thread(self.receiver.update_from_disk, model_path=body["model_path"],

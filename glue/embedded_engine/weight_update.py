@@ -132,9 +132,9 @@ class WeightReceiver:
                     # A broken broadcast leaves this bucket's parameters partly written, as a failure between two
                     # buckets leaves the model half updated: the bridge then fails the sync, loudly.
                     broadcast_bucket(group, home, src=0)
+                    if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
+                        self.runner.weight_version = weight_version
             if home is not None:
-                if weight_version is not None:
-                    self.runner.set_weight_version(weight_version)
                 return True, f"Succeeded to update {len(names)} parameter(s).", [checksum(home, CHECKSUM_THREADS)]
             if self._receive_buffer.numel() < layout.nbytes:
                 self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -220,9 +220,17 @@ def check_update_payload(body: Any) -> str | None:
             str_to_dtype(dtype)
         except ValueError as e:
             return f"dtypes: {e}"
+    version_problem = check_weight_version(body)
+    if version_problem is not None:
+        return version_problem
+    if body.get("load_format") not in LOAD_FORMATS:
+        return f"load_format {body['load_format']!r} is not supported by the embedded engine; use one of {LOAD_FORMATS}"
+    return None
+
+
+def check_weight_version(body: dict[str, Any]) -> str | None:
+    """The problem with an update body's optional `weight_version` (the tag its weights land with), or None."""
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
         return f"weight_version must be a string like SGLang's, got {version!r}"
-    if body.get("load_format") not in LOAD_FORMATS:
-        return f"load_format {body['load_format']!r} is not supported by the embedded engine; use one of {LOAD_FORMATS}"
     return None
