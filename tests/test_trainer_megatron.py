@@ -192,7 +192,8 @@ def test_trainer_group_of_ray_actors_trains_one_step_and_bumps_the_version(model
     from glue.trainer.group import TrainerGroup
 
     batch = make_batch(rollout_logprobs_from=model_dir)
-    group = TrainerGroup(model_dir, TrainerConfig(tensor_model_parallel_size=2, lr=1e-2), LossConfig())
+    cfg = TrainerConfig(tensor_model_parallel_size=2, lr=1e-2, old_logprobs="snapshot")
+    group = TrainerGroup(model_dir, cfg, LossConfig(entropy_coef=ENTROPY_COEF), keep_versions=2)
     try:
         before = group.compute_logprobs(batch)
         assert group.version == 0
@@ -203,6 +204,9 @@ def test_trainer_group_of_ray_actors_trains_one_step_and_bumps_the_version(model
         assert 0 < metrics["train/entropy"] < torch.log(torch.tensor(32.0)).item()
         after = group.compute_logprobs(batch)
         assert (after - before)[batch.logprob_mask.bool()].abs().max() > 1e-3
+        # the batch's tokens are version 0: each TP rank's snapshot of its shard gives back the logprobs from before
+        old = group.compute_old_logprobs(batch)
+        assert torch.equal(old[batch.logprob_mask.bool()], before[batch.logprob_mask.bool()])
         specs = group.hf_weight_specs()
         assert specs[0] == ("model.embed_tokens.weight", "float32", (32, 64))
         assert ("model.layers.0.self_attn.k_proj.bias", "float32", (32,)) in specs  # 2 kv heads x head_dim 16

@@ -5,7 +5,7 @@ Light module: imports no backend, so a run config can be built and validated any
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 # The parallel sizes the glue itself reads (placement, world size); every other megatron-core field travels in
 # `megatron` untouched. The launcher routes `--tensor-model-parallel-size` etc. here by their megatron names.
@@ -29,10 +29,11 @@ class TrainerConfig:
     adam_eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # max global gradient norm (0 turns clipping off)
     micro_batch_size: int = 8  # rows per forward/backward; gradients accumulate over the batch
-    num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step, each bumps the version
+    num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step (the policy version moves by 1 per train_step)
     num_epochs: int = 1  # passes over the batch per train_step
     seed: int = 0  # parameter-init / dropout RNG seed (weights come from the HF checkpoint)
     temperature: float = 1.0  # logits are divided by this before log-softmax, to match the engines' sampling
+    old_logprobs: Literal["recompute", "snapshot"] = "recompute"  # when loss.old_logprobs_from is given: recompute with the current weights before the update, or snapshot (host copies of the last max_staleness + 1 versions: each token's exact old logprob at its own version)
     num_cpus_per_worker: float = 0.5  # Ray CPUs reserved per trainer actor (fractional so actors never starve)
     master_port: int = 0  # rendezvous port of the trainer's torch.distributed group (0 = pick a free one)
 
@@ -55,6 +56,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.adam_eps must be > 0, got {self.adam_eps}")
         if self.grad_clip < 0:
             raise ValueError(f"trainer.grad_clip must be >= 0 (0 = no clipping), got {self.grad_clip}")
+        if self.old_logprobs not in ("recompute", "snapshot"):
+            raise ValueError(f"trainer.old_logprobs must be 'recompute' or 'snapshot', got {self.old_logprobs!r}")
         if not self.temperature > 0:
             raise ValueError(f"trainer.temperature must be > 0 (it must equal the sampling temperature), got {self.temperature}")
         if not self.num_cpus_per_worker > 0:

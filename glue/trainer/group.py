@@ -10,12 +10,14 @@ from glue.types import TrainBatch
 
 
 class TrainerGroup:
-    """The trainer as the loop sees it: `train_step`, `compute_logprobs`, `version`, and the weight-source calls."""
+    """The trainer as the loop sees it: `train_step`, `compute_logprobs`, `version` (+1 per train_step), and the
+    weight-source calls."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: Any,
-                 actor_options: Sequence[dict[str, Any]] | None = None):
+                 actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
-        launch.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs."""
+        launch.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
+        versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1)."""
         import ray
 
         from glue.trainer.worker import TrainerWorker
@@ -26,7 +28,8 @@ class TrainerGroup:
         actor_cls = ray.remote(TrainerWorker)
         self._actors = [
             actor_cls.options(**(actor_options[rank] if actor_options else {"num_cpus": cfg.num_cpus_per_worker}))
-            .remote(model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=cfg.world_size)
+            .remote(model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=cfg.world_size,
+                    keep_versions=keep_versions)
             for rank in range(cfg.world_size)
         ]
         try:
@@ -46,8 +49,13 @@ class TrainerGroup:
         """Logprob of tokens[:, t+1] at position t with the current weights: FloatTensor [B, T], last column 0."""
         return self._all("compute_logprobs", batch)[0]
 
+    def compute_old_logprobs(self, batch: TrainBatch) -> Any:
+        """The old logprobs `train_step` would train `batch` against (trainer.old_logprobs: recomputed with the
+        current weights, or each token's at its own version from the snapshots): FloatTensor [B, T]."""
+        return self._all("compute_old_logprobs", batch)[0]
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One PPO update on `batch`; returns rank 0's metrics (`train/*`, `weights/version`)."""
+        """One PPO update on `batch`; returns rank 0's metrics (`train/*`, `old_logprobs/*`, `weights/version`)."""
         metrics = self._all("train_step", batch)[0]
         self.version = int(metrics["weights/version"])
         return metrics

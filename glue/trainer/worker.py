@@ -1,7 +1,7 @@
 """One trainer rank: megatron-core model + AdamW on this rank's shard (TP shard, its experts under EP, its rows of
 the batch under DP; `glue.trainer.parallel` says which). `TrainerGroup` runs one per rank as a Ray actor; it turns a
-`TrainBatch` into a PPO update (loss from `loss/`) and its weights into HF-named tensors for the weight bridge.
-A plain class, so tests can also drive it from spawned processes.
+`TrainBatch` into a PPO update (old logprobs recomputed or from version snapshots, loss from `loss/`) and its weights
+into HF-named tensors for the weight bridge. A plain class, so tests can also drive it from spawned processes.
 """
 from __future__ import annotations
 
@@ -16,13 +16,20 @@ import torch
 from glue.trainer.config import TrainerConfig
 from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gather_dp, gradient_norm,
                                    hf_weight_specs, row_share, sum_over_dp)
+from glue.trainer.snapshots import PolicySnapshots
 from glue.types import TrainBatch
 
 
 class TrainerWorker:
-    """Construct anywhere; `initialize()` joins the trainer's process group and loads the model."""
+    """Construct anywhere; `initialize()` joins the trainer's process group and loads the model.
 
-    def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: Any, rank: int, world_size: int):
+    `version` is the policy version of the live weights: 0 as loaded, +1 per `train_step` (the version the next
+    weight sync publishes). `keep_versions`: how many versions `trainer.old_logprobs: snapshot` keeps on the host
+    (the launcher passes sync.max_staleness + 1, so every version an admitted token can carry is kept).
+    """
+
+    def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: Any, rank: int, world_size: int,
+                 keep_versions: int = 1):
         if world_size != cfg.world_size:
             raise ValueError(f"trainer world size {world_size} != TP x PP x CP x DP = {cfg.world_size}; start exactly "
                              "that many workers")
@@ -35,6 +42,10 @@ class TrainerWorker:
         self.model_path, self.cfg, self.loss_cfg = model_path, cfg, loss_cfg
         self.rank, self.world_size = rank, world_size
         self.version = 0
+        # host copies of this rank's shard per version, only when the loss takes old logprobs from the trainer
+        uses_snapshots = loss_cfg.needs_old_logprobs and cfg.old_logprobs == "snapshot"
+        self._snapshots = PolicySnapshots(keep_versions) if uses_snapshots else None
+        self._staged_version: int | None = None  # the version stage_weights gathered, for send_weight_bucket's guard
         self._weight_groups: dict[str, Any] = {}
         self._bucket_source: Any = None  # weight_sync.source.BucketSource on rank 0, made on first use
         self._offloaded: dict[Any, torch.Tensor] | None = None  # host copies while offloaded (colocated placement)
@@ -76,6 +87,8 @@ class TrainerWorker:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
+        if self._snapshots is not None:
+            self._snapshots.save(self.version, self.model)
 
     def _forward(self, tokens: torch.Tensor, with_entropy: bool = False, module: torch.nn.Module | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -108,29 +121,49 @@ class TrainerWorker:
             return logprobs
         return logprobs, gather_dp(_cat_rows([p[1] for p in real], tokens, self.device), rows, self.place).cpu()
 
+    @torch.no_grad()
+    def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The old (proximal) logprobs `train_step` trains against, [B, T] on CPU, per `trainer.old_logprobs`:
+        `recompute`: the current weights' logprobs (the classic proximal policy); `snapshot`: each trained token's
+        logprob under the weights of the version that generated it (`batch.versions`), 0 where logprob_mask is 0."""
+        return self._old_logprobs(batch)[0]
+
+    def _old_logprobs(self, batch: TrainBatch, with_entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """(old logprobs [B, T], the current weights' entropy [B, T] when recomputing `with_entropy`, metrics)."""
+        if self._snapshots is not None:
+            old_logprobs, metrics = self._snapshots.old_logprobs(batch, self.model, self.version, self.compute_logprobs)
+            return old_logprobs, None, metrics
+        if with_entropy:
+            logprobs, entropy = self.compute_logprobs(batch, with_entropy=True)
+            return logprobs, entropy, {}
+        return self.compute_logprobs(batch), None, {}
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """PPO update(s) on `batch`: old logprobs from the current weights, then `num_epochs` x `num_mini_batches`
-        optimizer steps, each accumulating micro-batch gradients normalised by the mini-batch's global counts."""
-        old_logprobs, entropy = self.compute_logprobs(batch, with_entropy=True)
+        """PPO update(s) on `batch` at policy version `self.version`: old logprobs per `trainer.old_logprobs` (none
+        when the loss takes them from the rollout or its EWMA), then `num_epochs` x `num_mini_batches` optimizer
+        steps, each accumulating micro-batch gradients normalised by the mini-batch's global counts. The version
+        then moves by one however many optimizer steps ran: engines load one version per train_step."""
+        old_logprobs, entropy, metrics = None, None, {}
+        if self.loss_cfg.needs_old_logprobs:
+            old_logprobs, entropy, metrics = self._old_logprobs(batch, with_entropy=True)
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
-        mask = batch.logprob_mask.float()
-        num_tokens = mask.sum().clamp(min=1)
+        mini_batches = _split_rows(batch.tokens.shape[0], self.cfg.num_mini_batches)
         totals: dict[str, float] = {}
-        num_steps = 0
         for _ in range(self.cfg.num_epochs):
-            for rows in _split_rows(batch.tokens.shape[0], self.cfg.num_mini_batches):
+            for rows in mini_batches:
                 for name, value in self._optimizer_step(batch, old_logprobs, ref_logprobs, rows).items():
                     totals[name] = totals.get(name, 0.0) + value
-                num_steps += 1
-        metrics = {f"train/{name}": value / num_steps for name, value in totals.items()}
-        metrics.update({
-            "train/train_rollout_logprob_abs_diff": float(((old_logprobs - batch.rollout_logprobs.float()).abs() * mask).sum() / num_tokens),
-            "train/entropy": float((entropy * mask).sum() / num_tokens),
-            "weights/version": float(self.version),
-        })
+        num_steps = self.cfg.num_epochs * len(mini_batches)
+        metrics.update({f"train/{name}": value / num_steps for name, value in totals.items()})
+        metrics.update(_pre_update_metrics(batch, old_logprobs, entropy))
+        self.version += 1
+        if self._snapshots is not None:
+            self._snapshots.save(self.version, self.model)
+        metrics["weights/version"] = float(self.version)
         return metrics
 
-    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
                         rows: slice) -> dict[str, float]:
         """One optimizer step over `rows` of the batch (this DP rank trains on its share, gradients are summed
         over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over micro-batches
@@ -139,18 +172,18 @@ class TrainerWorker:
 
         num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
         needs_entropy = self.loss_cfg.entropy_coef > 0
-        version_at_step = self.version
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0}
         for s, is_real in self.place.micro_batches(rows, self.cfg.micro_batch_size):
             logprobs, entropy = self._forward(batch.tokens[s], with_entropy=needs_entropy)
             mask = batch.logprob_mask[s].float().to(self.device) * float(is_real)
             loss, loss_metrics = compute_policy_loss(
-                self.loss_cfg, logprobs=logprobs, old_logprobs=old_logprobs[s].to(self.device),
+                self.loss_cfg, logprobs=logprobs,
+                old_logprobs=None if old_logprobs is None else old_logprobs[s].to(self.device),
                 rollout_logprobs=batch.rollout_logprobs[s].float().to(self.device),
                 advantages=batch.advantages[s].float().to(self.device), mask=mask,
                 num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
-                versions=batch.versions[s].to(self.device), current_version=version_at_step,
+                versions=batch.versions[s].to(self.device), current_version=self.version,
                 ref_logprobs=None if ref_logprobs is None else ref_logprobs[s].to(self.device))
             loss.backward()
             sums["loss"] += float(loss.detach())
@@ -161,7 +194,6 @@ class TrainerWorker:
         finalize_gradients(self.model, self.model.config, self.place)
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
-        self.version += 1
         return sums
 
     def _clip_gradients(self) -> float:
@@ -202,6 +234,7 @@ class TrainerWorker:
             self.optimizer.zero_grad(set_to_none=True)
             if self._bucket_source is not None:
                 self._bucket_source.staged = {}  # the last sync's full tensors: re-gathered at the next one
+            self._staged_version = None
             self._offloaded = {}
             with torch.no_grad():
                 for p in self._held_parameters():
@@ -276,10 +309,18 @@ class TrainerWorker:
     def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None:
         """Collective: every rank takes part in the gather; rank 0 keeps the full HF tensors for `send_weight_bucket`."""
         state = self.full_hf_state()
+        self._staged_version = self.version
         return self._source().stage(state, with_tensor_checksums) if self.rank == 0 else None
 
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
-        """Rank 0 packs bucket `index` of the staged weights and sends it into `channel`."""
+        """Rank 0 packs bucket `index` of the staged weights and sends it into `channel`.
+
+        Refuses once a train step has run since staging: ungathered staged tensors are the parameters themselves
+        (on CPU), so the bucket would carry the new version's weights under the staged version's tag."""
+        if self._staged_version != self.version:
+            staged = "nothing is staged" if self._staged_version is None else f"version {self._staged_version} was staged"
+            raise RuntimeError(f"send_weight_bucket: {staged} but the trainer is at version {self.version}; call "
+                               "stage_weights again and send every bucket before the next train_step")
         return self._source().send_bucket(channel, index)
 
     def close_weight_channel(self, name: str) -> None:
@@ -305,6 +346,21 @@ def _split_rows(batch_size: int, num_parts: int) -> list[slice]:
     if num_parts > batch_size:
         raise ValueError(f"trainer.num_mini_batches={num_parts} exceeds the batch size {batch_size}; lower it")
     return [row_share(slice(0, batch_size), i, num_parts) for i in range(num_parts)]
+
+
+def _pre_update_metrics(batch: TrainBatch, old_logprobs: torch.Tensor | None, entropy: torch.Tensor | None
+                        ) -> dict[str, float]:
+    """Token means over the trained tokens of |old - rollout logprob| (the train-inference discrepancy, when old
+    logprobs were computed) and of the current weights' entropy before the update (when it was computed)."""
+    mask = batch.logprob_mask.float()
+    num_tokens = mask.sum().clamp(min=1)
+    metrics = {}
+    if old_logprobs is not None:
+        diff = (old_logprobs - batch.rollout_logprobs.float()).abs()
+        metrics["train/train_rollout_logprob_abs_diff"] = float((diff * mask).sum() / num_tokens)
+    if entropy is not None:
+        metrics["train/entropy"] = float((entropy * mask).sum() / num_tokens)
+    return metrics
 
 
 def _cat_rows(parts: list[torch.Tensor], tokens: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,268 @@
+"""Where the trainer's old (proximal) logprobs come from, on CPU with megatron-core on gloo (one spawned rank):
+`snapshot` gives each token its logprob under the exact weights of the version that generated it, `recompute` the
+current weights', and a loss that takes them from the rollout or its EWMA gets no old-logprob forward at all. Also
+the policy-version unit (one per train_step) and the weight bridge's guard against a step between stage and send."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import socket
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from glue.trainer.config import TrainerConfig
+from loss import LossConfig
+from test_trainer_megatron import make_batch
+
+KEEP_VERSIONS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(scenario: Callable[..., dict], args: tuple, results: mp.Queue) -> None:
+    results.put(pickle.dumps(scenario(*args)))  # plain bytes: queued tensors would die with this process
+
+
+def run_in_trainer_process(scenario: Callable[..., dict], *args: Any) -> dict:
+    """`scenario(*args)` in a spawned process, so megatron's global parallel state never enters pytest's; its
+    traceback, if it raises, is in the captured stderr."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(scenario, args, results))
+    proc.start()
+    try:
+        while True:
+            try:
+                return pickle.loads(results.get(timeout=5))
+            except queue.Empty:
+                assert proc.exitcode in (None, 0), f"the trainer process died with exit code {proc.exitcode}"
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+
+
+def start_worker(model_dir: str, loss_cfg: LossConfig, keep_versions: int = 1, **fields: Any):
+    """A world-size-1 TrainerWorker on its own gloo group (its own fields: e.g. old_logprobs, num_mini_batches)."""
+    from glue.trainer.worker import TrainerWorker
+
+    cfg = TrainerConfig(**{"lr": 1e-2, "num_cpus_per_worker": 1, **fields})
+    worker = TrainerWorker(model_path=model_dir, cfg=cfg, loss_cfg=loss_cfg, rank=0, world_size=1,
+                           keep_versions=keep_versions)
+    worker.initialize("127.0.0.1", _free_port())
+    return worker
+
+
+def stop_worker(worker) -> None:
+    """Leave the gloo group and megatron's parallel state, so the next worker in this process starts clean."""
+    from megatron.core import parallel_state
+
+    worker.shutdown()
+    parallel_state.destroy_model_parallel()
+
+
+def count_forwards(worker) -> list[int]:
+    """Wrap the worker's forward; the returned list holds the batch size of every forward since."""
+    calls, forward = [], worker._forward
+
+    def counted(tokens, *args, **kwargs):
+        calls.append(tokens.shape[0])
+        return forward(tokens, *args, **kwargs)
+
+    worker._forward = counted
+    return calls
+
+
+def with_versions(batch, versions: Callable[[int, int], int]):
+    """`batch` with token (row b, position t) stamped `versions(b, t)` wherever it is trained, -1 elsewhere."""
+    stamped = torch.tensor([[versions(b, t) for t in range(batch.tokens.shape[1])]
+                            for b in range(batch.tokens.shape[0])])
+    batch.versions = torch.where(batch.logprob_mask > 0, stamped, -1)
+    return batch
+
+
+def save_checkpoint(worker, model_dir: str, path: str) -> str:
+    """The worker's current weights as an HF checkpoint (the tiny model's config + one safetensors file)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    shutil.copy(os.path.join(model_dir, "config.json"), path)
+    # clones: gathered-free TP=1 tensors alias the parameters, and q/k/v may share one fused storage
+    save_file({n: t.clone() for n, t in worker.full_hf_state().items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def fresh_model_logprobs(worker, checkpoint: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logprobs [B, T] of a new megatron model loaded from `checkpoint`, one row per forward (the worker's
+    micro_batch_size is 1 too: bit-equality needs the same forward shapes, a GEMM's rounding can depend on them)."""
+    from glue.trainer import model
+
+    fresh = model.build_model(worker.hf_config, tp_size=1, megatron_args=worker.cfg.megatron_values())
+    model.load_hf_weights(fresh, checkpoint, worker.hf_config, worker.place.layout())
+    temperature = worker.cfg.temperature
+    with torch.no_grad():
+        rows = [model.token_logprobs(model.forward_logits(fresh, tokens[b:b + 1]), tokens[b:b + 1], temperature)
+                for b in range(tokens.shape[0])]
+    return torch.cat(rows)
+
+
+def _snapshot_scenario(model_dir: str, root: str) -> dict:
+    """Train three steps with snapshot old logprobs (two mini-batches each), checkpointing every version; then
+    old logprobs for a batch mixing versions 0-2, a batch holding a version no longer kept, and the staging guard."""
+    worker = start_worker(model_dir, LossConfig(), keep_versions=KEEP_VERSIONS, old_logprobs="snapshot",
+                          num_mini_batches=2, micro_batch_size=1)
+    out: dict[str, Any] = {"versions": [worker.version], "steps": [], "kept": [worker._snapshots.versions()]}
+    checkpoints = [save_checkpoint(worker, model_dir, os.path.join(root, "v0"))]
+    for step in (1, 2):
+        out["steps"].append(worker.train_step(make_batch()))
+        out["versions"].append(worker.version)
+        out["kept"].append(worker._snapshots.versions())
+        checkpoints.append(save_checkpoint(worker, model_dir, os.path.join(root, f"v{step}")))
+    mixed = with_versions(make_batch(), lambda b, t: (b + t) % 3)
+    live = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    forwards = count_forwards(worker)
+    out.update(mixed=mixed, old=worker.compute_old_logprobs(mixed), forwards=list(forwards),
+               fresh=[fresh_model_logprobs(worker, c, mixed.tokens) for c in checkpoints],
+               live_unchanged=all(torch.equal(p, live[n]) for n, p in worker.model.named_parameters()),
+               param_bytes=sum(p.numel() * p.element_size() for p in worker.model.parameters()))
+    out["steps"].append(worker.train_step(make_batch()))  # version 3: version 0 is no longer kept
+    out["kept"].append(worker._snapshots.versions())
+    gone = with_versions(make_batch(), lambda b, t: 0 if b < 2 else 3)
+    out.update(gone=gone, gone_old=worker.compute_old_logprobs(gone), gone_live=worker.compute_logprobs(gone),
+               gone_step=worker.train_step(gone))
+    out["guard"] = staging_guard_errors(worker)
+    stop_worker(worker)
+    return out
+
+
+def staging_guard_errors(worker) -> list[str]:
+    """The errors of send_weight_bucket into a channel never opened: right after staging (the guard lets it through
+    to the channel check), after a train step since staging, and after staging again."""
+    errors = []
+    for action in ("stage", "train", "stage"):
+        if action == "stage":
+            worker.stage_weights()
+        else:
+            worker.train_step(make_batch())
+        with pytest.raises(RuntimeError) as caught:
+            worker.send_weight_bucket("never-opened", 0)
+        errors.append(str(caught.value))
+    return errors
+
+
+@pytest.fixture(scope="module")
+def snapshot_run(tiny_model_dir, tmp_path_factory) -> dict:
+    return run_in_trainer_process(_snapshot_scenario, tiny_model_dir, str(tmp_path_factory.mktemp("versions")))
+
+
+def test_one_train_step_moves_the_policy_version_by_one_whatever_the_number_of_mini_batches(snapshot_run):
+    assert snapshot_run["versions"] == [0, 1, 2]  # num_mini_batches=2: two optimizer steps per train_step
+    assert [m["weights/version"] for m in snapshot_run["steps"]] == [1.0, 2.0, 3.0]
+
+
+def test_snapshots_keep_the_newest_versions_from_the_initial_weights_on(snapshot_run):
+    assert snapshot_run["kept"] == [[0], [0, 1], [0, 1, 2], [1, 2, 3]]
+
+
+def test_snapshot_old_logprobs_equal_a_fresh_model_at_each_tokens_own_version_bit_for_bit(snapshot_run):
+    mixed, old, fresh = snapshot_run["mixed"], snapshot_run["old"], snapshot_run["fresh"]
+    trained = mixed.logprob_mask > 0
+    for version in range(3):
+        at = trained & (mixed.versions == version)
+        assert at.any(dim=1).sum() == mixed.tokens.shape[0], f"every row should hold version {version} tokens"
+        assert torch.equal(old[at], fresh[version][at]), f"version {version} tokens"
+    assert (old[~trained] == 0).all()
+    # the three versions really differ, so matching each token's own version is a real check
+    assert (fresh[0] - fresh[2])[trained].abs().max() > 1e-3
+    # one forward per row per version (micro_batch_size 1), the current version 2 on the live weights
+    assert snapshot_run["forwards"] == [1] * (3 * mixed.tokens.shape[0])
+
+
+def test_loading_a_snapshot_leaves_the_live_weights_bit_identical(snapshot_run):
+    assert snapshot_run["live_unchanged"]
+
+
+def test_a_version_no_longer_kept_falls_back_to_the_current_weights_and_is_counted(snapshot_run):
+    gone, old, live = snapshot_run["gone"], snapshot_run["gone_old"], snapshot_run["gone_live"]
+    trained = gone.logprob_mask > 0
+    assert torch.equal(old[trained], live[trained])
+    metrics = snapshot_run["gone_step"]
+    version_0_tokens = int((trained & (gone.versions == 0)).sum())
+    assert version_0_tokens == 2 * 7  # two rows of seven response tokens
+    assert metrics["old_logprobs/missing_version_tokens"] == version_0_tokens
+    assert metrics["old_logprobs/versions_used"] == 1.0  # version 3, the live weights
+
+
+def test_snapshot_metrics_report_versions_used_and_the_host_bytes_of_the_kept_versions(snapshot_run):
+    first, second = snapshot_run["steps"][:2]
+    assert first["old_logprobs/versions_used"] == second["old_logprobs/versions_used"] == 1.0
+    assert first["old_logprobs/missing_version_tokens"] == second["old_logprobs/missing_version_tokens"] == 0.0
+    assert first["old_logprobs/snapshot_bytes"] == snapshot_run["param_bytes"]  # version 0 only
+    assert second["old_logprobs/snapshot_bytes"] == 2 * snapshot_run["param_bytes"]
+    assert snapshot_run["gone_step"]["old_logprobs/snapshot_bytes"] == KEEP_VERSIONS * snapshot_run["param_bytes"]
+    assert "train/train_rollout_logprob_abs_diff" in second
+
+
+def test_sending_a_bucket_after_a_train_step_since_staging_is_refused_naming_both_versions(snapshot_run):
+    fresh_stage, after_step, restaged = snapshot_run["guard"]
+    assert "is not open" in fresh_stage  # staged at the current version: through to the channel lookup
+    assert "version 4 was staged but the trainer is at version 5" in after_step
+    assert "is not open" in restaged
+
+
+def _source_scenario(model_dir: str) -> dict:
+    """One train step and its forwards for each old-logprob source: recomputed by the trainer, or none (the
+    loss takes the rollout's or its EWMA's); and recompute's old logprobs after that step."""
+    out: dict[str, Any] = {}
+    for source in ("given", "rollout", "ewma"):
+        worker = start_worker(model_dir, LossConfig(old_logprobs_from=source), old_logprobs="recompute")
+        forwards = count_forwards(worker)
+        out[source] = {"metrics": worker.train_step(make_batch()), "forwards": list(forwards)}
+        if source == "given":
+            mixed = with_versions(make_batch(), lambda b, t: t % 2)
+            out["recomputed"] = (worker.compute_old_logprobs(mixed), worker.compute_logprobs(mixed))
+        stop_worker(worker)
+    return out
+
+
+@pytest.fixture(scope="module")
+def source_runs(tiny_model_dir) -> dict:
+    return run_in_trainer_process(_source_scenario, tiny_model_dir)
+
+
+def test_old_logprobs_taken_from_the_rollout_or_the_ewma_run_no_old_logprob_forward(source_runs):
+    # six rows in one micro-batch (micro_batch_size 8): the training forward is the only one, one more to recompute
+    assert source_runs["given"]["forwards"] == [6, 6]
+    for source in ("rollout", "ewma"):
+        assert source_runs[source]["forwards"] == [6], source
+        assert "train/train_rollout_logprob_abs_diff" not in source_runs[source]["metrics"], source
+        assert source_runs[source]["metrics"]["weights/version"] == 1.0
+    assert "train/train_rollout_logprob_abs_diff" in source_runs["given"]["metrics"]
+
+
+def test_recomputed_old_logprobs_are_the_current_weights_whatever_the_token_versions(source_runs):
+    old, current = source_runs["recomputed"]
+    assert torch.equal(old, current)
+
+
+def test_trainer_config_refuses_an_unknown_old_logprob_source_naming_the_field():
+    with pytest.raises(ValueError, match="trainer.old_logprobs must be 'recompute' or 'snapshot', got 'exact'"):
+        TrainerConfig(old_logprobs="exact")
+
+
+def test_a_worker_refuses_to_keep_fewer_than_one_version():
+    from glue.trainer.worker import TrainerWorker
+
+    with pytest.raises(ValueError, match="keep_versions must be an integer >= 1"):
+        TrainerWorker(model_path="unused", cfg=TrainerConfig(old_logprobs="snapshot"), loss_cfg=LossConfig(), rank=0,
+                      world_size=1, keep_versions=0)
