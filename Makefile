@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-async test bench learning-table clean
 
 install: $(STAMP)
 
@@ -20,11 +20,17 @@ $(STAMP): setup.py
 demo: install
 	$(VENV)/bin/sluice --config examples/configs/demo.yaml
 
+demo-async: install
+	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml
+
 test: install
-	$(PY) -m pytest tests -m "not gpu and not bench" -q
+	$(PY) -m pytest tests -m "not gpu and not bench and not learning" -q
 
 bench: install
 	$(PY) -m pytest tests -m bench -q
+
+learning-table: install
+	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
 
 clean:
 	rm -rf $(VENV) runs bench-results

@@ -42,6 +42,8 @@ class RolloutConfig:
     prompts_per_step: int = 8  # groups per training step
     samples_per_prompt: int = 8  # group size (GRPO's G)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_concurrent_groups: int | None = None  # groups generating at once (e.g. the sandboxes an agent task has); null: as many as the staleness gate admits
+    buffer_order: Literal["fifo", "newest_first"] = "fifo"  # which finished groups a step takes first once those due by the staleness bound are in (newest_first surfaces fresh data)
     router_policy: str = "round_robin"  # sgl-router load-balancing policy
     engine_startup_timeout_s: float = 120.0  # an engine not healthy by then fails the run with its log tail
 
@@ -49,6 +51,10 @@ class RolloutConfig:
         for name in ("num_engines", "prompts_per_step", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_groups is not None and self.max_concurrent_groups < 1:
+            raise ValueError(f"rollout.max_concurrent_groups must be >= 1 or null, got {self.max_concurrent_groups}")
+        if self.buffer_order not in ("fifo", "newest_first"):
+            raise ValueError(f"rollout.buffer_order must be 'fifo' or 'newest_first', got {self.buffer_order!r}")
         if self.samples_per_prompt < 2:
             raise ValueError("rollout.samples_per_prompt must be >= 2: group-relative advantages need at least two samples")
         for name in ("function", "task"):
@@ -66,8 +72,27 @@ class SyncConfig:
     master_address: str = "127.0.0.1"  # address the trainer's rank 0 listens on for the weight group
     disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory
     timeout_s: float = 300.0  # a sync that takes longer fails the run
+    max_staleness: int | None = None  # versions a trained token may lag the trainer; null: 0 in run.mode sync, 1 in async
+    interval: int = 1  # sync once the trainer is this many versions ahead of the engines (<= max_staleness + 1)
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"  # how generation pauses for a sync (SGLang's modes): retract recomputes in-flight KV on the new weights, abort returns partial answers the rollout function resumes, in_place keeps old-weight KV (mixes versions)
+    stale_policy: Literal["drop", "keep"] = "drop"  # a sample beyond max_staleness (after faults, or admission off): withhold it from training (still in its group's baseline) or train it anyway
+    partial_rollouts: Literal["resume", "restart"] = "resume"  # after an abort-mode pause: resume from prompt + tokens so far (a sample may span versions), or restart from the prompt (seed 001's interruption route: one version per sample, the aborted tokens are thrown away)
+    admission: bool = True  # start a group only if it cannot end up beyond max_staleness; off: unbounded, stale_policy decides
 
     def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"sync.max_staleness must be >= 0 (or null for the mode's default), got {self.max_staleness}")
+        if self.interval < 1:
+            raise ValueError(f"sync.interval must be >= 1, got {self.interval}")
+        if self.pause_mode not in ("retract", "abort", "in_place"):
+            raise ValueError(f"sync.pause_mode must be 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
+        if self.partial_rollouts not in ("resume", "restart"):
+            raise ValueError(f"sync.partial_rollouts must be 'resume' or 'restart', got {self.partial_rollouts!r}")
+        if self.partial_rollouts == "restart" and self.pause_mode != "abort":
+            raise ValueError(f"sync.partial_rollouts=restart needs sync.pause_mode=abort (with {self.pause_mode!r} the "
+                             "engine keeps requests running across the sync, so a sample spans versions anyway)")
+        if self.stale_policy not in ("drop", "keep"):
+            raise ValueError(f"sync.stale_policy must be 'drop' or 'keep', got {self.stale_policy!r}")
         if self.transport not in ("broadcast", "ipc", "disk"):
             raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {self.transport!r}")
         if self.backend not in ("gloo", "nccl"):

@@ -1,6 +1,6 @@
 """The narrow client sluice uses to talk to engines over SGLang's HTTP API: `generate` goes through the router
 (async, used by rollout functions); control calls (pause / continue / flush / weight versions / health) go to
-every engine directly and are plain synchronous calls, because the controller that makes them is synchronous.
+every engine directly and are plain blocking calls (the loop runs them in a worker thread, so generation goes on).
 
 Sync vs async: `await client.generate(...)` inside an event loop (the rollout manager runs one per step or keeps
 one for the run; the aiohttp session follows whichever loop is running). Control methods block for one short
@@ -65,6 +65,7 @@ class EngineClient:
         self.max_connect_retries = max_connect_retries
         self.retry_backoff_s = retry_backoff_s
         self.connect_retries = 0  # metric: connection errors retried on generate
+        self.pauses = 0  # pause_generation calls so far: a generate spanning one must say where versions change
         self._session: "aiohttp.ClientSession | None" = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -98,14 +99,14 @@ class EngineClient:
         url = f"{self.router_url}/generate"
         import aiohttp
 
-        attempt = 0
+        attempt, pauses_before = 0, self.pauses
         while True:
             try:
                 async with self._get_session().post(url, json=payload) as resp:
                     body = await resp.text()
                     if resp.status // 100 != 2:
                         raise EngineHTTPError(url, resp.status, body)
-                    return json.loads(body)
+                    return self._checked_versions(json.loads(body), pauses_before)
             except (aiohttp.ClientConnectionError, ConnectionError) as err:
                 if attempt >= self.max_connect_retries:
                     raise ConnectionError(
@@ -115,6 +116,21 @@ class EngineClient:
                 attempt += 1
                 self.connect_retries += 1
                 await asyncio.sleep(self.retry_backoff_s * attempt)
+
+    def _checked_versions(self, answer: Any, pauses_before: int) -> Any:
+        """Refuse an answer that a sync may have split without saying where: SGLang servers report one
+        `weight_version` per request, which is right only if no weights changed while it ran (or it was aborted
+        by the pause). The embedded engine reports per-token `weight_versions` spans."""
+        for output in answer if isinstance(answer, list) else [answer]:
+            meta = output.get("meta_info") if isinstance(output, dict) else None
+            if not isinstance(meta, dict) or meta.get("weight_versions") or self.pauses == pauses_before:
+                continue
+            finish = meta.get("finish_reason")
+            if (finish.get("type") if isinstance(finish, dict) else finish) != "abort":
+                raise ValueError("a weight sync landed while this request was generating and the engine's answer "
+                                 "has no per-token meta_info.weight_versions, so sluice cannot tell which tokens "
+                                 "came from which weights; use sync.pause_mode: abort with such engines")
+        return answer
 
     async def aclose(self) -> None:
         """Close the generate session (await it on the loop that used it last)."""
@@ -147,6 +163,7 @@ class EngineClient:
         """Stop every engine from generating. SGLang modes: "abort" (answer in-flight requests now with finish
         reason abort), "retract" / "in_place" (keep them; they resume on continue, on the new weights if the
         weights changed meanwhile). "retract" is the default because SGLang can flush its cache in that mode."""
+        self.pauses += 1
         self._call_all("/pause_generation", body={"mode": mode})
 
     def continue_generation(self) -> None:

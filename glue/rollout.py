@@ -24,6 +24,7 @@ class RolloutContext:
     sampling_params: dict  # SGLang sampling_params for this run (a copy per group: safe to modify)
     reward_fn: Callable[[Sample], float | dict | Awaitable[float | dict]]  # the task's reward
     group_id: int  # id of the group being generated; put it on every sample
+    partial_rollouts: str = "resume"  # an aborted generation: "resume" from the tokens so far, or "restart" it
 
 
 async def score(ctx: RolloutContext, sample: Sample) -> None:
@@ -70,6 +71,7 @@ def _version_spans(meta: dict, n: int) -> list[tuple[int, int, int]]:
         return out
     if "weight_version" not in meta:
         raise ValueError("engine answer has no meta_info.weight_version; sluice needs it to track staleness")
+    # One version for the whole answer: the client refuses answers a sync may have split (EngineClient.generate).
     return [(weight_version_to_int(meta["weight_version"]), 0, n)]
 
 
@@ -77,22 +79,27 @@ class RolloutManager:
     """Loads the rollout function and the task by import path, then `await generate_step()` once per step."""
 
     def __init__(self, *, function_path: str, task_path: str, client: GenerateClient, sampling_params: dict,
-                 prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None):
+                 prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None,
+                 partial_rollouts: str = "resume"):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
         self.task = _build_task(task_path, task_args or {})
         self.client, self.sampling_params = client, dict(sampling_params)
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
+        self.partial_rollouts = partial_rollouts
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
 
+    def next_group(self) -> tuple[int, Awaitable[Group]]:
+        """The next prompt's group id and the coroutine that generates and scores its group."""
+        group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+        return group_id, self._generate_group(group_id, self._next_prompt())
+
     async def generate_step(self) -> list[Group]:
-        """One step's groups: `prompts_per_step` prompts, `samples_per_prompt` samples each, all concurrent."""
-        prompts = [self._next_prompt() for _ in range(self.prompts_per_step)]
-        first = self._next_group_id
-        self._next_group_id += len(prompts)
-        tasks = [asyncio.ensure_future(self._generate_group(first + i, p)) for i, p in enumerate(prompts)]
+        """`prompts_per_step` groups, all concurrent (tests and tools; the loop streams groups with next_group)."""
+        coros = [self.next_group()[1] for _ in range(self.prompts_per_step)]
+        tasks = [asyncio.ensure_future(c) for c in coros]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -115,7 +122,7 @@ class RolloutManager:
 
     async def _generate_group(self, group_id: int, prompt: dict) -> Group:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
-                             reward_fn=self.task.reward, group_id=group_id)
+                             reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts)
         samples = await self.fn(ctx, prompt, self.samples_per_prompt)
         where = f"rollout function {self.function_path!r} (task {self.task_path!r}, group {group_id})"
         if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):

@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from launch.runner import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except KeyboardInterrupt:
+        print(f"sluice: interrupted; the engines, router, trainer and Ray it started are stopped. Metrics so far: "
+              f"{cfg.run_dir / 'metrics.jsonl'}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -73,6 +73,7 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
     Raises ConfigError with the key and the fix."""
     try:
         cfg = _checked_passthrough(cfg)
+        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, max_staleness=max_staleness(cfg)))
         _check_layout(cfg)
         return cfg, _plan(cfg)
     except ValueError as err:
@@ -103,6 +104,28 @@ def _checked_passthrough(cfg: SluiceConfig) -> SluiceConfig:
     return dataclasses.replace(cfg, trainer=trainer, sglang=sglang, router=router)
 
 
+def max_staleness(cfg: SluiceConfig) -> int:
+    """sync.max_staleness, or the mode's default: 0 (on-policy) for sync, 1 for async."""
+    if cfg.sync.max_staleness is not None:
+        return cfg.sync.max_staleness
+    return 0 if cfg.run.mode == "sync" else 1
+
+
+def _check_staleness(cfg: SluiceConfig) -> None:
+    """The staleness gate's settings agree with the mode (one loop: sync is max_staleness 0)."""
+    bound, s = cfg.sync.max_staleness, cfg.sync
+    if cfg.run.mode == "sync" and bound != 0:
+        raise ValueError(f"sync.max_staleness={bound} with run.mode=sync: sync mode trains only on the latest "
+                         "weights (max_staleness 0); set run.mode=async to allow stale tokens")
+    if not 1 <= s.interval <= bound + 1:
+        raise ValueError(f"sync.interval={s.interval} must be in [1, max_staleness + 1 = {bound + 1}]: after "
+                         "max_staleness + 1 steps without a sync nothing more may start and the trainer would wait "
+                         "forever; raise sync.max_staleness or lower sync.interval")
+    if cfg.trainer.old_logprobs == "snapshot" and cfg.loss.old_logprobs_from != "given":
+        raise ValueError(f"trainer.old_logprobs=snapshot needs loss.old_logprobs_from=given (it is "
+                         f"{cfg.loss.old_logprobs_from!r}, which does not read the trainer's old logprobs)")
+
+
 def _check_layout(cfg: SluiceConfig) -> None:
     """The rules that span sections; each message names the settings and what to change."""
     t, c = cfg.trainer, cfg.cluster
@@ -122,8 +145,7 @@ def _check_layout(cfg: SluiceConfig) -> None:
     if cfg.run.mode == "async" and c.placement == "colocated":
         raise ValueError("run.mode=async needs cluster.placement=disaggregated: colocated engines and trainer take "
                          "turns on the same devices, so they cannot run at the same time")
-    if cfg.run.mode == "async":
-        raise ValueError("run.mode=async is not available in this build (the loop is synchronous); use run.mode=sync")
+    _check_staleness(cfg)
     if c.uses_gpus:
         _check_gpu_counts(cfg, engine_gpus)
     elif c.num_nodes > 1:

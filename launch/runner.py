@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sys
 from pathlib import Path
 
@@ -34,21 +33,54 @@ def run(cfg: SluiceConfig) -> Path:
 
         colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
                                      timeout_s=cfg.sync.timeout_s)
-        from tqdm import tqdm
-
-        from glue.controller import run_sync_loop
-        from glue.metrics import MetricsLogger
-
-        progress = stack.enter_context(tqdm(total=cfg.run.num_steps, desc=f"sluice {cfg.run.name}", unit="step",
-                                            file=sys.stdout, dynamic_ncols=True))
-        run_sync_loop(num_steps=cfg.run.num_steps, manager=manager, trainer=trainer, fleet=client, bridge=bridge,
-                      loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), loop=loop, progress=progress,
-                      colocation=colocation)
+        progress = stack.enter_context(_progress_bar(cfg))
+        training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
+                                                 colocation=colocation, run_dir=run_dir, progress=progress))
+        try:
+            loop.run_until_complete(training)
+        except KeyboardInterrupt:  # let the loop cancel what is generating before the stack stops the processes
+            training.cancel()
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(training)
+            raise
     from glue.metrics import learning_summary, read_metrics
 
     print(f"sluice: run finished; {learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; "
           f"metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir
+
+
+async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress) -> None:
+    """The loop with its staleness gate, buffer and rollout stream built from the config."""
+    from glue.buffer import RolloutBuffer
+    from glue.controller import run_loop
+    from glue.metrics import MetricsLogger
+    from glue.staleness import StalenessGate
+    from glue.stream import RolloutStream
+
+    groups_per_step = cfg.rollout.prompts_per_step
+    gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=cfg.sync.max_staleness,
+                         interval=cfg.sync.interval, admission=cfg.sync.admission)
+    buffer = RolloutBuffer(groups_per_step=groups_per_step, order=cfg.rollout.buffer_order,
+                           stale_policy=cfg.sync.stale_policy)
+    stream = RolloutStream(manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
+                           max_concurrent=cfg.rollout.max_concurrent_groups)
+
+    def on_step(record: dict) -> None:
+        progress.update(1)
+        progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
+                             stale=f"{record['staleness/max']:.0f}")
+
+    await run_loop(num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client, phases=colocation,
+                   loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), pause_mode=cfg.sync.pause_mode,
+                   on_step=on_step)
+
+
+def _progress_bar(cfg: SluiceConfig):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.run.num_steps, desc=f"sluice {cfg.run.name} ({cfg.run.mode})", unit="step",
+                file=sys.stdout, dynamic_ncols=True)
 
 
 def check_plugins(cfg: SluiceConfig) -> None:
@@ -110,8 +142,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines])
     stack.callback(fleet.stop)
     fleet.start()
-    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss,
-                           actor_options=trainer_actor_options(cfg, plan, placement))
+    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
+                           keep_versions=cfg.sync.max_staleness + 1)
     stack.callback(trainer.shutdown)
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
@@ -124,11 +156,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                              task_args=cfg.rollout.task_args, client=client,
                              sampling_params=cfg.rollout.sampling.to_sglang(),
                              prompts_per_step=cfg.rollout.prompts_per_step,
-                             samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed)
+                             samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
+                             partial_rollouts=cfg.sync.partial_rollouts)
     return fleet, client, trainer, bridge, manager, loop
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -17,7 +17,9 @@ async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) ->
 
 async def generate_one(ctx: RolloutContext, prompt: dict, index: int) -> Sample:
     """One response. If the engine aborts it part-way (generation paused with mode "abort"), the partial response
-    is kept and generation continues from prompt + response so far, so its tokens may carry two versions."""
+    is kept and generation continues from prompt + response so far, so its tokens may carry two versions; with
+    `ctx.partial_rollouts == "restart"` the partial response is thrown away (counted in
+    metadata["discarded_tokens"]) and generation starts again from the prompt, so every token has one version."""
     sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index,
                     metadata={k: v for k, v in prompt.items() if k != "prompt_tokens"})
     budget = ctx.sampling_params.get("max_new_tokens")
@@ -29,6 +31,10 @@ async def generate_one(ctx: RolloutContext, prompt: dict, index: int) -> Sample:
         append_generation(sample, output)
         if sample.status is not SampleStatus.ABORTED:
             break
+        if ctx.partial_rollouts == "restart":
+            sample.metadata["discarded_tokens"] = sample.metadata.get("discarded_tokens", 0) + len(sample.response_tokens)
+            sample.response_tokens, sample.loss_mask, sample.rollout_logprobs, sample.versions = [], [], [], []
+            continue
         if budget is not None and len(sample.response_tokens) >= budget:
             sample.status = SampleStatus.TRUNCATED
             break

@@ -3,6 +3,7 @@ random model learns by RL in minutes. The rollout manager draws prompts from `pr
 function scores each sample with `reward(sample)`."""
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Iterator
 
@@ -50,3 +51,21 @@ class EchoTask:
         target = sample.prompt_tokens[-1]
         head = sample.response_tokens[: self.k]
         return sum(1 for t in head if t == target) / self.k
+
+
+class SlowToolEchoTask(EchoTask):
+    """EchoTask whose reward waits on a simulated tool or environment: each call sleeps a random time in
+    [min_latency_s, max_latency_s] before scoring, as an agent task waits on a sandbox or an API. Rollout time is
+    then dominated by waiting, not by the engines (seed 000's setting, where async training pays off)."""
+
+    def __init__(self, *, min_latency_s: float = 0.2, max_latency_s: float = 1.0, latency_seed: int = 0, **echo_args):
+        super().__init__(**echo_args)
+        if not 0 <= min_latency_s <= max_latency_s:
+            raise ValueError(f"SlowToolEchoTask: need 0 <= min_latency_s <= max_latency_s, got {min_latency_s}, "
+                             f"{max_latency_s}")
+        self.min_latency_s, self.max_latency_s = min_latency_s, max_latency_s
+        self._rng = random.Random(latency_seed)
+
+    async def reward(self, sample: Sample) -> float:
+        await asyncio.sleep(self._rng.uniform(self.min_latency_s, self.max_latency_s))
+        return super().reward(sample)

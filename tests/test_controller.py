@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from glue.colocation import Disaggregated
 from glue.controller import build_train_batch, rollout_metrics, sync_weights
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
@@ -15,7 +16,7 @@ def sample(group, index, prompt, response, reward, status=SampleStatus.COMPLETED
 
 def test_train_batch_puts_each_advantage_on_the_positions_that_predict_response_tokens():
     groups = [Group(group_id=0, samples=[sample(0, 0, [1, 2], [5, 6, 7], 1.0), sample(0, 1, [1, 2], [9], 0.0)])]
-    batch = build_train_batch(groups, LossConfig(normalize_std=False))
+    batch, _ = build_train_batch(groups, LossConfig(normalize_std=False))
     # group mean 0.5 -> advantages +0.5 and -0.5; prompt length 2 -> first response token predicted at position 1
     assert batch.tokens.tolist() == [[1, 2, 5, 6, 7], [1, 2, 9, 0, 0]]
     assert batch.logprob_mask.tolist() == [[0, 1, 1, 1, 0], [0, 1, 0, 0, 0]]
@@ -27,7 +28,7 @@ def test_train_batch_puts_each_advantage_on_the_positions_that_predict_response_
 def test_failed_samples_are_not_trained_on_and_are_counted():
     failed = sample(0, 2, [1], [4], 0.0, status=SampleStatus.FAILED)
     groups = [Group(group_id=0, samples=[sample(0, 0, [1], [4], 1.0), sample(0, 1, [1], [3], 0.0), failed])]
-    batch = build_train_batch(groups, LossConfig())
+    batch, _ = build_train_batch(groups, LossConfig())
     assert batch.tokens.shape[0] == 2
     metrics = rollout_metrics(groups)
     assert metrics["rollout/failed"] == 1.0
@@ -38,7 +39,7 @@ def test_failed_samples_are_not_trained_on_and_are_counted():
 def test_a_group_with_equal_rewards_gets_zero_advantage_and_counts_as_flat():
     groups = [Group(group_id=0, samples=[sample(0, i, [1], [2, 3], 1.0) for i in range(4)]),
               Group(group_id=1, samples=[sample(1, 0, [1], [2], 1.0), sample(1, 1, [1], [2], 0.0)])]
-    batch = build_train_batch(groups, LossConfig())
+    batch, _ = build_train_batch(groups, LossConfig())
     assert torch.isfinite(batch.advantages).all()
     assert batch.advantages[:4].abs().sum().item() == 0.0
     assert rollout_metrics(groups)["rollout/zero_std_group_frac"] == pytest.approx(0.5)
@@ -54,8 +55,8 @@ def test_sync_resumes_generation_even_when_the_transfer_fails():
     calls = []
 
     class Fleet:
-        def pause_generation(self):
-            calls.append("pause")
+        def pause_generation(self, mode="retract"):
+            calls.append(f"pause {mode}")
 
         def continue_generation(self):
             calls.append("continue")
@@ -66,8 +67,8 @@ def test_sync_resumes_generation_even_when_the_transfer_fails():
             raise RuntimeError("engine gone")
 
     with pytest.raises(RuntimeError, match="engine gone"):
-        sync_weights(Fleet(), FailingBridge(), 4)
-    assert calls == ["pause", "sync 4", "continue"]
+        sync_weights(Fleet(), Disaggregated(FailingBridge()), 4, "abort")
+    assert calls == ["pause abort", "sync 4", "continue"]
 
 
 def test_the_learning_summary_compares_the_first_and_last_five_steps():

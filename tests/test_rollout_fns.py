@@ -123,6 +123,37 @@ def test_a_generation_aborted_by_a_pause_resumes_and_carries_both_weight_version
     post(f"{engine_url}/update_weight_version", {"new_version": "0", "abort_all_requests": False})
 
 
+class ScriptedAborts:
+    """Answers in SGLang's shape: the first `aborts` calls end with finish reason abort after 3 tokens at version
+    `call index`, then one complete answer at the next version."""
+
+    def __init__(self, aborts: int):
+        self.aborts, self.inputs = aborts, []
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True):
+        self.inputs.append(list(input_ids))
+        call = len(self.inputs) - 1
+        n = 3 if call < self.aborts else sampling_params["max_new_tokens"]
+        kind = "abort" if call < self.aborts else "length"
+        return {"output_ids": [7] * n, "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * n,
+                                                      "weight_version": str(call), "finish_reason": {"type": kind}}}
+
+
+@pytest.mark.parametrize("mode", ["resume", "restart"])
+def test_an_aborted_generation_resumes_or_restarts_per_the_partial_rollout_setting(mode):
+    client = ScriptedAborts(aborts=2)
+    ctx = RolloutContext(client=client, sampling_params={"max_new_tokens": 8}, reward_fn=lambda s: 0.0, group_id=0,
+                         partial_rollouts=mode)
+    sample = asyncio.run(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
+    assert sample.status is SampleStatus.TRUNCATED and len(sample.response_tokens) == 8
+    if mode == "resume":  # prompt + tokens so far, three versions in one sample
+        assert client.inputs == [[0, 4], [0, 4, 7, 7, 7], [0, 4, 7, 7, 7, 7, 7, 7]]
+        assert sample.versions == [0, 0, 0, 1, 1, 1, 2, 2]
+    else:  # seed 001's interruption route: every try starts from the prompt; one version per sample
+        assert client.inputs == [[0, 4]] * 3
+        assert sample.versions == [2] * 8 and sample.metadata["discarded_tokens"] == 6
+
+
 def test_rollout_manager_runs_every_group_with_consecutive_ids_and_validated_samples(engine_url):
     client = EngineClient(engine_url, [engine_url])
     manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",

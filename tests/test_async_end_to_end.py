@@ -1,0 +1,97 @@
+"""Asynchronous training through every real seam (Ray, embedded engines behind sgl-router, megatron-core on gloo,
+the broadcast bridge): it learns within the staleness bound, and Ctrl-C in the middle leaves nothing running."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from glue.metrics import read_metrics
+from launch.config import load_config
+from launch.runner import run
+from tests.test_end_to_end import live_children
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_an_async_run_learns_and_never_trains_a_token_beyond_max_staleness(tmp_path):
+    before = set(live_children(os.getpid()))
+    cfg = load_config("examples/configs/demo_async.yaml", [
+        f"run.output_dir={tmp_path}", "run.name=async", "run.num_steps=40",
+        "rollout.task_args={min_latency_s: 0.0, max_latency_s: 0.3}", "sync.max_staleness=2"])
+    records = read_metrics(run(cfg) / "metrics.jsonl")
+    assert [r["weights/version"] for r in records] == list(range(1, 41))
+    assert max(r["staleness/max"] for r in records) <= 2
+    assert any(r["staleness/max"] > 0 for r in records), "an async run with slow rewards should use its allowance"
+    assert all(r["async/dropped_stale"] == 0 for r in records)
+    first = sum(r["rollout/reward_mean"] for r in records[:5]) / 5
+    last = sum(r["rollout/reward_mean"] for r in records[-5:]) / 5
+    assert last > first + 0.1, (first, last)
+    assert set(live_children(os.getpid())) <= before, "processes left running after the run"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_async_mode_stops_the_run_and_leaves_nothing_running(tmp_path):
+    metrics = tmp_path / "ctrlc" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", f"run.output_dir={tmp_path}",
+         "run.name=ctrlc", "run.num_steps=200", "rollout.prompts_per_step=4"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen |= descendants(proc.pid)
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert metrics.exists(), "the run did not reach step 3 in time"
+        seen |= descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 130 and "sluice: interrupted" in text, text[-3000:]
+    assert len(seen) >= 3, f"expected engines, router and Ray below the driver, saw {seen}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(is_alive(p) for p in seen):
+        time.sleep(0.5)
+    left = {p: (Path("/proc") / str(p) / "cmdline").read_bytes()[:120] for p in seen if is_alive(p)}
+    assert not left, f"left running after Ctrl-C: {left}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(records) >= 3 and all(r["staleness/max"] <= 2 for r in records)

@@ -1,0 +1,259 @@
+"""The staleness gate and the rollout buffer on scripted traces (pure bookkeeping), then the whole loop on an
+event loop with a scripted engine whose tokens take the version it holds at each token, and random latency."""
+import asyncio
+import random
+
+import pytest
+
+from glue.buffer import RolloutBuffer
+from glue.colocation import Disaggregated
+from glue.controller import run_loop
+from glue.metrics import MetricsLogger, read_metrics
+from glue.staleness import StalenessGate, StalenessStats
+from glue.stream import RolloutStream
+from glue.types import Group, Sample, SampleStatus
+from loss import LossConfig
+
+
+def test_sync_mode_admits_one_steps_groups_per_version_and_syncs_after_every_step():
+    gate = StalenessGate(groups_per_step=3, max_staleness=0)
+    assert [gate.admit() for _ in range(3)] == [0, 0, 0]  # deadline: trained at version 0
+    assert not gate.can_admit()
+    gate.trained(1)
+    assert gate.should_sync() and not gate.can_admit()
+    gate.synced(1)
+    assert gate.capacity == 3 and not gate.should_sync()
+
+
+def test_async_admission_is_the_capacity_form_with_the_engines_version():
+    gate = StalenessGate(groups_per_step=2, max_staleness=2)
+    assert gate.capacity == 6  # (2 + 0 + 1) * 2
+    deadlines = [gate.admit() for _ in range(6)]
+    assert deadlines == [2] * 6 and not gate.can_admit()
+    gate.trained(1)
+    assert not gate.can_admit(), "training alone must not admit more: the engines still hold version 0"
+    gate.synced(1)
+    assert gate.capacity == 2 and gate.admit() == 3
+    gate.give_back()  # a group that failed as a whole frees its place
+    assert gate.capacity == 2
+
+
+def test_a_group_is_due_at_its_deadline_and_too_stale_after_it():
+    gate = StalenessGate(groups_per_step=1, max_staleness=1)
+    deadline = gate.admit()
+    assert deadline == 1 and not gate.must_take(deadline)
+    gate.trained(1)
+    assert gate.must_take(deadline) and not gate.is_too_stale([0, 1])
+    gate.trained(2)
+    assert gate.is_too_stale([0, 1]) and not gate.is_too_stale([1, 2])
+    assert gate.token_staleness([0, 1, 2]) == [2, 1, 0]
+
+
+def test_an_interval_beyond_max_staleness_plus_one_is_refused_because_it_would_deadlock():
+    with pytest.raises(ValueError, match="sync.interval=3 must be in"):
+        StalenessGate(groups_per_step=1, max_staleness=1, interval=3)
+    assert StalenessGate(groups_per_step=1, max_staleness=3, interval=4).interval == 4
+
+
+def test_mu_grpo_stages_sync_once_per_stage_of_k_steps():
+    k = 4
+    gate = StalenessGate(groups_per_step=1, max_staleness=k - 1, interval=k)
+    syncs = []
+    for step in range(1, 13):
+        gate.trained(step)
+        if gate.should_sync():
+            gate.synced(step)
+            syncs.append(step)
+    assert syncs == [4, 8, 12]
+
+
+def group(gid, versions, reward=1.0, status=SampleStatus.COMPLETED, n=2):
+    samples = []
+    for i in range(n):
+        s = Sample(prompt_tokens=[0, 1], group_id=gid, index=i, reward=reward * i, status=status)
+        for v in versions:
+            s.append_response([2], [-1.0], v)
+        samples.append(s)
+    return Group(group_id=gid, samples=samples)
+
+
+def test_the_buffer_waits_for_a_due_group_still_generating_then_takes_due_groups_first():
+    gate = StalenessGate(groups_per_step=2, max_staleness=1)
+    buf = RolloutBuffer(groups_per_step=2, order="newest_first")
+    for gid in range(4):
+        buf.started(gid, deadline=gate.admit(), start_version=0)
+    gate.trained(1)  # every group (deadline 1) is now due
+    buf.finished(group(1, [0]))
+    buf.finished(group(2, [0]))
+    buf.finished(group(3, [0]))
+    assert not buf.is_ready(gate), "group 0 is due and still generating"
+    buf.finished(group(0, [0]))
+    groups, withheld = buf.take(gate)
+    # all four are due: earliest deadline, then finish order; newest_first only orders groups not yet due
+    assert [g.group_id for g in groups] == [1, 2] and not withheld
+    assert sorted(e.group_id for e in buf.in_queue) == [0, 3]
+
+
+def test_newest_first_surfaces_the_latest_finished_groups_that_are_not_due():
+    gate = StalenessGate(groups_per_step=1, max_staleness=3)
+    for order, expected in (("fifo", 0), ("newest_first", 2)):
+        buf = RolloutBuffer(groups_per_step=1, order=order)
+        for gid in range(3):
+            buf.started(gid, deadline=3, start_version=0)
+            buf.finished(group(gid, [0]))
+        assert buf.take(gate)[0][0].group_id == expected
+
+
+def test_too_stale_samples_are_withheld_and_counted_under_drop_and_trained_under_keep():
+    for policy, expected in (("drop", {(5, 0), (5, 1)}), ("keep", set())):
+        gate = StalenessGate(groups_per_step=1, max_staleness=0, admission=False)
+        buf = RolloutBuffer(groups_per_step=1, stale_policy=policy)
+        buf.started(5, deadline=gate.admit(), start_version=0)
+        buf.finished(group(5, [0, 1]))
+        gate.trained(1)
+        gate.trained(2)
+        _, withheld = buf.take(gate)
+        assert withheld == expected and gate.dropped_stale == len(expected)
+
+
+def test_withheld_samples_count_in_the_baseline_but_are_not_trained():
+    from glue.controller import build_train_batch
+
+    g = group(0, [0], n=4)  # rewards 0, 1, 2, 3: mean 1.5
+    batch, _ = build_train_batch([g], LossConfig(normalize_std=False), withheld={(0, 3)})
+    assert batch.tokens.shape[0] == 3
+    assert batch.advantages[:, 1].tolist() == [-1.5, -0.5, 0.5]
+
+
+def test_a_sample_still_aborted_after_its_resumes_is_not_trained():
+    from glue.controller import build_train_batch
+
+    g = group(0, [0], n=3)
+    g.samples[2].status = SampleStatus.ABORTED
+    batch, _ = build_train_batch([g], LossConfig(normalize_std=False))
+    assert batch.tokens.shape[0] == 2
+
+
+def test_staleness_stats_give_max_mean_and_a_histogram():
+    stats = StalenessStats()
+    stats.add([0, 0, 1, 3])
+    assert stats.metrics() == {"staleness/max": 3.0, "staleness/mean": 1.0, "staleness/hist_0": 0.5,
+                               "staleness/hist_1": 0.25, "staleness/hist_3": 0.25}
+
+
+# ---- the whole loop on a scripted engine ----
+class ScriptedEngine:
+    """Tokens take the version the engine holds when each is produced; a sync swaps the version."""
+
+    def __init__(self, latency, seed):
+        self.version, self.latency, self.rng = 0, latency, random.Random(seed)
+
+
+class ScriptedManager:
+    def __init__(self, engine, tokens=3):
+        self.engine, self.tokens, self.next_id = engine, tokens, 0
+
+    def next_group(self):
+        gid, self.next_id = self.next_id, self.next_id + 1
+        return gid, self._generate(gid)
+
+    async def _generate(self, gid):
+        samples = [Sample(prompt_tokens=[0, 1], group_id=gid, index=i) for i in range(2)]
+        for _ in range(self.tokens):
+            await asyncio.sleep(self.engine.rng.uniform(0, self.engine.latency))
+            for s in samples:
+                s.append_response([2], [-1.0], self.engine.version)
+        for i, s in enumerate(samples):
+            s.reward = float(i)
+        return Group(group_id=gid, samples=samples)
+
+
+class ScriptedTrainer:
+    def __init__(self):
+        self.version, self.trained_versions = 0, []
+
+    def train_step(self, batch):
+        self.trained_versions.append((self.version, batch.versions[batch.logprob_mask > 0].tolist()))
+        self.version += 1
+        return {"weights/version": float(self.version)}
+
+
+class ScriptedFleet:
+    def __init__(self):
+        self.calls = []
+
+    def pause_generation(self, mode="retract"):
+        self.calls.append(("pause", mode))
+
+    def continue_generation(self):
+        self.calls.append(("continue",))
+
+
+class ScriptedBridge:
+    def __init__(self, engine):
+        self.engine, self.versions = engine, []
+
+    def sync(self, version):
+        self.engine.version = version
+        self.versions.append(version)
+
+
+def run_scripted(tmp_path, *, max_staleness, interval=1, steps=12, groups_per_step=2, latency=0.02, seed=0,
+                 stale_policy="keep"):
+    engine = ScriptedEngine(latency, seed)
+    gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=max_staleness, interval=interval)
+    stream = RolloutStream(manager=ScriptedManager(engine), gate=gate, max_groups=steps * groups_per_step,
+                           buffer=RolloutBuffer(groups_per_step=groups_per_step, stale_policy=stale_policy))
+    trainer, fleet, bridge = ScriptedTrainer(), ScriptedFleet(), ScriptedBridge(engine)
+    logger = MetricsLogger(tmp_path / f"m{max_staleness}_{interval}_{seed}.jsonl")
+    asyncio.run(run_loop(num_steps=steps, stream=stream, trainer=trainer, fleet=fleet, phases=Disaggregated(bridge),
+                         loss_cfg=LossConfig(), logger=logger, pause_mode="abort"))
+    return trainer, bridge, fleet, read_metrics(logger.path)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_under_random_latency_no_trained_token_is_staler_than_the_bound(tmp_path, max_staleness):
+    for seed in range(3):
+        trainer, bridge, fleet, records = run_scripted(tmp_path, max_staleness=max_staleness, seed=seed)
+        worst = max(v_train - v for v_train, versions in trainer.trained_versions for v in versions)
+        assert worst <= max_staleness
+        assert [r["staleness/max"] for r in records] == [
+            max(v_train - v for v in versions) for v_train, versions in trainer.trained_versions]
+        assert all(r["async/dropped_stale"] == 0 for r in records)
+        assert fleet.calls[:2] == [("pause", "abort"), ("continue",)]
+    if max_staleness == 0:  # sync mode: every token comes from the weights being trained
+        assert all(set(versions) == {v_train} for v_train, versions in trainer.trained_versions)
+    else:  # async: the run did use its allowance somewhere
+        assert any(r["staleness/max"] > 0 for r in records)
+
+
+def test_the_loop_syncs_after_every_step_by_default_and_once_per_stage_for_mu_grpo(tmp_path):
+    _, bridge, _, records = run_scripted(tmp_path, max_staleness=1, steps=6)
+    assert bridge.versions == [1, 2, 3, 4, 5, 6]
+    _, bridge, _, records = run_scripted(tmp_path, max_staleness=3, interval=4, steps=8)
+    assert bridge.versions == [4, 8]
+    assert [r["weights/lag"] for r in records] == [1, 2, 3, 0, 1, 2, 3, 0]
+
+
+def test_a_rollout_function_error_reaches_the_loop_and_stops_every_group(tmp_path):
+    engine = ScriptedEngine(0.01, 0)
+
+    class Failing(ScriptedManager):
+        async def _generate(self, gid):
+            if gid == 3:
+                raise RuntimeError("tool crashed in group 3")
+            return await super()._generate(gid)
+
+    gate = StalenessGate(groups_per_step=2, max_staleness=1)
+    stream = RolloutStream(manager=Failing(engine), gate=gate, buffer=RolloutBuffer(groups_per_step=2), max_groups=20)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="group 3"):
+            await run_loop(num_steps=10, stream=stream, trainer=ScriptedTrainer(), fleet=ScriptedFleet(),
+                           phases=Disaggregated(ScriptedBridge(engine)), loss_cfg=LossConfig(),
+                           logger=MetricsLogger(tmp_path / "m.jsonl"))
+        assert not stream._tasks and stream._producer.done()
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert not pending, pending
+
+    asyncio.run(main())
