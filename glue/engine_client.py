@@ -151,13 +151,16 @@ class EngineClient:
             return err.code, err.read().decode(errors="replace")
 
     def _call_all(self, path: str, method: str = "POST", body: dict | None = None) -> list[str]:
-        bodies = []
-        for engine in self.engine_urls:
+        """The same control call on every engine at once: a pause costs the slowest engine's answer, not the sum."""
+        from weight_sync.engine_calls import run_together
+
+        def call(engine: str) -> str:
             status, text = self._call(f"{engine}{path}", method, body)
             if status // 100 != 2:
                 raise EngineHTTPError(f"{engine}{path}", status, text)
-            bodies.append(text)
-        return bodies
+            return text
+
+        return run_together([lambda e=e: call(e) for e in self.engine_urls], self.control_timeout_s)
 
     def pause_generation(self, mode: str = "retract") -> None:
         """Stop every engine from generating. SGLang modes: "abort" (answer in-flight requests now with finish
