@@ -74,7 +74,7 @@ class SyncConfig:
     timeout_s: float = 300.0  # a sync that takes longer fails the run
     max_staleness: int | None = None  # versions a trained token may lag the trainer; null: 0 in run.mode sync, 1 in async
     interval: int = 1  # sync once the trainer is this many versions ahead of the engines (<= max_staleness + 1)
-    pause_mode: Literal["retract", "abort", "in_place"] = "retract"  # how generation pauses for a sync (SGLang's modes): retract recomputes in-flight KV on the new weights, abort returns partial answers the rollout function resumes, in_place keeps old-weight KV (mixes versions)
+    pause_mode: Literal["retract", "abort", "in_place"] | None = None  # how generation pauses for a sync (SGLang's modes): retract recomputes in-flight KV on the new weights, abort returns partial answers the rollout function resumes, in_place keeps old-weight KV (mixes versions); null: retract on embedded engines, abort on SGLang servers (they report one version per request)
     stale_policy: Literal["drop", "keep"] = "drop"  # a sample beyond max_staleness (after faults, or admission off): withhold it from training (still in its group's baseline) or train it anyway
     partial_rollouts: Literal["resume", "restart"] = "resume"  # after an abort-mode pause: resume from prompt + tokens so far (a sample may span versions), or restart from the prompt (seed 001's interruption route: one version per sample, the aborted tokens are thrown away)
     admission: bool = True  # start a group only if it cannot end up beyond max_staleness; off: unbounded, stale_policy decides
@@ -84,11 +84,11 @@ class SyncConfig:
             raise ValueError(f"sync.max_staleness must be >= 0 (or null for the mode's default), got {self.max_staleness}")
         if self.interval < 1:
             raise ValueError(f"sync.interval must be >= 1, got {self.interval}")
-        if self.pause_mode not in ("retract", "abort", "in_place"):
+        if self.pause_mode not in (None, "retract", "abort", "in_place"):
             raise ValueError(f"sync.pause_mode must be 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
         if self.partial_rollouts not in ("resume", "restart"):
             raise ValueError(f"sync.partial_rollouts must be 'resume' or 'restart', got {self.partial_rollouts!r}")
-        if self.partial_rollouts == "restart" and self.pause_mode != "abort":
+        if self.partial_rollouts == "restart" and self.pause_mode not in (None, "abort"):
             raise ValueError(f"sync.partial_rollouts=restart needs sync.pause_mode=abort (with {self.pause_mode!r} the "
                              "engine keeps requests running across the sync, so a sample spans versions anyway)")
         if self.stale_policy not in ("drop", "keep"):

@@ -73,7 +73,8 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
     Raises ConfigError with the key and the fix."""
     try:
         cfg = _checked_passthrough(cfg)
-        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, max_staleness=max_staleness(cfg)))
+        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, max_staleness=max_staleness(cfg),
+                                                                pause_mode=pause_mode(cfg)))
         _check_layout(cfg)
         return cfg, _plan(cfg)
     except ValueError as err:
@@ -111,6 +112,18 @@ def max_staleness(cfg: SluiceConfig) -> int:
     return 0 if cfg.run.mode == "sync" else 1
 
 
+def pause_mode(cfg: SluiceConfig) -> str:
+    """sync.pause_mode, or the engines' default: SGLang servers answer one weight_version per request, so a request
+    must not run across a sync (abort, and the rollout function resumes it); the embedded engine stamps every token,
+    so retract (no client resume, KV recomputed on the new weights) is exact there. Restarting partial rollouts
+    needs abort."""
+    if cfg.sync.pause_mode is not None:
+        return cfg.sync.pause_mode
+    if cfg.cluster.engine_kind == "sglang" or cfg.sync.partial_rollouts == "restart":
+        return "abort"
+    return "retract"
+
+
 def _check_staleness(cfg: SluiceConfig) -> None:
     """The staleness gate's settings agree with the mode (one loop: sync is max_staleness 0)."""
     bound, s = cfg.sync.max_staleness, cfg.sync
@@ -121,6 +134,10 @@ def _check_staleness(cfg: SluiceConfig) -> None:
         raise ValueError(f"sync.interval={s.interval} must be in [1, max_staleness + 1 = {bound + 1}]: after "
                          "max_staleness + 1 steps without a sync nothing more may start and the trainer would wait "
                          "forever; raise sync.max_staleness or lower sync.interval")
+    if cfg.run.mode == "async" and cfg.cluster.engine_kind == "sglang" and s.pause_mode != "abort":
+        raise ValueError(f"sync.pause_mode={s.pause_mode} with SGLang engines in async mode: SGLang answers one "
+                         "weight_version per request, so a request running across a sync could not be split by version; "
+                         "use sync.pause_mode=abort (the rollout function resumes aborted requests on the new weights)")
     if cfg.trainer.old_logprobs == "snapshot" and cfg.loss.old_logprobs_from != "given":
         raise ValueError(f"trainer.old_logprobs=snapshot needs loss.old_logprobs_from=given (it is "
                          f"{cfg.loss.old_logprobs_from!r}, which does not read the trainer's old logprobs)")

@@ -131,6 +131,11 @@ MALFORMED = [
     ([*GPU_NODE, "cluster.engine_gpus=6", "cluster.engine_tensor_parallel_size=4"], "engine_tensor_parallel_size=4 does not divide cluster.engine_gpus=6"),
     (["cluster.gpus_per_node=4", "cluster.placement=colocated", "rollout.num_engines=8"], "colocated placement asks for 8 GPUs"),
     (["run.mode=async", "cluster.placement=colocated"], "run.mode=async needs cluster.placement=disaggregated"),
+    (["sync.max_staleness=2"], "sync.max_staleness=2 with run.mode=sync"),
+    (["run.mode=async", "sync.max_staleness=1", "sync.interval=3"], "sync.interval=3 must be in [1, max_staleness + 1 = 2]"),
+    (["run.mode=async", *GPU_NODE, "sync.pause_mode=retract"], "sync.pause_mode=retract with SGLang engines in async mode"),
+    (["trainer.old_logprobs=snapshot", "loss.old_logprobs_from=rollout"], "trainer.old_logprobs=snapshot needs loss.old_logprobs_from=given"),
+    (["sync.partial_rollouts=restart", "sync.pause_mode=retract"], "sync.partial_rollouts=restart needs sync.pause_mode=abort"),
 ]
 
 
@@ -174,3 +179,14 @@ def test_each_launch_script_dry_runs_and_prints_the_placement_plan():
         assert proc.returncode == 0, (script.name, err[-2000:])
         plan = yaml.safe_load(out)["plan"]
         assert plan["trainer"] and plan["engines"] and "--worker-urls" in plan["router"], script.name
+
+
+@pytest.mark.parametrize("argv, bound, mode", [
+    ([], 0, "retract"),  # sync: on-policy; the embedded engine stamps every token, so retract is exact
+    (["run.mode=async"], 1, "retract"),
+    (["run.mode=async", *GPU_NODE], 1, "abort"),  # SGLang answers one version per request: never let one span a sync
+    (["run.mode=async", "sync.max_staleness=4", "sync.partial_rollouts=restart"], 4, "abort"),
+])
+def test_the_staleness_bound_and_pause_mode_resolve_from_mode_and_engine(capsys, argv, bound, mode):
+    sync = dry_run(capsys, "--config", DEMO, *argv)["sync"]
+    assert (sync["max_staleness"], sync["pause_mode"]) == (bound, mode)

@@ -1,4 +1,4 @@
-"""`make bench`: synchronous vs asynchronous training on the slow-tool echo task (every reward waits 0.05-0.5 s on a
+"""`make bench`: synchronous vs asynchronous training on the slow-tool echo task (every reward waits 0.05-0.25 s on a
 simulated tool), same machine, one invocation. Rollout capacity is fixed (`rollout.max_concurrent_groups` =
 one step's groups, like a fixed pool of sandboxes), so async can at best hide the shorter of rollout and
 training behind the longer: the bound is (T_roll + T_train) / max(T_roll, T_train), from the sync run's own
@@ -29,7 +29,7 @@ def run_mode(tmp_path: Path, mode: str, max_staleness: int) -> list[dict]:
         f"run.output_dir={tmp_path}", f"run.name={mode}_{max_staleness}", f"run.num_steps={STEPS}",
         f"run.mode={mode}", f"sync.max_staleness={max_staleness}", f"rollout.prompts_per_step={PROMPTS}",
         f"rollout.samples_per_prompt={SAMPLES}", f"rollout.max_concurrent_groups={PROMPTS}",
-        "rollout.task_args={min_latency_s: 0.05, max_latency_s: 0.5}"])
+        "rollout.task_args={min_latency_s: 0.05, max_latency_s: 0.25}"])
     return read_metrics(run(cfg) / "metrics.jsonl")
 
 
@@ -63,7 +63,7 @@ def test_async_training_against_sync_on_a_latency_bound_task(tmp_path):
     for name, row in rows.items():
         row["speedup_vs_sync"] = row["samples_per_s"] / sync["samples_per_s"]
         row["fraction_of_bound"] = row["speedup_vs_sync"] / limit
-    result = {"task": "SlowToolEchoTask, rewards wait U(0.05, 0.5) s", "steps": STEPS, "warmup_steps": WARMUP,
+    result = {"task": "SlowToolEchoTask, rewards wait U(0.05, 0.25) s", "steps": STEPS, "warmup_steps": WARMUP,
               "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "max_concurrent_groups": PROMPTS,
               "T_roll_s": t_roll, "T_train_s": t_train, "bound": limit, "modes": rows,
               "best_async": max((n for n in rows if n != "sync_s0"), key=lambda n: rows[n]["fraction_of_bound"])}
