@@ -257,3 +257,36 @@ def test_a_rollout_function_error_reaches_the_loop_and_stops_every_group(tmp_pat
         assert not pending, pending
 
     asyncio.run(main())
+
+
+def test_with_colocated_placement_the_weight_transfer_is_timed_as_sync_not_rollout(tmp_path):
+    """Colocated placement moves the weights when it hands the devices back to the engines; that is sync time."""
+    import time
+
+    from glue.colocation import Colocated
+
+    engine = ScriptedEngine(0.0, 0)
+
+    class SlowBridge(ScriptedBridge):
+        def sync(self, version):
+            time.sleep(0.3)
+            super().sync(version)
+
+    class Offloadable(ScriptedTrainer):
+        def offload(self):
+            return 0
+
+        def onload(self):
+            return 1
+
+    trainer = Offloadable()
+    phases = Colocated(trainer=trainer, bridge=SlowBridge(engine), engine_urls=[])
+    gate = StalenessGate(groups_per_step=1, max_staleness=0)
+    stream = RolloutStream(manager=ScriptedManager(engine), gate=gate, buffer=RolloutBuffer(groups_per_step=1),
+                           max_groups=3)
+    logger = MetricsLogger(tmp_path / "colocated.jsonl")
+    asyncio.run(run_loop(num_steps=3, stream=stream, trainer=trainer, fleet=ScriptedFleet(), phases=phases,
+                         loss_cfg=LossConfig(), logger=logger))
+    records = read_metrics(logger.path)
+    assert all(r["time/sync_s"] >= 0.3 and r["time/rollout_s"] < 0.3 for r in records), records
+    assert engine.version == 3
