@@ -1,6 +1,7 @@
 """The rollout buffer: groups from admission to training. A group is registered when it starts (with its deadline
-from the staleness gate) and filled in when its rollout function returns; a train step takes whole groups, those
-whose deadline is due first, then the rest in `rollout.buffer_order`. Pure bookkeeping, no waiting."""
+from the staleness gate) and filled in when its rollout function returns; a train step takes whole groups: enough
+of the earliest deadlines that every group can still be trained in time, the rest in `rollout.buffer_order`.
+Pure bookkeeping, no waiting."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,21 +57,44 @@ class RolloutBuffer:
         return [e for e in self.entries.values() if e.group is not None]
 
     def is_ready(self, gate: StalenessGate) -> bool:
-        """A train step can start: enough finished groups, and none still generating that this step must take."""
-        return (len(self.in_queue) >= self.groups_per_step
-                and not any(gate.must_take(e.deadline) for e in self.in_flight))
+        """A train step can start: enough finished groups, chosen so that every group, finished or still
+        generating, can still be trained by its deadline."""
+        return self._choose(gate) is not None
+
+    def _choose(self, gate: StalenessGate) -> list[Entry] | None:
+        """The next step's groups, or None while no choice among the finished ones keeps every group in time.
+
+        Step j = v_train takes B groups; steps j+1..k have (k - j) x B places, so after this step at most that many
+        untrained groups may have a deadline <= k (Hall's condition for fitting every group into a step by its
+        deadline). Admission keeps this satisfiable; picking the finished groups with the earliest deadlines
+        satisfies it whenever any choice does, and waiting for groups still generating is what makes it so. Within
+        that freedom groups go by `order`. With admission off (no deadlines) it is just `order`."""
+        size = self.groups_per_step
+        queue = sorted(self.in_queue, key=(lambda e: e.finished_order) if self.order == "fifo"
+                       else (lambda e: -e.finished_order))
+        if len(queue) < size:
+            return None
+        if not gate.admission:
+            return queue[:size]
+        chosen: list[Entry] = []
+        for level in sorted({e.deadline for e in self.entries.values()}):
+            places_after = max(level - gate.v_train, 0) * size
+            need = sum(e.deadline <= level for e in self.entries.values()) - places_after
+            short = need - sum(e.deadline <= level for e in chosen)
+            if short > 0:
+                extra = [e for e in queue if e.deadline <= level and e not in chosen][:short]
+                if len(extra) < short or len(chosen) + short > size:
+                    return None if self.in_flight else _earliest(queue, size)  # only after faults: too stale
+                chosen += extra
+        return chosen + [e for e in queue if e not in chosen][: size - len(chosen)]
 
     def take(self, gate: StalenessGate) -> tuple[list[Group], set[tuple[int, int]]]:
-        """The next step's groups (due deadlines first, then `order`) and the (group, index) of samples withheld
-        from training for being too stale (`drop`; they still count in their group's baseline). Each withheld
-        sample is counted in `gate.dropped_stale`."""
-        if not self.is_ready(gate):
+        """The next step's groups (see `_choose`) and the (group, index) of samples withheld from training for
+        being too stale (`drop`; they still count in their group's baseline). Each withheld sample is counted in
+        `gate.dropped_stale`."""
+        chosen = self._choose(gate)
+        if chosen is None:
             raise AssertionError("RolloutBuffer.take() called before is_ready()")
-        queue = self.in_queue
-        rest_key = (lambda e: e.finished_order) if self.order == "fifo" else (lambda e: -e.finished_order)
-        due = sorted((e for e in queue if gate.must_take(e.deadline)), key=lambda e: (e.deadline, e.finished_order))
-        rest = sorted((e for e in queue if not gate.must_take(e.deadline)), key=rest_key)
-        chosen = (due + rest)[: self.groups_per_step]
         for e in chosen:
             del self.entries[e.group_id]
         groups = [e.group for e in chosen]
@@ -78,6 +102,10 @@ class RolloutBuffer:
                     if self.stale_policy == "drop" and is_trainable(s) and gate.is_too_stale(s.versions)}
         gate.dropped_stale += len(withheld)
         return groups, withheld
+
+
+def _earliest(queue: list[Entry], size: int) -> list[Entry]:
+    return sorted(queue, key=lambda e: (e.deadline, e.finished_order))[:size]
 
 
 def is_trainable(sample: Sample) -> bool:

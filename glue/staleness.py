@@ -8,8 +8,11 @@ hold `v` has tokens of version >= v, so it is at most `max_staleness` behind if 
 - admission: the g-th group (counting from 0, groups that will never be trained given back) may start only if
   `g < (max_staleness + v_engine + 1) * groups_per_step` (AReaL's capacity form, with the engines' version);
   then at most `(k + 1) * groups_per_step` groups have a deadline <= k, so they all fit in steps 0..k;
-- deadline first: train step k must take every group whose deadline is k, and waits for them if they are still
-  generating; the remaining places go by `buffer_order`.
+- deadlines are kept: train step j takes finished groups such that every untrained group (finished or still
+  generating) still fits into a step by its deadline: at most (k - j) x groups_per_step of them may be due by
+  k after this step, for every k (Hall's condition). Admission keeps this satisfiable; earliest deadlines
+  first satisfies it whenever any choice does; while it cannot yet (a group that is needed is still
+  generating) the step waits. The remaining places go by `buffer_order` (`glue.buffer`).
 `mode: sync` is `max_staleness = 0`: exactly one step's groups per version, trained before the next sync.
 """
 from __future__ import annotations
@@ -65,10 +68,6 @@ class StalenessGate:
         self.admitted -= groups
 
     # ---- training and syncing ----
-    def must_take(self, deadline: int) -> bool:
-        """Whether the next train step (at version v_train) must include a group with this deadline."""
-        return self.admission and deadline <= self.v_train
-
     def trained(self, version: int) -> None:
         """The trainer finished a step and now holds `version`."""
         if version != self.v_train + 1:
