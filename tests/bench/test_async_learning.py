@@ -1,6 +1,6 @@
 """`make learning-table`: what staleness costs in learning. Five settings x three seeds, the same number of samples
 each (60 steps x 16 prompts x 8 samples) on the slow-tool echo task (rewards wait 0.2-1.0 s, so async runs do
-reach their staleness bound), about 15 minutes on 2 cores. Writes docs/async_learning.json; docs/async.md carries the table."""
+reach their staleness bound), about 18 minutes on 2 cores. Writes docs/async_learning.json; docs/async.md carries the table."""
 from __future__ import annotations
 
 import json
