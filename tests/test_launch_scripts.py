@@ -1,0 +1,53 @@
+"""The launch scripts as a cluster operator runs them: they parse, the config is checked before Ray starts, and a
+worker that cannot reach its head gives up within its deadline with one line naming the address it tried."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((REPO / "launch/scripts").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_every_launch_script_parses(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_a_worker_whose_head_never_answers_stops_within_its_deadline_naming_the_address(tmp_path):
+    port = closed_port()
+    env = {**os.environ, "ROLE": "worker", "HEAD_IP": "127.0.0.1", "RAY_PORT": str(port), "NODE_WAIT_S": "3",
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    (tmp_path / "ray").write_text(f"#!/bin/sh\ntouch {tmp_path}/ray-was-called\n")
+    (tmp_path / "ray").chmod(0o755)
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(REPO / "launch/scripts/multi_node.sh")], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 1 and time.monotonic() - started < 30
+    assert result.stderr.strip() == (f"sluice: no Ray head answered at 127.0.0.1:{port} within 3s; check HEAD_IP "
+                                      "and RAY_PORT, and start the head first")
+    assert not (tmp_path / "ray-was-called").exists()
+
+
+def test_the_head_checks_the_config_before_it_starts_ray(tmp_path):
+    (tmp_path / "ray").write_text(f"#!/bin/sh\ntouch {tmp_path}/ray-was-called\n")
+    (tmp_path / "ray").chmod(0o755)
+    env = {**os.environ, "ROLE": "head", "CONFIG": "examples/configs/demo.yaml", "GPUS_PER_NODE": "0",
+           "NUM_NODES": "1", "SLUICE": str(Path(sys.executable).parent / "sluice"),
+           "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(["bash", str(REPO / "launch/scripts/multi_node.sh"), "run.num_stepz=3"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2
+    assert "unknown config key 'run.num_stepz'" in result.stderr
+    assert not (tmp_path / "ray-was-called").exists(), "ray start ran before the config was checked"
