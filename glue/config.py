@@ -69,7 +69,7 @@ class SyncConfig:
     backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU); nccl also makes ipc share CUDA buffers
     bucket_bytes: int = 512 * 1024**2  # weights travel in flat buckets of at most this many bytes
     verify: Literal["checksum", "full", "off"] = "checksum"  # checksum: per bucket, both sides; full: also every engine tensor vs the trainer's
-    master_address: str = "127.0.0.1"  # address the trainer's rank 0 listens on for the weight group
+    master_address: str | None = None  # address trainer rank 0 hosts the weight group on; null: its node's address as Ray reports it (set it on machines with several networks)
     disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory
     timeout_s: float = 300.0  # a sync that takes longer fails the run
     max_staleness: int | None = None  # versions a trained token may lag the trainer; null: 0 in run.mode sync, 1 in async

@@ -152,6 +152,9 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
                                      disk_dir=str(run_dir / "weights"))
     stack.callback(bridge.close)
+    if getattr(bridge.transport, "address", None) is not None:
+        host, port = bridge.transport.address
+        print(f"sluice: weight group hosted by trainer rank 0 at {host}:{port}", flush=True)
     manager = RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
                              task_args=cfg.rollout.task_args, client=client,
                              sampling_params=cfg.rollout.sampling.to_sglang(),

@@ -31,7 +31,9 @@ def live_children(pid: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path):
+def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path, capsys):
+    import ray
+
     before = set(live_children(os.getpid()))
     cfg = load_config("examples/configs/demo.yaml",
                       [f"run.output_dir={tmp_path}", "run.name=e2e", "run.num_steps=3", "rollout.prompts_per_step=4"])
@@ -46,6 +48,8 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path)
     assert max(diffs) < 1e-3, diffs
     assert (run_dir / "config.yaml").exists()
     assert set(live_children(os.getpid())) <= before, "processes left running after the run"
+    # the weight group is hosted at trainer rank 0's node address (Ray's), not a loopback default
+    assert f"weight group hosted by trainer rank 0 at {ray.util.get_node_ip_address()}:" in capsys.readouterr().out
 
 
 def test_a_rollout_function_that_does_not_import_fails_before_anything_starts(tmp_path):

@@ -18,7 +18,11 @@ from weight_sync.engine_calls import WeightSyncError, call_update, run_together
 
 
 class WeightSource(Protocol):
-    """The trainer as the bridge sees it (blocking calls). `TrainerGroup` and `LocalWeightSource` implement it."""
+    """The trainer as the bridge sees it (blocking calls). `TrainerGroup` and `LocalWeightSource` implement it.
+
+    A source on another node may also offer `weight_channel_address() -> (node address, free port there)`: the
+    broadcast group is then hosted at its own node's address, which the driver cannot know or bind.
+    """
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
     def open_weight_channel(self, name: str, spec: Mapping[str, Any]) -> None: ...
@@ -88,10 +92,11 @@ class BroadcastTransport(_Base):
     Groups are created one at a time and every member joins in the same call, in list order (rank_offset = 1 + i),
     so two groups never wait on each other."""
 
-    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str,
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str | None,
                  with_checksum: bool, timeout_s: float):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
         self.backend, self.master_address = backend, master_address
+        self.address: tuple[str, int] | None = None  # (host, port) of the newest group, for logs and tests
         self.groups: dict[tuple[str, ...], str] = {}
         self._names = (f"sluice_weights_{os.getpid()}_{i}" for i in itertools.count())
 
@@ -99,16 +104,29 @@ class BroadcastTransport(_Base):
         key = tuple(urls)
         if key in self.groups:
             return
-        name, port = next(self._names), free_port(self.master_address)
-        spec = self._spec("broadcast", master_address=self.master_address, master_port=port,
+        name, (host, port) = next(self._names), self._group_address()
+        spec = self._spec("broadcast", master_address=host, master_port=port,
                           world_size=1 + len(urls), group_name=name, backend=self.backend, timeout_s=self.timeout_s)
         engine_calls = [
             lambda url=url, rank=i + 1: call_update(url, "/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": port, "rank_offset": rank,
+                "master_address": host, "master_port": port, "rank_offset": rank,
                 "world_size": 1 + len(urls), "group_name": name, "backend": self.backend}, self.timeout_s)
             for i, url in enumerate(urls)]
         run_together([lambda: self.source.open_weight_channel(name, spec), *engine_calls], self.timeout_s, self._pool)
         self.groups[key] = name
+
+    def _group_address(self) -> tuple[str, int]:
+        """Where the source hosts the group: its own node's address and a port free there when it can tell (a
+        trainer rank 0 on another node), with `master_address` overriding the host (machines with several
+        networks); else `master_address` (default loopback) and a port free on this host."""
+        where = getattr(self.source, "weight_channel_address", None)
+        if where is not None:
+            host, port = where()
+            self.address = (self.master_address or host, port)
+        else:
+            host = self.master_address or "127.0.0.1"
+            self.address = (host, free_port(host))
+        return self.address
 
     def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
         name = self.groups.get(tuple(urls))

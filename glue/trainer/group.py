@@ -66,6 +66,13 @@ class TrainerGroup:
 
         return ray.get(self._actors[0].hf_weight_specs.remote())
 
+    def weight_channel_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free there: where the weight group is hosted (across nodes the driver
+        knows neither)."""
+        import ray
+
+        return tuple(ray.get(self._actors[0].rendezvous_address.remote()))
+
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str = "gloo") -> None:
         """Trainer rank 0 hosts the weight group as its rank 0; blocks until every engine has joined."""
