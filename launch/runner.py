@@ -93,16 +93,18 @@ def check_plugins(cfg: SluiceConfig) -> None:
 
 
 def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
-    """The HF checkpoint directory engines and trainer load: the configured one, or a tiny random model."""
+    """The HF checkpoint directory engines and trainer load, as an absolute path (engines and trainer ranks may run
+    in other folders, or on other nodes that mount the same file system): the configured one, or a tiny random
+    model written into the run directory."""
     if cfg.model.path is not None:
         if not (Path(cfg.model.path) / "config.json").exists():
             raise FileNotFoundError(f"model.path {cfg.model.path!r} has no config.json: point it at a local HF checkpoint directory")
-        return cfg.model.path
+        return str(Path(cfg.model.path).resolve())
     from dataclasses import asdict
 
     from glue.embedded_engine.tiny_model import save_tiny_model
 
-    return save_tiny_model(str(run_dir / "init_model"), **asdict(cfg.model.tiny))
+    return str(Path(save_tiny_model(str(run_dir / "init_model"), **asdict(cfg.model.tiny))).resolve())
 
 
 def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):

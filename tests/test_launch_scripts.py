@@ -51,3 +51,15 @@ def test_the_head_checks_the_config_before_it_starts_ray(tmp_path):
     assert result.returncode == 2
     assert "unknown config key 'run.num_stepz'" in result.stderr
     assert not (tmp_path / "ray-was-called").exists(), "ray start ran before the config was checked"
+
+
+def test_the_model_path_engines_and_trainer_get_is_absolute(tmp_path, monkeypatch):
+    from launch.config import load_config
+    from launch.runner import prepare_model
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(str(REPO / "examples/configs/demo.yaml"), ["run.output_dir=runs"])
+    tiny = prepare_model(cfg, Path("runs/demo"))
+    assert tiny == str(tmp_path / "runs/demo/init_model")
+    cfg = load_config(str(REPO / "examples/configs/demo.yaml"), ["model.path=runs/demo/init_model"])
+    assert prepare_model(cfg, Path("runs/other")) == tiny
