@@ -56,7 +56,17 @@ class _Base:
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float):
         self.source, self.layouts = source, layouts
         self.with_checksum, self.timeout_s = with_checksum, timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
+        self._pool_size = 16
+        self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
+
+    def _together(self, calls: Sequence[Any]) -> list[Any]:
+        """Run calls side by side. The pool grows to the widest set of calls: the source and every engine must be
+        inside one collective at once, and a call left queued behind a full pool would deadlock the others."""
+        if len(calls) > self._pool_size:
+            self._pool.shutdown(wait=False)
+            self._pool_size = len(calls)
+            self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
+        return run_together(calls, self.timeout_s, self._pool)
 
     def _spec(self, kind: str, **extra: Any) -> dict[str, Any]:
         return {"kind": kind, "layouts": [b.to_json() for b in self.layouts], "with_checksum": self.with_checksum,
@@ -64,7 +74,7 @@ class _Base:
 
     def _on_engines(self, urls: Sequence[str], route: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
         calls = [lambda url=url: call_update(url, route, payload, self.timeout_s) for url in urls]
-        return run_together(calls, self.timeout_s, self._pool)
+        return self._together(calls)
 
     def _flags(self, index: int, weight_version: str) -> dict[str, Any]:
         """The last bucket carries `weight_version`: the engine tags its weights in the same step that completes
@@ -112,7 +122,7 @@ class BroadcastTransport(_Base):
                 "master_address": host, "master_port": port, "rank_offset": rank,
                 "world_size": 1 + len(urls), "group_name": name, "backend": self.backend}, self.timeout_s)
             for i, url in enumerate(urls)]
-        run_together([lambda: self.source.open_weight_channel(name, spec), *engine_calls], self.timeout_s, self._pool)
+        self._together([lambda: self.source.open_weight_channel(name, spec), *engine_calls])
         self.groups[key] = name
 
     def _group_address(self) -> tuple[str, int]:
@@ -140,7 +150,7 @@ class BroadcastTransport(_Base):
             calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
             calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s)
                       for url in urls]
-            sent, *answers = run_together(calls, self.timeout_s, self._pool)
+            sent, *answers = self._together(calls)
             result.source.append(sent["checksum"])
             for url, answer in zip(urls, answers):
                 result.engines[url] += _reported(answer, 1, url)
