@@ -38,6 +38,7 @@ class RolloutStream:
         self.manager, self.gate, self.buffer, self.max_groups = manager, gate, buffer, max_groups
         self.max_concurrent = max_concurrent  # groups generating at once (None: as many as the gate admits)
         self.idle = IdleClock()
+        self._idle_at_last_metrics = 0.0
         self._tasks: dict[int, asyncio.Task] = {}
         self._paused = False
         self._error: BaseException | None = None
@@ -45,6 +46,7 @@ class RolloutStream:
         self._producer: asyncio.Task | None = None
 
     def start(self) -> None:
+        self._idle_at_last_metrics = self.idle.read()
         self._changed = asyncio.Event()
         self._producer = asyncio.ensure_future(self._produce())
 
@@ -118,6 +120,23 @@ class RolloutStream:
             self._paused = False
             self.idle.set(not self._tasks)
             self._changed.set()
+
+    def metrics(self, step_s: float) -> dict[str, float]:
+        """Where work waits and how far behind it is, for a step that took `step_s`: staleness of groups still
+        generating vs finished in the buffer (versions behind the trainer, from the engines' version at their
+        start), the engines' lag, drops, and the share of the step with nothing generating."""
+        gate = self.gate
+
+        def mean_lag(entries) -> float:
+            return sum(gate.v_train - e.start_version for e in entries) / len(entries) if entries else 0.0
+
+        idle_now = self.idle.read()
+        idle, self._idle_at_last_metrics = idle_now - self._idle_at_last_metrics, idle_now
+        in_flight, in_queue = self.buffer.in_flight, self.buffer.in_queue
+        return {"staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
+                "async/in_flight_groups": float(len(in_flight)), "async/buffer_groups": float(len(in_queue)),
+                "async/dropped_stale": float(gate.dropped_stale), "async/syncs": float(gate.syncs),
+                "weights/lag": float(gate.lag), "time/rollout_idle_frac": min(1.0, idle / step_s)}
 
     async def stop(self) -> None:
         """Cancel the producer and every group still generating; their requests are abandoned (the engines abort

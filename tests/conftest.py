@@ -1,10 +1,12 @@
 """Shared fixtures: tiny HF models on disk and embedded engine processes (started and stopped by pid)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -96,3 +98,32 @@ def engine_processes(tmp_path_factory):
         yield engines
     finally:
         engines.stop_all()
+
+
+@contextlib.contextmanager
+def fake_engine_server(on_post):
+    """A threaded HTTP server on loopback standing in for engines' control routes: every POST calls
+    `on_post(body)` (it may block, e.g. on a barrier, as a collective would) and answers 200 with
+    `{"success": true, "status": "ok"}`. Yields the base URL; stopped on exit."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_POST(self):
+            on_post(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"success": true, "status": "ok"}')
+
+        def log_message(self, *args):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 64  # many engines connect at once
+
+    server = Server(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

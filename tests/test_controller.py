@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from glue.colocation import Disaggregated
-from glue.controller import build_train_batch, rollout_metrics, sync_weights
+from glue.batch import build_train_batch, rollout_metrics
+from glue.controller import sync_weights
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
 
@@ -82,34 +83,18 @@ def test_the_learning_summary_compares_the_first_and_last_five_steps():
 def test_pause_reaches_every_engine_at_once_not_one_after_another():
     """Each fake engine answers /pause_generation only once both have been asked: one after another would time out."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from conftest import fake_engine_server
     from glue.engine_client import EngineClient
 
     both_asked = threading.Barrier(2, timeout=10)
     bodies = []
 
-    class Engine(BaseHTTPRequestHandler):
-        def do_POST(self):
-            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
-            both_asked.wait()
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b'{"status": "ok"}')
+    def on_post(body):
+        bodies.append(body)
+        both_asked.wait()
 
-        def log_message(self, *args):
-            pass
-
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Engine) for _ in range(2)]
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
-    for t in threads:
-        t.start()
-    try:
-        urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
-        client = EngineClient("http://127.0.0.1:1", urls, control_timeout_s=20)
+    with fake_engine_server(on_post) as first, fake_engine_server(on_post) as second:
+        client = EngineClient("http://127.0.0.1:1", [first, second], control_timeout_s=20)
         client.pause_generation("retract")
         assert bodies == [b'{"mode": "retract"}'] * 2 and client.pauses == 1
-    finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()

@@ -139,7 +139,7 @@ def test_too_stale_samples_are_withheld_and_counted_under_drop_and_trained_under
 
 
 def test_withheld_samples_count_in_the_baseline_but_are_not_trained():
-    from glue.controller import build_train_batch
+    from glue.batch import build_train_batch
 
     g = group(0, [0], n=4)  # rewards 0, 1, 2, 3: mean 1.5
     batch, _ = build_train_batch([g], LossConfig(normalize_std=False), withheld={(0, 3)})
@@ -148,7 +148,7 @@ def test_withheld_samples_count_in_the_baseline_but_are_not_trained():
 
 
 def test_a_sample_still_aborted_after_its_resumes_is_not_trained():
-    from glue.controller import build_train_batch
+    from glue.batch import build_train_batch
 
     g = group(0, [0], n=3)
     g.samples[2].status = SampleStatus.ABORTED

@@ -199,41 +199,24 @@ def test_a_broadcast_group_of_twenty_engines_forms_although_the_pool_starts_at_s
     """Forming a group is a collective: the source and all 20 engines must be inside it at once. Each fake engine
     answers /init_weights_update_group only when all 21 have arrived, as a real group's rendezvous does."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from conftest import fake_engine_server
     from weight_sync.transports import BroadcastTransport
 
     n = 20
     everyone = threading.Barrier(n + 1, timeout=20)
-
-    class Engine(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            everyone.wait()
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b'{"success": true}')
-
-        def log_message(self, *args):
-            pass
 
     class Source:
         def open_weight_channel(self, name, spec):
             assert spec["world_size"] == n + 1
             everyone.wait()
 
-    class Server(ThreadingHTTPServer):
-        request_queue_size = 64
-
-    server = Server(("127.0.0.1", 0), Engine)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     transport = BroadcastTransport(Source(), [], backend="gloo", master_address="127.0.0.1", with_checksum=False,
                                    timeout_s=30)
-    try:
-        urls = [f"http://127.0.0.1:{server.server_address[1]}/engine{i}" for i in range(n)]
-        transport.connect(urls)
-        assert list(transport.groups) == [tuple(urls)]
-    finally:
-        transport._pool.shutdown(wait=False)
-        server.shutdown()
-        server.server_close()
+    with fake_engine_server(lambda body: everyone.wait()) as base:
+        try:
+            urls = [f"{base}/engine{i}" for i in range(n)]
+            transport.connect(urls)
+            assert list(transport.groups) == [tuple(urls)]
+        finally:
+            transport._pool.shutdown(wait=False)

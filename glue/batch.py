@@ -1,0 +1,66 @@
+"""From finished groups to what the trainer takes: group-relative advantages packed into a `TrainBatch` (with the
+token staleness of what is trained), and the per-step rollout metrics."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glue.buffer import is_trainable
+from glue.staleness import StalenessGate, StalenessStats
+from glue.types import Group, SampleStatus, TrainBatch
+
+
+def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple[int, int]] = frozenset(),
+                      gate: StalenessGate | None = None) -> tuple[TrainBatch, dict[str, float]]:
+    """Group-relative advantages from the rewards (loss.compute_advantages), packed into right-padded tensors,
+    and the token staleness of what is trained (when a gate is given).
+
+    Failed and still-aborted samples are left out of both; `withheld` samples (too stale) count in their group's
+    baseline but are not trained on.
+    """
+    from loss import compute_advantages
+
+    samples = [s for g in groups for s in g.samples if is_trainable(s)]
+    if not samples:
+        raise RuntimeError("every sample of this step failed; see the rollout function's errors in the engine logs")
+    longest = max(len(s.response_tokens) for s in samples)
+    mask = torch.zeros(len(samples), max(longest, 1))
+    for b, s in enumerate(samples):
+        mask[b, : len(s.response_tokens)] = torch.tensor(s.loss_mask, dtype=torch.float)
+    advantages = compute_advantages(
+        loss_cfg,
+        rewards=torch.tensor([s.scalar_reward for s in samples], dtype=torch.float),
+        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+        mask=mask,
+    )
+    keep = [b for b, s in enumerate(samples) if (s.group_id, s.index) not in withheld]
+    if not keep:
+        raise RuntimeError("every sample of this step was too stale to train on; lower sync.max_staleness "
+                           "(admission then holds the bound) or set sync.stale_policy: keep")
+    stats = StalenessStats()
+    if gate is not None:
+        for b in keep:
+            s = samples[b]
+            stats.add(gate.token_staleness([v for v, m in zip(s.versions, s.loss_mask) if m]))
+    per_sample = [advantages[b, : len(samples[b].response_tokens)] for b in keep]
+    return TrainBatch.from_samples([samples[b] for b in keep], per_sample), stats.metrics()
+
+
+def rollout_metrics(groups: list[Group]) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    scored = [s for s in samples if s.status is not SampleStatus.FAILED]
+    rewards = torch.tensor([s.scalar_reward for s in scored], dtype=torch.float) if scored else torch.zeros(1)
+    lengths = torch.tensor([len(s.response_tokens) for s in samples], dtype=torch.float)
+    flat_groups = sum(1 for g in groups if len({s.scalar_reward for s in g.samples if s.status is not SampleStatus.FAILED}) <= 1)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "rollout/response_len_mean": lengths.mean().item(),
+        "rollout/truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "rollout/failed": float(len(samples) - len(scored)),
+        "rollout/aborted": float(sum(s.status is SampleStatus.ABORTED for s in samples)),
+        "rollout/discarded_tokens": float(sum(s.metadata.get("discarded_tokens", 0) for s in samples)),
+        "rollout/zero_std_group_frac": flat_groups / len(groups),
+        "rollout/num_samples": float(len(samples)),
+    }
