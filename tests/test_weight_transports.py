@@ -220,3 +220,33 @@ def test_a_broadcast_group_of_twenty_engines_forms_although_the_pool_starts_at_s
             assert list(transport.groups) == [tuple(urls)]
         finally:
             transport._pool.shutdown(wait=False)
+
+
+def test_engines_with_two_tensor_parallel_ranks_each_get_disjoint_ranks_in_the_weight_group():
+    """SGLang joins every TP rank of an engine at rank_offset + tp_rank: with --tp-size 2, engine i must start at
+    1 + 2i and the group must count 1 + 2N members, or the ranks of neighbouring engines collide."""
+    import json
+
+    from conftest import fake_engine_server
+    from weight_sync.transports import BroadcastTransport
+
+    class Source:
+        def open_weight_channel(self, name, spec):
+            self.world_size = spec["world_size"]
+
+        def close_weight_channel(self, name):
+            pass
+
+    joined = []
+    source = Source()
+    transport = BroadcastTransport(source, [], backend="gloo", master_address="127.0.0.1", with_checksum=False,
+                                   timeout_s=30, ranks_per_engine=2)
+    with fake_engine_server(lambda body: joined.append(json.loads(body))) as base:
+        try:
+            transport.connect([f"{base}/engine{i}" for i in range(3)])
+        finally:
+            transport.close()
+    joined = [j for j in joined if "rank_offset" in j]  # the joins, not the /destroy_weights_update_group at close
+    engine_ranks = sorted(j["rank_offset"] + tp_rank for j in joined for tp_rank in range(2))
+    assert source.world_size == 7 and {j["world_size"] for j in joined} == {7}
+    assert engine_ranks == [1, 2, 3, 4, 5, 6]  # every member rank once, the source being rank 0

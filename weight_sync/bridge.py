@@ -98,14 +98,15 @@ class WeightBridge:
 
 
 def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[str],
-                disk_dir: str | None = None) -> WeightBridge:
+                disk_dir: str | None = None, engine_tp_size: int = 1) -> WeightBridge:
     """The bridge `sync_cfg` (glue.config.SyncConfig: transport, backend, bucket_bytes, verify, ...) describes,
-    connected to every engine."""
+    connected to every engine; each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size)."""
     transport, timeout_s = sync_cfg.transport, sync_cfg.timeout_s
     if transport == "broadcast":
         def make(src, layouts, with_checksum):
             return BroadcastTransport(src, layouts, backend=sync_cfg.backend, master_address=sync_cfg.master_address,
-                                      with_checksum=with_checksum, timeout_s=timeout_s)
+                                      with_checksum=with_checksum, timeout_s=timeout_s,
+                                      ranks_per_engine=engine_tp_size)
     elif transport == "ipc":
         def make(src, layouts, with_checksum):
             return IpcTransport(src, layouts, device="cuda" if sync_cfg.backend == "nccl" else "cpu",

@@ -98,14 +98,16 @@ def _reported(answer: dict[str, Any], expected: int, url: str) -> list[str | Non
 
 
 class BroadcastTransport(_Base):
-    """A weight group `[source, engine_0, engine_1, ...]` per connected engine list; one broadcast per bucket.
-    Groups are created one at a time and every member joins in the same call, in list order (rank_offset = 1 + i),
-    so two groups never wait on each other."""
+    """A weight group `[source, engine_0's ranks, engine_1's ranks, ...]` per connected engine list; one broadcast
+    per bucket. An engine joins with each of its `ranks_per_engine` tensor-parallel ranks, as SGLang does (rank =
+    rank_offset + tp_rank), so engine i starts at rank 1 + i x ranks_per_engine. Groups are created one at a time
+    and every member joins in the same call, so two groups never wait on each other."""
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str | None,
-                 with_checksum: bool, timeout_s: float):
+                 with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
         self.backend, self.master_address = backend, master_address
+        self.ranks_per_engine = ranks_per_engine
         self.address: tuple[str, int] | None = None  # (host, port) of the newest group, for logs and tests
         self.groups: dict[tuple[str, ...], str] = {}
         self._names = (f"sluice_weights_{os.getpid()}_{i}" for i in itertools.count())
@@ -115,12 +117,13 @@ class BroadcastTransport(_Base):
         if key in self.groups:
             return
         name, (host, port) = next(self._names), self._group_address()
+        world_size = 1 + len(urls) * self.ranks_per_engine
         spec = self._spec("broadcast", master_address=host, master_port=port,
-                          world_size=1 + len(urls), group_name=name, backend=self.backend, timeout_s=self.timeout_s)
+                          world_size=world_size, group_name=name, backend=self.backend, timeout_s=self.timeout_s)
         engine_calls = [
-            lambda url=url, rank=i + 1: call_update(url, "/init_weights_update_group", {
+            lambda url=url, rank=1 + i * self.ranks_per_engine: call_update(url, "/init_weights_update_group", {
                 "master_address": host, "master_port": port, "rank_offset": rank,
-                "world_size": 1 + len(urls), "group_name": name, "backend": self.backend}, self.timeout_s)
+                "world_size": world_size, "group_name": name, "backend": self.backend}, self.timeout_s)
             for i, url in enumerate(urls)]
         self._together([lambda: self.source.open_weight_channel(name, spec), *engine_calls])
         self.groups[key] = name
