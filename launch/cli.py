@@ -137,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict()}, sort_keys=False, width=1000), end="")
         return 0
+    from launch.cluster import ClusterError
     from launch.runner import run
 
     try:
         run(cfg)
+    except ClusterError as err:
+        print(f"sluice: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"sluice: interrupted; the engines, router, trainer and Ray it started are stopped. Metrics so far: "
               f"{cfg.run_dir / 'metrics.jsonl'}", file=sys.stderr)

@@ -7,23 +7,55 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from launch.plan import EngineLaunch, RunPlan
 
 
-def start_ray(*, address: str | None, num_cpus: int, num_gpus: int | None = None,
+class ClusterError(RuntimeError):
+    """The cluster cannot run the plan (nodes missing, a path a node cannot see); the message names what and where,
+    and the CLI prints it as one line."""
+
+
+def start_ray(*, address: str | None, num_cpus: int, num_gpus: int | None = None, node_ip: str | None = None,
               stack: contextlib.ExitStack) -> None:
     """Attach to `address` ("auto" or host:port of a `ray start --head` cluster), or start a local cluster with
-    `num_cpus` logical CPUs (more than the real ones, so a placement group cannot starve other actors)."""
+    `num_cpus` logical CPUs (more than the real ones, so a placement group cannot starve other actors). `node_ip` is
+    this node's address in the cluster (the `--node-ip-address` its raylet was started with), for machines where
+    Ray's own pick is another network's."""
     import ray
 
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster
-    ray.init(address=address, num_cpus=None if address else num_cpus, num_gpus=None if address else num_gpus,
-             include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # "local": a new cluster even when a `ray start` one runs on this machine (ray.init() alone would join it)
+    ray.init(address=address or "local", num_cpus=None if address else num_cpus, num_gpus=None if address else num_gpus,
+             include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address=node_ip)
     stack.callback(ray.shutdown)
+
+
+def wait_for_nodes(num_nodes: int, wait_s: float, *, poll_s: float = 5.0, say=None) -> list[str]:
+    """Wait until `num_nodes` nodes are alive in the attached cluster, saying `k/n nodes joined: <addresses>` every
+    `poll_s`; returns their addresses, or raises ClusterError naming the ones that joined after `wait_s`."""
+    import time
+
+    import ray
+
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    deadline = time.monotonic() + wait_s
+    while True:
+        joined = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+        if len(joined) >= num_nodes:
+            return joined
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"only {len(joined)}/{num_nodes} nodes joined the Ray cluster within "
+                               f"cluster.node_wait_s={wait_s:g} s (joined: {', '.join(joined) or 'none'}); start "
+                               "the others with `ROLE=worker HEAD_IP=<head address> launch/scripts/multi_node.sh`, "
+                               "or lower cluster.num_nodes")
+        say(f"sluice: {len(joined)}/{num_nodes} nodes joined: {', '.join(joined)}; waiting up to "
+            f"{max(0.0, deadline - time.monotonic()):.0f} s more")
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 @dataclass
@@ -53,7 +85,9 @@ def reserve(plan: RunPlan, stack: contextlib.ExitStack, timeout_s: float = 120) 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    strategy = "STRICT_PACK" if plan.num_nodes == 1 else "PACK"
+    # One node: all on it. GPU nodes: fill node after node. CPU bundles on several nodes: spread, so every node
+    # gets some (a CPU cluster's nodes are interchangeable; this is how the multi-node path runs without GPUs).
+    strategy = "STRICT_PACK" if plan.num_nodes == 1 else "PACK" if plan.device == "gpu" else "SPREAD"
     group = placement_group(plan.bundles, strategy=strategy, name=f"sluice-{os.getpid()}")
     stack.callback(remove_placement_group, group)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
@@ -85,3 +119,25 @@ def _probe_fn() -> tuple[str, int | None]:
     gpus = ray.get_gpu_ids()
     return ray.util.get_node_ip_address(), int(gpus[0]) if gpus else None
 
+
+
+def check_paths(placement: Placement, paths: dict[str, str]) -> None:
+    """Every node of the placement must see each of `paths` (what -> absolute path) at that path: engines and trainer
+    ranks load the model there. Raises ClusterError naming the node, the path and what needs it."""
+    import ray
+
+    look = ray.remote(_missing_paths)
+    nodes = sorted(set(placement.node_ip))
+    first_bundle = {ip: placement.node_ip.index(ip) for ip in nodes}
+    found = ray.get([look.options(**placement.actor_options(first_bundle[ip], num_cpus=0)).remote(paths)
+                     for ip in nodes])
+    for ip, missing in zip(nodes, found):
+        if missing:
+            what, path = missing[0]
+            raise ClusterError(f"node {ip} cannot see {what} {path} (engines and trainer ranks placed there load it "
+                               "from that path): put it on a file system every node mounts at the same path, or "
+                               "copy it there")
+
+
+def _missing_paths(paths: dict[str, str]) -> list[tuple[str, str]]:
+    return [(what, path) for what, path in paths.items() if not os.path.exists(path)]

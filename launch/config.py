@@ -65,6 +65,8 @@ class ClusterConfig:
     engine_tensor_parallel_size: int = 1  # SGLang --tp-size of every engine
     engine: Literal["auto", "embedded", "sglang"] = "auto"  # auto: SGLang servers on GPU, the embedded engine on CPU
     cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
+    node_ip: str | None = None  # the driver node's address in Ray (`ray start --node-ip-address`); null: Ray's pick
+    node_wait_s: float = 600  # attached to a cluster: how long to wait for cluster.num_nodes nodes to join
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "engine_tensor_parallel_size"):
@@ -77,6 +79,8 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{name} must be >= 1 or null, got {getattr(self, name)}")
         if not self.cpus_per_bundle > 0:
             raise ValueError(f"cluster.cpus_per_bundle must be > 0, got {self.cpus_per_bundle}")
+        if not self.node_wait_s >= 0:
+            raise ValueError(f"cluster.node_wait_s must be >= 0, got {self.node_wait_s}")
 
     @property
     def uses_gpus(self) -> bool:

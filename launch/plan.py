@@ -21,7 +21,7 @@ HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
 class TrainerRank:
     rank: int
     bundle: int
-    node: int
+    node: int | None  # None: CPU bundles spread over several nodes, Ray picks which
     device: int | None  # GPU index on the node; None for a CPU bundle
     coords: dict[str, int]  # tp / cp / dp / pp coordinate (megatron's default tp-cp-ep-dp-pp order)
 
@@ -30,7 +30,7 @@ class TrainerRank:
 class EngineLaunch:
     index: int
     bundles: list[int]
-    node: int
+    node: int | None
     devices: list[int] | None  # GPU indices on the node (CUDA_VISIBLE_DEVICES), None on CPU
     command: list[str]  # full command line, with HOST / PORT placeholders
 
@@ -41,7 +41,7 @@ class RunPlan:
     device: str  # "gpu" or "cpu"
     num_nodes: int
     bundles: list[dict[str, float]]  # Ray resources of each placement-group bundle
-    bundle_slots: list[tuple[int, int | None]]  # (node, device) each bundle stands for, after the stable sort
+    bundle_slots: list[tuple[int | None, int | None]]  # (node, device) each bundle stands for, after the stable sort
     trainer: list[TrainerRank]
     engines: list[EngineLaunch]
     engine_command: list[str]  # program + flags shared by every engine (before --model-path/--host/--port)
@@ -54,9 +54,9 @@ class RunPlan:
         return {
             "placement": self.placement, "device": self.device, "num_nodes": self.num_nodes,
             "placement_group": {"bundles": len(self.bundles), "bundle": self.bundles[0] if self.bundles else {}},
-            "trainer": [f"rank {r.rank}: bundle {r.bundle}, node {r.node}, {_where(r.device)}, "
+            "trainer": [f"rank {r.rank}: bundle {r.bundle}, node {_node(r.node)}, {_where(r.device)}, "
                         + " ".join(f"{k}={v}" for k, v in r.coords.items()) for r in self.trainer],
-            "engines": [{"engine": e.index, "bundles": e.bundles, "node": e.node,
+            "engines": [{"engine": e.index, "bundles": e.bundles, "node": _node(e.node),
                          "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command)}
                         for e in self.engines],
             "router": shlex.join(self.router_command),
@@ -66,6 +66,10 @@ class RunPlan:
 
 def _where(device: int | None) -> str:
     return "cpu" if device is None else f"gpu {device}"
+
+
+def _node(node: int | None) -> int | str:
+    return "any (Ray spreads CPU bundles over the nodes)" if node is None else node
 
 
 def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
@@ -165,9 +169,9 @@ def _check_layout(cfg: SluiceConfig) -> None:
     _check_staleness(cfg)
     if c.uses_gpus:
         _check_gpu_counts(cfg, engine_gpus)
-    elif c.num_nodes > 1:
-        raise ValueError("cluster.gpus_per_node=0 (CPU bundles) places everything on one node; set "
-                         "cluster.num_nodes=1, or set cluster.gpus_per_node for a GPU cluster")
+    elif c.num_nodes > 1 and _num_bundles(cfg, engine_gpus) < c.num_nodes:
+        raise ValueError(f"cluster.num_nodes={c.num_nodes} but the run has only {_num_bundles(cfg, engine_gpus)} "
+                         "CPU bundles (trainer ranks + engines): some node would get none; lower cluster.num_nodes")
     if not c.uses_gpus and c.cpus_per_bundle < t.num_cpus_per_worker:
         raise ValueError(f"cluster.cpus_per_bundle={c.cpus_per_bundle:g} < trainer.num_cpus_per_worker="
                          f"{t.num_cpus_per_worker:g}: a trainer rank would never fit its bundle; raise the first")
@@ -238,7 +242,9 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
 
     c, engine_gpus = cfg.cluster, _engine_gpus(cfg)
     n_bundles = _num_bundles(cfg, engine_gpus)
-    slots = [(b // c.gpus_per_node, b % c.gpus_per_node) if c.uses_gpus else (0, None) for b in range(n_bundles)]
+    # GPU bundles fill node after node; CPU bundles on several nodes are spread over them by Ray (node unknown here)
+    cpu_node = 0 if c.num_nodes == 1 else None
+    slots = [(b // c.gpus_per_node, b % c.gpus_per_node) if c.uses_gpus else (cpu_node, None) for b in range(n_bundles)]
     resources = {"GPU": 1.0, "CPU": c.cpus_per_bundle} if c.uses_gpus else {"CPU": c.cpus_per_bundle}
     # Engines take the first bundles (the driver's node sorts first, near the router); each is started on its
     # bundle's node by a host actor, so engines may spread over nodes.

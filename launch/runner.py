@@ -111,8 +111,25 @@ def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
     """Start or attach to Ray and reserve the plan's placement group (a launch.cluster.Placement)."""
     from launch import cluster
 
-    cluster.start_ray(address=cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus, stack=stack)
-    return cluster.reserve(plan, stack)
+    cluster.start_ray(address=cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus, node_ip=cfg.cluster.node_ip,
+                      stack=stack)
+    if cfg.run.ray_address is not None and cfg.cluster.num_nodes > 1:
+        nodes = cluster.wait_for_nodes(cfg.cluster.num_nodes, cfg.cluster.node_wait_s)
+        print(f"sluice: {len(nodes)}/{cfg.cluster.num_nodes} nodes joined: {', '.join(nodes)}", flush=True)
+    placement = cluster.reserve(plan, stack)
+    print(f"sluice: placement: {describe_placement(plan, placement)}", flush=True)
+    return placement
+
+
+def describe_placement(plan: RunPlan, placement) -> str:
+    """Which engines and trainer ranks landed on which node, e.g. `10.0.0.1: engine 0, engine 1; 10.0.0.2: trainer
+    rank 0`."""
+    by_node: dict[str, list[str]] = {}
+    for e in plan.engines:
+        by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"engine {e.index}")
+    for r in plan.trainer:
+        by_node.setdefault(placement.node_ip[r.bundle], []).append(f"trainer rank {r.rank}")
+    return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())
 
 
 def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[dict]:
@@ -130,6 +147,9 @@ def engine_host_options(placement, engine) -> dict:
 
 def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
                      stack: contextlib.ExitStack):
+    from launch.cluster import check_paths
+
+    check_paths(placement, {"the model directory": model_path})
     from glue.engine_client import EngineClient
     from glue.fleet import RolloutFleet
     from glue.rollout import RolloutManager
@@ -152,7 +172,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     client = EngineClient(fleet.router_url, fleet.engine_urls)
     stack.callback(lambda: loop.run_until_complete(client.close()))
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
-                                     disk_dir=str(run_dir / "weights"))
+                                     disk_dir=str(run_dir / "weights"),
+                                     engine_tp_size=cfg.cluster.engine_tensor_parallel_size)
     stack.callback(bridge.close)
     if getattr(bridge.transport, "address", None) is not None:
         host, port = bridge.transport.address

@@ -28,7 +28,7 @@ def bundles():
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     group = placement_group([{"CPU": 1.0}, {"CPU": 1.0}], strategy="STRICT_PACK")
     try:
         ray.get(group.ready(), timeout=60)

@@ -63,3 +63,15 @@ def test_the_model_path_engines_and_trainer_get_is_absolute(tmp_path, monkeypatc
     assert tiny == str(tmp_path / "runs/demo/init_model")
     cfg = load_config(str(REPO / "examples/configs/demo.yaml"), ["model.path=runs/demo/init_model"])
     assert prepare_model(cfg, Path("runs/other")) == tiny
+
+
+def test_cpu_bundles_may_span_nodes_but_every_node_needs_one(capsys):
+    from launch.cli import main
+
+    demo = str(REPO / "examples/configs/demo.yaml")  # 2 engines + 1 trainer rank = 3 CPU bundles
+    assert main(["--config", demo, "cluster.num_nodes=2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "node any (Ray spreads CPU bundles over the nodes)" in out and "placement_group:" in out
+    assert main(["--config", demo, "cluster.num_nodes=4", "--dry-run"]) == 2
+    assert "cluster.num_nodes=4 but the run has only 3 CPU bundles" in capsys.readouterr().err
+    assert main(["--config", demo, "cluster.node_wait_s=-1", "--dry-run"]) == 2

@@ -181,7 +181,7 @@ def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

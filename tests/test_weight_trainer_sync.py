@@ -27,7 +27,7 @@ def trainer(tmp_path_factory):
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.trainer.group import TrainerGroup
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     group = None
     try:
         group = TrainerGroup(save_tiny_model(tmp_path_factory.mktemp("seed8"), seed=8),
