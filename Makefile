@@ -18,10 +18,10 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/sluice --config examples/configs/demo.yaml
+	$(VENV)/bin/sluice --config examples/configs/demo.yaml run.overwrite=true
 
 demo-async: install
-	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml
+	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml run.overwrite=true
 
 test: install
 	$(PY) -m pytest tests -m "not gpu and not bench and not learning" -q

@@ -46,6 +46,8 @@ class RolloutConfig:
     buffer_order: Literal["fifo", "newest_first"] = "fifo"  # which finished groups a step takes first once those due by the staleness bound are in (newest_first surfaces fresh data)
     router_policy: str = "round_robin"  # sgl-router load-balancing policy
     engine_startup_timeout_s: float = 120.0  # an engine not healthy by then fails the run with its log tail
+    group_timeout_s: float | None = 3600.0  # a group still generating after this is cut and counted FAILED; null: no limit
+    max_failed_frac: float = 0.5  # the run stops when more than this share of a step's groups fail (raise or time out)
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "prompts_per_step", "samples_per_prompt"):
@@ -55,6 +57,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_concurrent_groups must be >= 1 or null, got {self.max_concurrent_groups}")
         if self.buffer_order not in ("fifo", "newest_first"):
             raise ValueError(f"rollout.buffer_order must be 'fifo' or 'newest_first', got {self.buffer_order!r}")
+        if self.group_timeout_s is not None and not self.group_timeout_s > 0:
+            raise ValueError(f"rollout.group_timeout_s must be > 0 or null, got {self.group_timeout_s}")
+        if not 0 <= self.max_failed_frac < 1:
+            raise ValueError(f"rollout.max_failed_frac must be in [0, 1), got {self.max_failed_frac} (at 1 a task "
+                             "whose every group fails would draw prompts forever)")
         if self.samples_per_prompt < 2:
             raise ValueError("rollout.samples_per_prompt must be >= 2: group-relative advantages need at least two samples")
         for name in ("function", "task"):

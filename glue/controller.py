@@ -28,8 +28,9 @@ class FleetControl(Protocol):
 
 async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, fleet: FleetControl,
                    phases: Colocation, loss_cfg: Any, logger: MetricsLogger, pause_mode: str = "retract",
-                   on_step: Callable[[dict], None] | None = None) -> None:
-    """Train `num_steps` steps; every trained token is at most `stream.gate.max_staleness` versions old."""
+                   on_step: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False) -> int:
+    """Train `num_steps` steps, or until `stop()` holds after a step; returns the last step trained. Every trained
+    token is at most `stream.gate.max_staleness` versions old."""
     gate = stream.gate
     phases.before_rollout()
     stream.start()
@@ -53,6 +54,9 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             logger.log(record)
             if on_step is not None:
                 on_step(record)
+            if stop():
+                return step
+        return num_steps
     finally:
         await stream.stop()
 
@@ -64,11 +68,10 @@ def train_phase(phases: Colocation, trainer: Trainer, batch: TrainBatch) -> dict
 
 
 def sync_weights(fleet: FleetControl, phases: Colocation, version: int, pause_mode: str = "retract") -> None:
-    """Pause generation, move the weights (the bridge verifies the version), and resume even if the move failed.
-    Colocated placement hands the devices back to the engines here too (the transfer happens in that handover)."""
+    """Pause generation, move the weights (the bridge verifies the version), resume. Colocated placement hands the
+    devices back to the engines here too (the transfer happens in that handover). If the move fails, generation
+    stays paused: the engines may hold some of the new buckets under the old version tag, and must not sample."""
     fleet.pause_generation(pause_mode)
-    try:
-        phases.sync(version)
-        phases.before_rollout()
-    finally:
-        fleet.continue_generation()
+    phases.sync(version)
+    phases.before_rollout()
+    fleet.continue_generation()

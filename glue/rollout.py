@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
 
@@ -80,14 +81,14 @@ class RolloutManager:
 
     def __init__(self, *, function_path: str, task_path: str, client: GenerateClient, sampling_params: dict,
                  prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None,
-                 partial_rollouts: str = "resume"):
+                 partial_rollouts: str = "resume", group_timeout_s: float | None = None):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
         self.task = _build_task(task_path, task_args or {})
         self.client, self.sampling_params = client, dict(sampling_params)
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
-        self.partial_rollouts = partial_rollouts
+        self.partial_rollouts, self.group_timeout_s = partial_rollouts, group_timeout_s
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
 
@@ -121,22 +122,40 @@ class RolloutManager:
         return prompt
 
     async def _generate_group(self, group_id: int, prompt: dict) -> Group:
+        """Run the rollout function for one prompt. If it raises, returns something that is not a group of valid
+        samples, or runs past `group_timeout_s`, the group comes back with every sample FAILED and `error` set (its
+        first line is printed once, with the group id): one bad group does not end the run."""
+        where = f"rollout function {self.function_path!r} (task {self.task_path!r}, group {group_id})"
+        try:
+            samples = await asyncio.wait_for(self._run_function(group_id, prompt, where), self.group_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            return self._failed(group_id, prompt, f"{where} timed out after rollout.group_timeout_s="
+                                                  f"{self.group_timeout_s:g} s")
+        except Exception as err:  # noqa: BLE001 - any error of user code fails its group, not the run
+            return self._failed(group_id, prompt, f"{where}: {type(err).__name__}: {err}")
+        return Group(group_id=group_id, samples=samples)
+
+    async def _run_function(self, group_id: int, prompt: dict, where: str) -> list[Sample]:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
                              reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts)
         samples = await self.fn(ctx, prompt, self.samples_per_prompt)
-        where = f"rollout function {self.function_path!r} (task {self.task_path!r}, group {group_id})"
         if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
-            raise TypeError(f"{where} must return a list of glue.types.Sample, got {_describe(samples)}")
+            raise TypeError(f"must return a list of glue.types.Sample, got {_describe(samples)}")
         if len(samples) != self.samples_per_prompt:
-            raise ValueError(f"{where} returned {len(samples)} samples; expected num_samples="
-                             f"{self.samples_per_prompt} (mark failed ones status=FAILED instead of dropping them)")
+            raise ValueError(f"returned {len(samples)} samples; expected num_samples={self.samples_per_prompt} "
+                             "(mark failed ones status=FAILED instead of dropping them)")
         for index, sample in enumerate(samples):
             sample.group_id, sample.index = group_id, index
-            try:
-                sample.validate()
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from err
-        return Group(group_id=group_id, samples=samples)
+            sample.validate()
+        return samples
+
+    def _failed(self, group_id: int, prompt: dict, error: str) -> Group:
+        first_line = (error.strip().splitlines() or [""])[0]
+        print(f"sluice: group {group_id} failed: {first_line}", file=sys.stderr, flush=True)
+        samples = [Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=group_id, index=i,
+                          status=SampleStatus.FAILED, metadata={"error": first_line})
+                   for i in range(self.samples_per_prompt)]
+        return Group(group_id=group_id, samples=samples, error=first_line)
 
 
 def _build_task(task_path: str, task_args: dict) -> Any:

@@ -28,15 +28,24 @@ class IdleClock:
         return self.total + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
 
+class RolloutFailed(RuntimeError):
+    """Too many of a step's groups failed (rollout.max_failed_frac); the message has the count and the first error."""
+
+
 class RolloutStream:
     """`start()`, then `await next_batch()` per train step and `await sync(fn)` per weight sync; `stop()` cancels
     what is still generating. `max_groups` caps the groups ever trained (the run's steps x groups per step),
-    `max_concurrent` the groups generating at once."""
+    `max_concurrent` the groups generating at once. A failed group (`Group.error`) gives its place to a new one and
+    is counted; more than `max_failed_frac` of a step's groups failing stops the run with RolloutFailed."""
 
     def __init__(self, *, manager: Any, gate: StalenessGate, buffer: RolloutBuffer, max_groups: int,
-                 max_concurrent: int | None = None):
+                 max_concurrent: int | None = None, max_failed_frac: float = 0.5):
         self.manager, self.gate, self.buffer, self.max_groups = manager, gate, buffer, max_groups
         self.max_concurrent = max_concurrent  # groups generating at once (None: as many as the gate admits)
+        self.max_failed_frac = max_failed_frac
+        self.failed_groups = 0  # over the run
+        self._failed_this_step: list[Group] = []
+        self._failed_at_last_metrics = 0
         self.idle = IdleClock()
         self._idle_at_last_metrics = 0.0
         self._tasks: dict[int, asyncio.Task] = {}
@@ -91,17 +100,32 @@ class RolloutStream:
         self._changed.set()
 
     def _accept(self, group: Group) -> None:
+        if group.error is not None:
+            self._count_failure(group)
         if any(is_trainable(s) for s in group.samples):
             self.buffer.finished(group)
         else:  # nothing to learn from: give its place back so another group can start
             self.buffer.discard(group.group_id)
             self.gate.give_back()
 
+    def _count_failure(self, group: Group) -> None:
+        """A step takes `groups_per_step` good groups; once the failed ones alone exceed `max_failed_frac` of the
+        step (failed + good), no later success can bring the share back under it."""
+        self.failed_groups += 1
+        self._failed_this_step.append(group)
+        failed, good = len(self._failed_this_step), self.buffer.groups_per_step
+        if failed > self.max_failed_frac * (failed + good) and self._error is None:
+            first = self._failed_this_step[0]
+            self._error = RolloutFailed(
+                f"{failed} groups failed while a step of {good} was collected, more than rollout.max_failed_frac="
+                f"{self.max_failed_frac:g} of them; first: group {first.group_id}: {first.error}")
+
     async def next_batch(self) -> tuple[list[Group], set[tuple[int, int]]]:
         """Wait until the buffer holds a step's groups (re-raising a rollout function's error), then take them."""
         await self._wait_for(lambda: self._error is not None or self.buffer.is_ready(self.gate))
         if self._error is not None:
             raise self._error
+        self._failed_this_step = []
         return self.buffer.take(self.gate)
 
     def trained(self, version: int) -> None:
@@ -133,7 +157,8 @@ class RolloutStream:
         idle_now = self.idle.read()
         idle, self._idle_at_last_metrics = idle_now - self._idle_at_last_metrics, idle_now
         in_flight, in_queue = self.buffer.in_flight, self.buffer.in_queue
-        return {"staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
+        failed, self._failed_at_last_metrics = self.failed_groups - self._failed_at_last_metrics, self.failed_groups
+        return {"rollout/failed_groups": float(failed), "staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
                 "async/in_flight_groups": float(len(in_flight)), "async/buffer_groups": float(len(in_queue)),
                 "async/dropped_stale": float(gate.dropped_stale), "async/syncs": float(gate.syncs),
                 "weights/lag": float(gate.lag), "time/rollout_idle_frac": min(1.0, idle / step_s)}

@@ -82,6 +82,7 @@ class Group:
 
     group_id: int
     samples: list[Sample]
+    error: str | None = None  # why the rollout function failed for this group (its samples are then FAILED)
 
     @property
     def rewards(self) -> list[float]:

@@ -52,7 +52,7 @@ def test_a_nan_reward_is_refused_by_sample_validation():
         bad.validate()
 
 
-def test_sync_resumes_generation_even_when_the_transfer_fails():
+def test_a_failed_transfer_leaves_generation_paused_since_engines_may_hold_mixed_weights():
     calls = []
 
     class Fleet:
@@ -69,7 +69,7 @@ def test_sync_resumes_generation_even_when_the_transfer_fails():
 
     with pytest.raises(RuntimeError, match="engine gone"):
         sync_weights(Fleet(), Disaggregated(FailingBridge()), 4, "abort")
-    assert calls == ["pause abort", "sync 4", "continue"]
+    assert calls == ["pause abort", "sync 4"]  # no "continue": nothing samples from half-updated weights
 
 
 def test_the_learning_summary_compares_the_first_and_last_five_steps():

@@ -30,15 +30,30 @@ def live_children(pid: int) -> list[str]:
     return found
 
 
+async def fails_one_group_in_eight(ctx, prompt, num_samples):
+    """The demo's rollout function, except that group 5 (of 0..12) raises, like a crashed tool sandbox."""
+    from rollout_fns.single_turn import generate_group
+
+    if ctx.group_id % 8 == 5:
+        raise RuntimeError("tool sandbox crashed")
+    return await generate_group(ctx, prompt, num_samples)
+
+
 @pytest.mark.slow
 def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path, capsys):
     import ray
 
     before = set(live_children(os.getpid()))
     cfg = load_config("examples/configs/demo.yaml",
-                      [f"run.output_dir={tmp_path}", "run.name=e2e", "run.num_steps=3", "rollout.prompts_per_step=4"])
+                      [f"run.output_dir={tmp_path}", "run.name=e2e", "run.num_steps=3", "rollout.prompts_per_step=4",
+                       "rollout.function=test_end_to_end:fails_one_group_in_eight"])
     run_dir = run(cfg)
     records = read_metrics(run_dir / "metrics.jsonl")
+    # group 5 failed, was counted and replaced (by group 12): every step still trained 4 groups x 8 samples
+    assert sum(r["rollout/failed_groups"] for r in records) == 1
+    assert [r["rollout/num_samples"] for r in records] == [32, 32, 32]
+    captured = capsys.readouterr()
+    assert "sluice: group 5 failed: rollout function 'test_end_to_end:fails_one_group_in_eight'" in captured.err
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert not [key for key in REQUIRED if key not in record], record
@@ -49,7 +64,7 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     assert (run_dir / "config.yaml").exists()
     assert set(live_children(os.getpid())) <= before, "processes left running after the run"
     # the weight group is hosted at trainer rank 0's node address (Ray's), not a loopback default
-    assert f"weight group hosted by trainer rank 0 at {ray.util.get_node_ip_address()}:" in capsys.readouterr().out
+    assert f"weight group hosted by trainer rank 0 at {ray.util.get_node_ip_address()}:" in captured.out
 
 
 def test_a_rollout_function_that_does_not_import_fails_before_anything_starts(tmp_path):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -177,25 +179,40 @@ def test_rollout_manager_runs_every_group_with_consecutive_ids_and_validated_sam
             assert s.reward == sum(t == prompt["target"] for t in s.response_tokens[:2]) / 2
 
 
-def test_a_nan_reward_is_rejected_naming_the_task_group_and_sample(engine_url):
+def test_a_nan_reward_fails_its_group_naming_the_task_group_and_sample(engine_url, capsys):
     client = EngineClient(engine_url, [engine_url])
     manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",
                              task_path="test_rollout_fns:NanTask", client=client,
                              sampling_params={"max_new_tokens": 2}, prompts_per_step=1, samples_per_prompt=3, seed=0)
-    with pytest.raises(ValueError) as err:
-        run(client, manager.generate_step())
-    message = str(err.value)
-    assert "task 'test_rollout_fns:NanTask'" in message and "group 0" in message
-    assert "sample 0/2: reward is nan" in message
+    [group] = run(client, manager.generate_step())
+    assert "task 'test_rollout_fns:NanTask'" in group.error and "group 0" in group.error
+    assert "sample 0/2: reward is nan" in group.error
+    assert [s.status for s in group.samples] == [SampleStatus.FAILED] * 3  # nothing of it is trained
+    assert capsys.readouterr().err.count("sluice: group 0 failed: rollout function") == 1  # said once
 
 
-def test_a_rollout_function_returning_the_wrong_type_is_named(engine_url):
+def test_a_rollout_function_returning_the_wrong_type_fails_its_group_with_the_reason(engine_url):
     client = EngineClient(engine_url, [engine_url])
     manager = RolloutManager(function_path="test_rollout_fns:returns_a_dict", task_path="test_rollout_fns:NanTask",
                              client=client, sampling_params={}, prompts_per_step=1, samples_per_prompt=2, seed=0)
-    with pytest.raises(TypeError, match=r"rollout function 'test_rollout_fns:returns_a_dict' .* must return a list "
-                                        r"of glue.types.Sample, got dict"):
-        run(client, manager.generate_step())
+    [group] = run(client, manager.generate_step())
+    assert re.search(r"rollout function 'test_rollout_fns:returns_a_dict' .*: TypeError: must return a list of "
+                     r"glue.types.Sample, got dict", group.error), group.error
+
+
+async def never_finishes(ctx, prompt, num_samples):
+    await asyncio.sleep(3600)
+
+
+def test_a_group_past_its_timeout_is_cut_and_failed_without_waiting_for_it(engine_url):
+    client = EngineClient(engine_url, [engine_url])
+    manager = RolloutManager(function_path="test_rollout_fns:never_finishes", task_path="test_rollout_fns:NanTask",
+                             client=client, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0,
+                             group_timeout_s=0.3)
+    started = time.monotonic()
+    groups = run(client, manager.generate_step())
+    assert time.monotonic() - started < 5
+    assert [g.error.split(") ", 1)[1] for g in groups] == ["timed out after rollout.group_timeout_s=0.3 s"] * 2
 
 
 def test_echo_task_reward_is_the_fraction_of_the_first_k_tokens_equal_to_the_last_prompt_token():

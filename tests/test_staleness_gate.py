@@ -10,7 +10,7 @@ from glue.colocation import Disaggregated
 from glue.controller import run_loop
 from glue.metrics import MetricsLogger, read_metrics
 from glue.staleness import StalenessGate, StalenessStats
-from glue.stream import RolloutStream
+from glue.stream import RolloutFailed, RolloutStream
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
 
@@ -280,6 +280,48 @@ def test_a_rollout_function_error_reaches_the_loop_and_stops_every_group(tmp_pat
         assert not pending, pending
 
     asyncio.run(main())
+
+
+class FailsSome(ScriptedManager):
+    """Groups whose id is in `failing` come back failed, as glue.rollout.RolloutManager returns them when the
+    user's function raises or times out: every sample FAILED, `error` set."""
+
+    def __init__(self, engine, failing):
+        super().__init__(engine)
+        self.failing = failing
+
+    async def _generate(self, gid):
+        group = await super()._generate(gid)
+        if self.failing(gid):
+            for s in group.samples:
+                s.status = SampleStatus.FAILED
+            group.error = f"RuntimeError: sandbox {gid} crashed"
+        return group
+
+
+def run_failing(tmp_path, failing, *, steps=6, max_staleness=1):
+    engine = ScriptedEngine(0.005, 0)
+    gate = StalenessGate(groups_per_step=4, max_staleness=max_staleness)
+    stream = RolloutStream(manager=FailsSome(engine, failing), gate=gate, buffer=RolloutBuffer(groups_per_step=4),
+                           max_groups=steps * 4, max_failed_frac=0.5)
+    trainer, logger = ScriptedTrainer(), MetricsLogger(tmp_path / "failing.jsonl")
+    asyncio.run(run_loop(num_steps=steps, stream=stream, trainer=trainer, fleet=ScriptedFleet(),
+                         phases=Disaggregated(ScriptedBridge(engine)), loss_cfg=LossConfig(), logger=logger))
+    return stream, trainer, read_metrics(logger.path)
+
+
+def test_a_failed_group_is_counted_and_replaced_and_the_run_finishes(tmp_path):
+    stream, trainer, records = run_failing(tmp_path, lambda gid: gid % 8 == 3)
+    assert len(records) == 6 and len(trainer.trained_versions) == 6  # every step trained a full batch
+    assert all(len(versions) == 4 * 2 * 3 for _, versions in trainer.trained_versions)  # 4 groups x 2 samples x 3
+    assert sum(r["rollout/failed_groups"] for r in records) == stream.failed_groups >= 2  # ids 3, 11, (19)
+
+
+def test_more_failed_groups_than_max_failed_frac_of_a_step_stop_the_run_naming_the_first(tmp_path):
+    with pytest.raises(RolloutFailed, match=r"5 groups failed while a step of 4 was collected, more than "
+                                            r"rollout.max_failed_frac=0.5 of them; first: group (\d+): RuntimeError: "
+                                            r"sandbox \1 crashed"):
+        run_failing(tmp_path, lambda gid: True)
 
 
 def test_with_colocated_placement_the_weight_transfer_is_timed_as_sync_not_rollout(tmp_path):
