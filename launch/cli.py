@@ -137,12 +137,16 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict()}, sort_keys=False, width=1000), end="")
         return 0
+    from glue.stream import RolloutFailed
     from launch.cluster import ClusterError
     from launch.runner import run
 
     try:
         run(cfg)
-    except ClusterError as err:
+    except ConfigError as err:  # found at start-up: the run folder, the model path
+        print(f"sluice: config error: {err}", file=sys.stderr)
+        return 2
+    except (ClusterError, RolloutFailed) as err:
         print(f"sluice: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -47,6 +47,7 @@ class RunConfig:
     mode: Literal["sync", "async"] = "sync"  # sync: every rollout comes from the latest weights
     ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null starts a local one
     ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)
+    overwrite: bool = False  # a folder holding a previous run is refused unless true (replaced once start-up succeeded)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

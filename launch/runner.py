@@ -1,7 +1,8 @@
 """Bring a run up and down: plan, run directory, model, Ray + placement group, fleet + router, trainer, weight
 bridge, then the loop.
 
-Everything started here is stopped here (ExitStack), on success, on error and on Ctrl-C.
+Everything started here is stopped here (ExitStack), on success, on error, on Ctrl-C and SIGTERM
+(launch.stopping: the first signal stops after the step in progress, a second at once).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from launch.config import ConfigError, SluiceConfig, write_resolved
 from launch.plan import RunPlan, resolve
+from launch.stopping import StopSignals
 
 
 def run(cfg: SluiceConfig) -> Path:
@@ -21,36 +23,48 @@ def run(cfg: SluiceConfig) -> Path:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
     check_plugins(cfg)
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    write_resolved(cfg, run_dir / "config.yaml")
+    check_run_dir(cfg)
     model_path = prepare_model(cfg, run_dir)
     with contextlib.ExitStack() as stack:
         placement = start_ray(cfg, plan, stack)
+        stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
                                                                          stack)
+        # Start-up succeeded: only now does a previous run's record (run.overwrite) give way to this one.
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        write_resolved(cfg, run_dir / "config.yaml")
         from glue.colocation import make_colocation
 
         colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
                                      timeout_s=cfg.sync.timeout_s)
         progress = stack.enter_context(_progress_bar(cfg))
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
-                                                 colocation=colocation, run_dir=run_dir, progress=progress))
+                                                 colocation=colocation, run_dir=run_dir, progress=progress, stop=stop))
+        stop.armed = True
         try:
-            loop.run_until_complete(training)
+            last_step = loop.run_until_complete(training)
         except KeyboardInterrupt:  # let the loop cancel what is generating before the stack stops the processes
+            stop.stopping = True
             training.cancel()
             with contextlib.suppress(BaseException):
                 loop.run_until_complete(training)
             raise
+        finally:
+            stop.stopping = True
     from glue.metrics import learning_summary, read_metrics
 
-    print(f"sluice: run finished; {learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; "
-          f"metrics in {run_dir / 'metrics.jsonl'}")
+    summary = f"{learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; metrics in {run_dir / 'metrics.jsonl'}"
+    if stop.requested:
+        print(f"sluice: stopped at step {last_step} of {cfg.run.num_steps} on {stop.requested}; every process it "
+              f"started is stopped; {summary} (checkpoints are not written yet: a restart begins at step 1)",
+              flush=True)
+    else:
+        print(f"sluice: run finished; {summary}", flush=True)
     return run_dir
 
 
-async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress) -> None:
+async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress,
+                       stop=lambda: False) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     from glue.buffer import RolloutBuffer
     from glue.controller import run_loop
@@ -64,16 +78,17 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     buffer = RolloutBuffer(groups_per_step=groups_per_step, order=cfg.rollout.buffer_order,
                            stale_policy=cfg.sync.stale_policy)
     stream = RolloutStream(manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
-                           max_concurrent=cfg.rollout.max_concurrent_groups)
+                           max_concurrent=cfg.rollout.max_concurrent_groups,
+                           max_failed_frac=cfg.rollout.max_failed_frac)
 
     def on_step(record: dict) -> None:
         progress.update(1)
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
                              stale=f"{record['staleness/max']:.0f}")
 
-    await run_loop(num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client, phases=colocation,
-                   loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), pause_mode=cfg.sync.pause_mode,
-                   on_step=on_step)
+    return await run_loop(num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client,
+                          phases=colocation, loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"),
+                          pause_mode=cfg.sync.pause_mode, on_step=on_step, stop=stop)
 
 
 def _progress_bar(cfg: SluiceConfig):
@@ -81,6 +96,18 @@ def _progress_bar(cfg: SluiceConfig):
 
     return tqdm(total=cfg.run.num_steps, desc=f"sluice {cfg.run.name} ({cfg.run.mode})", unit="step",
                 file=sys.stdout, dynamic_ncols=True)
+
+
+def check_run_dir(cfg: SluiceConfig) -> None:
+    """A folder that holds a previous run is refused unless `run.overwrite`; nothing in it is touched here."""
+    run_dir = cfg.run_dir
+    metrics = run_dir / "metrics.jsonl"
+    if cfg.run.overwrite or not (metrics.exists() or (run_dir / "config.yaml").exists()):
+        return
+    steps = sum(1 for line in metrics.open() if line.strip()) if metrics.exists() else 0
+    raise ConfigError(f"{run_dir} holds a previous run ({steps} steps in metrics.jsonl); start this one under "
+                      "another run.name=..., or set run.overwrite=true to replace it (its files are replaced only "
+                      "once the new run has started)")
 
 
 def check_plugins(cfg: SluiceConfig) -> None:
@@ -98,7 +125,8 @@ def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
     model written into the run directory."""
     if cfg.model.path is not None:
         if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path {cfg.model.path!r} has no config.json: point it at a local HF checkpoint directory")
+            raise ConfigError(f"model.path {cfg.model.path!r} has no config.json: point it at a local HF checkpoint "
+                              "directory")
         return str(Path(cfg.model.path).resolve())
     from dataclasses import asdict
 
@@ -183,6 +211,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                              sampling_params=cfg.rollout.sampling.to_sglang(),
                              prompts_per_step=cfg.rollout.prompts_per_step,
                              samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
-                             partial_rollouts=cfg.sync.partial_rollouts)
+                             partial_rollouts=cfg.sync.partial_rollouts,
+                             group_timeout_s=cfg.rollout.group_timeout_s)
     return fleet, client, trainer, bridge, manager, loop
 

@@ -1,5 +1,6 @@
 """Asynchronous training through every real seam (Ray, embedded engines behind sgl-router, megatron-core on gloo,
-the broadcast bridge): it learns within the staleness bound, and Ctrl-C in the middle leaves nothing running."""
+the broadcast bridge): it learns within the staleness bound; SIGTERM in the middle stops it after the step in
+progress and a second signal at once, and neither leaves anything running."""
 import json
 import os
 import signal
@@ -60,12 +61,13 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_async_mode_stops_the_run_and_leaves_nothing_running(tmp_path):
-    metrics = tmp_path / "ctrlc" / "metrics.jsonl"
+def signal_mid_run(tmp_path, config: str, signals: list[int], *, after_steps: int = 3, overrides=()):
+    """Start `sluice` as a process, send `signals` (one after another) once `after_steps` steps are logged, and
+    return (exit code, output, metrics records, processes still alive among those that ran below it)."""
+    metrics = tmp_path / "stop" / "metrics.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", f"run.output_dir={tmp_path}",
-         "run.name=ctrlc", "run.num_steps=200", "rollout.prompts_per_step=4"],
+        [sys.executable, "-m", "launch", "--config", config, f"run.output_dir={tmp_path}", "run.name=stop",
+         "run.num_steps=200", "rollout.prompts_per_step=4", *overrides],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     seen: set[int] = set()
@@ -73,25 +75,46 @@ def test_ctrl_c_in_async_mode_stops_the_run_and_leaves_nothing_running(tmp_path)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
             seen |= descendants(proc.pid)
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps:
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert metrics.exists(), "the run did not reach step 3 in time"
+        assert metrics.exists(), f"the run did not reach step {after_steps} in time"
         seen |= descendants(proc.pid)
-        proc.send_signal(signal.SIGINT)
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(0.2)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    text = output.decode(errors="replace")
-    assert proc.returncode == 130 and "sluice: interrupted" in text, text[-3000:]
     assert len(seen) >= 3, f"expected engines, router and Ray below the driver, saw {seen}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(is_alive(p) for p in seen):
         time.sleep(0.5)
     left = {p: (Path("/proc") / str(p) / "cmdline").read_bytes()[:120] for p in seen if is_alive(p)}
-    assert not left, f"left running after Ctrl-C: {left}"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(records) >= 3 and all(r["staleness/max"] <= 2 for r in records)
+    return proc.returncode, output.decode(errors="replace"), records, left
+
+
+@pytest.mark.slow
+def test_sigterm_in_async_mode_stops_after_the_step_in_progress_with_exit_0_and_leaves_nothing_running(tmp_path):
+    code, text, records, left = signal_mid_run(tmp_path, "examples/configs/demo_async.yaml", [signal.SIGTERM])
+    assert code == 0, text[-3000:]
+    assert "sluice: SIGTERM: stopping after the step in progress" in text
+    assert f"sluice: stopped at step {len(records)} of 200 on SIGTERM" in text, text[-3000:]
+    assert "Traceback" not in text and "Aborted" not in text
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # no step lost or logged twice
+    assert all(r["staleness/max"] <= 2 for r in records)
+    assert not left, f"left running after SIGTERM: {left}"
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_with_exit_130_and_leaves_nothing_running(tmp_path):
+    # rewards take 2-3 s, so both signals (0.2 s apart) land within one step
+    code, text, records, left = signal_mid_run(tmp_path, "examples/configs/demo_async.yaml",
+                                               [signal.SIGINT, signal.SIGINT], after_steps=1,
+                                               overrides=["rollout.task_args={min_latency_s: 2.0, max_latency_s: 3.0}"])
+    assert code == 130 and "sluice: interrupted" in text, text[-3000:]
+    assert not left, f"left running after two Ctrl-C: {left}"

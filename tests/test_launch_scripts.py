@@ -75,3 +75,27 @@ def test_cpu_bundles_may_span_nodes_but_every_node_needs_one(capsys):
     assert main(["--config", demo, "cluster.num_nodes=4", "--dry-run"]) == 2
     assert "cluster.num_nodes=4 but the run has only 3 CPU bundles" in capsys.readouterr().err
     assert main(["--config", demo, "cluster.node_wait_s=-1", "--dry-run"]) == 2
+
+
+def test_a_failed_start_into_a_folder_holding_a_previous_run_leaves_every_file_untouched(tmp_path, capsys):
+    from launch.cli import main
+
+    demo = str(REPO / "examples/configs/demo.yaml")
+    run_dir = tmp_path / "demo"
+    (run_dir / "logs").mkdir(parents=True)
+    files = {"metrics.jsonl": '{"step": 1}\n{"step": 2}\n', "config.yaml": "run: {name: demo}\n",
+             "logs/router.log": "old router log\n"}
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    assert main(["--config", demo, f"run.output_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"sluice: config error: {run_dir} holds a previous run (2 steps in metrics.jsonl); start this one under "
+        "another run.name=..., or set run.overwrite=true to replace it (its files are replaced only once the new "
+        "run has started)")
+    # with overwrite, a start that fails (here: a model path without a checkpoint) still deletes nothing
+    assert main(["--config", demo, f"run.output_dir={tmp_path}", "run.overwrite=true",
+                 f"model.path={tmp_path / 'nothing'}"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert {name: (run_dir / name).read_text() for name in files} == files
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == ["config.yaml", "logs",
+                                                                                   "logs/router.log", "metrics.jsonl"]
