@@ -47,7 +47,7 @@ def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple
     return TrainBatch.from_samples([samples[b] for b in keep], per_sample), stats.metrics()
 
 
-def rollout_metrics(groups: list[Group]) -> dict[str, float]:
+def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
     samples = [s for g in groups for s in g.samples]
     scored = [s for s in samples if s.status is not SampleStatus.FAILED]
     rewards = torch.tensor([s.scalar_reward for s in scored], dtype=torch.float) if scored else torch.zeros(1)
@@ -63,4 +63,16 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
         "rollout/discarded_tokens": float(sum(s.metadata.get("discarded_tokens", 0) for s in samples)),
         "rollout/zero_std_group_frac": flat_groups / len(groups),
         "rollout/num_samples": float(len(samples)),
+        "rollout/group_ids": id_ranges(g.group_id for g in groups),  # which prompts this step trained
     }
+
+
+def id_ranges(ids) -> str:
+    """Sorted ids as ranges, e.g. [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)

@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from glue.batch import build_train_batch, rollout_metrics
+from glue.checkpoint import Checkpoints
 from glue.colocation import Colocation
 from glue.metrics import MetricsLogger, StepTimer
 from glue.stream import RolloutStream
@@ -19,6 +20,7 @@ class Trainer(Protocol):
     version: int
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+    def save_checkpoint(self, directory: str) -> None: ...
 
 
 class FleetControl(Protocol):
@@ -28,14 +30,16 @@ class FleetControl(Protocol):
 
 async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, fleet: FleetControl,
                    phases: Colocation, loss_cfg: Any, logger: MetricsLogger, pause_mode: str = "retract",
-                   on_step: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False) -> int:
-    """Train `num_steps` steps, or until `stop()` holds after a step; returns the last step trained. Every trained
-    token is at most `stream.gate.max_staleness` versions old."""
+                   on_step: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False,
+                   checkpoints: Checkpoints | None = None, first_step: int = 1) -> int:
+    """Train steps `first_step`..`num_steps`, or until `stop()` holds after a step (a checkpoint is written then,
+    as at the last step and every `checkpoints.interval`); returns the last step trained. Every trained token is
+    at most `stream.gate.max_staleness` versions old."""
     gate = stream.gate
     phases.before_rollout()
     stream.start()
     try:
-        for step in range(1, num_steps + 1):
+        for step in range(first_step, num_steps + 1):
             timer, started = StepTimer(), time.perf_counter()
             with timer("rollout"):  # the trainer waits for a batch
                 groups, withheld = await stream.next_batch()
@@ -54,7 +58,11 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             logger.log(record)
             if on_step is not None:
                 on_step(record)
-            if stop():
+            stopping = stop()
+            if checkpoints is not None and checkpoints.due(step, last=stopping or step == num_steps):
+                state = {**stream.resume_state(), "version": trainer.version}  # on the loop: a consistent view
+                await asyncio.to_thread(checkpoints.save, step, trainer.save_checkpoint, state)
+            if stopping:
                 return step
         return num_steps
     finally:

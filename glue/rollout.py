@@ -89,13 +89,35 @@ class RolloutManager:
         self.client, self.sampling_params = client, dict(sampling_params)
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.partial_rollouts, self.group_timeout_s = partial_rollouts, group_timeout_s
+        self.seed = seed
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
+        self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
 
     def next_group(self) -> tuple[int, Awaitable[Group]]:
-        """The next prompt's group id and the coroutine that generates and scores its group."""
+        """The next prompt's group id and the coroutine that generates and scores its group (groups to re-issue
+        after a resume first, with their original ids)."""
+        if self._reissue:
+            group_id, prompt = self._reissue.pop(0)
+            return group_id, self._generate_group(group_id, prompt)
         group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
         return group_id, self._generate_group(group_id, self._next_prompt())
+
+    @property
+    def groups_drawn(self) -> int:
+        """Prompts taken from the task so far (group ids 0 .. groups_drawn - 1): the task's cursor."""
+        return self._next_group_id
+
+    def resume(self, groups_drawn: int, reissue: list[int]) -> None:
+        """Continue a checkpointed run: skip the `groups_drawn` prompts it took (the task's prompts are seeded, so
+        they are the same ones) and issue the groups in `reissue` again first, the ones drawn but never trained."""
+        pending = set(reissue)
+        self._prompts, self._next_group_id, self._reissue = iter(self.task.prompts(self.seed)), 0, []
+        for group_id in range(groups_drawn):
+            prompt = self._next_prompt()
+            if group_id in pending:
+                self._reissue.append((group_id, prompt))
+        self._next_group_id = groups_drawn
 
     async def generate_step(self) -> list[Group]:
         """`prompts_per_step` groups, all concurrent (tests and tools; the loop streams groups with next_group)."""

@@ -145,6 +145,17 @@ class RolloutStream:
             self.idle.set(not self._tasks)
             self._changed.set()
 
+    def resume_state(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this stream: the task's cursor and the groups drawn but not trained
+        (still generating, or finished and waiting), which a resumed run issues again. Taken on the event loop."""
+        return {"groups_drawn": self.manager.groups_drawn, "reissue": sorted(self.buffer.entries)}
+
+    def resume(self, state: dict[str, Any], version: int, trained_groups: int) -> None:
+        """Continue from a checkpoint: trainer and engines at `version`, `trained_groups` already trained."""
+        self.manager.resume(state["groups_drawn"], state["reissue"])
+        self.gate.v_train = self.gate.v_engine = version
+        self.gate.admitted = trained_groups
+
     def metrics(self, step_s: float) -> dict[str, float]:
         """Where work waits and how far behind it is, for a step that took `step_s`: staleness of groups still
         generating vs finished in the buffer (versions behind the trainer, from the engines' version at their

@@ -48,10 +48,16 @@ class RunConfig:
     ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null starts a local one
     ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)
     overwrite: bool = False  # a folder holding a previous run is refused unless true (replaced once start-up succeeded)
+    resume: str = "auto"  # auto: continue from the run folder's latest checkpoint if any; never; or a checkpoint path
+    save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
+    keep_checkpoints: int = 2  # the newest this many checkpoints are kept
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"run.num_steps must be >= 1, got {self.num_steps}")
+        if self.save_interval < 0 or self.keep_checkpoints < 1:
+            raise ValueError(f"run.save_interval must be >= 0 and run.keep_checkpoints >= 1, got "
+                             f"{self.save_interval} and {self.keep_checkpoints}")
 
 
 @dataclass(kw_only=True)

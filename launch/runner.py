@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,29 +19,31 @@ from launch.stopping import StopSignals
 
 
 def run(cfg: SluiceConfig) -> Path:
-    """Run `cfg` to completion; returns the run directory (metrics.jsonl, config.yaml, logs/)."""
+    """Run `cfg` to completion; returns the run directory (metrics.jsonl, config.yaml, logs/, checkpoints/, hf/)."""
     cfg, plan = resolve(cfg)
     if plan.notes:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
     check_plugins(cfg)
     run_dir = cfg.run_dir
-    check_run_dir(cfg)
+    resume_from = find_checkpoint(cfg)
     model_path = prepare_model(cfg, run_dir)
     with contextlib.ExitStack() as stack:
         placement = start_ray(cfg, plan, stack)
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
                                                                          stack)
-        # Start-up succeeded: only now does a previous run's record (run.overwrite) give way to this one.
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        write_resolved(cfg, run_dir / "config.yaml")
         from glue.colocation import make_colocation
 
         colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
                                      timeout_s=cfg.sync.timeout_s)
+        # Start-up succeeded: only now does a previous run's record give way to this one (or get cut back to the
+        # checkpoint this run continues from).
+        resume_state = restore(cfg, resume_from, trainer=trainer, client=client, colocation=colocation)
+        write_resolved(cfg, run_dir / "config.yaml")
         progress = stack.enter_context(_progress_bar(cfg))
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
-                                                 colocation=colocation, run_dir=run_dir, progress=progress, stop=stop))
+                                                 colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
+                                                 resume_state=resume_state))
         stop.armed = True
         try:
             last_step = loop.run_until_complete(training)
@@ -51,22 +55,73 @@ def run(cfg: SluiceConfig) -> Path:
             raise
         finally:
             stop.stopping = True
+    from glue.checkpoint import Checkpoints
     from glue.metrics import learning_summary, read_metrics
 
+    latest = Checkpoints(run_dir / "checkpoints").latest()
     summary = f"{learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; metrics in {run_dir / 'metrics.jsonl'}"
     if stop.requested:
         print(f"sluice: stopped at step {last_step} of {cfg.run.num_steps} on {stop.requested}; every process it "
-              f"started is stopped; {summary} (checkpoints are not written yet: a restart begins at step 1)",
+              f"started is stopped; checkpoint {latest}; the same command resumes it (run.resume=auto); {summary}",
               flush=True)
-    else:
-        print(f"sluice: run finished; {summary}", flush=True)
+        return run_dir
+    if latest is not None:  # the final policy as a plain HF checkpoint (AutoModelForCausalLM.from_pretrained)
+        shutil.rmtree(run_dir / "hf", ignore_errors=True)
+        shutil.copytree(latest / "hf", run_dir / "hf")
+    print(f"sluice: run finished; {summary}; final policy in {run_dir / 'hf'}", flush=True)
     return run_dir
 
 
+def find_checkpoint(cfg: SluiceConfig) -> Path | None:
+    """The checkpoint this run continues from (`run.resume`: auto = the run folder's latest, never, or a path), or
+    None for a fresh start. A folder holding a previous run with nothing to continue is refused unless
+    `run.overwrite`; nothing in it is touched here."""
+    from glue.checkpoint import Checkpoints
+
+    resume = cfg.run.resume
+    if resume not in ("auto", "never"):
+        try:
+            Checkpoints.read_state(resume)
+        except FileNotFoundError as err:
+            raise ConfigError(f"run.resume={resume!r}: {err}") from None
+        return Path(resume).resolve()
+    if cfg.run.overwrite:
+        return None
+    latest = Checkpoints(cfg.run_dir / "checkpoints").latest() if resume == "auto" else None
+    if latest is not None:
+        return latest
+    check_run_dir(cfg)
+    return None
+
+
+def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colocation) -> dict | None:
+    """After start-up: load `checkpoint` into the trainer, bring the engines to its weights and cut metrics.jsonl
+    back to its step (returns its driver state); or, starting fresh, clear what a previous run left."""
+    from glue.checkpoint import Checkpoints
+    from glue.controller import sync_weights
+
+    run_dir, metrics = cfg.run_dir, cfg.run_dir / "metrics.jsonl"
+    if checkpoint is None:
+        metrics.unlink(missing_ok=True)
+        if cfg.run.overwrite:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        return None
+    state = Checkpoints.read_state(checkpoint)
+    version = trainer.load_checkpoint(str(checkpoint))
+    sync_weights(client, colocation, version, cfg.sync.pause_mode)
+    kept = [line for line in (metrics.read_text().splitlines() if metrics.exists() else [])
+            if line.strip() and json.loads(line).get("step", 0) <= state["step"]]
+    metrics.write_text("".join(line + "\n" for line in kept))
+    print(f"sluice: resuming from {checkpoint} (step {state['step']}, policy version {version}); "
+          f"{len(state['reissue'])} groups drawn but not trained are issued again", flush=True)
+    return state
+
+
 async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress,
-                       stop=lambda: False) -> int:
+                       stop=lambda: False, resume_state: dict | None = None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     from glue.buffer import RolloutBuffer
+    from glue.checkpoint import Checkpoints
     from glue.controller import run_loop
     from glue.metrics import MetricsLogger
     from glue.staleness import StalenessGate
@@ -81,6 +136,13 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
                            max_concurrent=cfg.rollout.max_concurrent_groups,
                            max_failed_frac=cfg.rollout.max_failed_frac)
 
+    first_step = 1
+    if resume_state is not None:
+        stream.resume(resume_state, version=resume_state["version"],
+                      trained_groups=resume_state["step"] * groups_per_step)
+        first_step = resume_state["step"] + 1
+        progress.update(resume_state["step"])
+
     def on_step(record: dict) -> None:
         progress.update(1)
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
@@ -88,7 +150,9 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
 
     return await run_loop(num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client,
                           phases=colocation, loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"),
-                          pause_mode=cfg.sync.pause_mode, on_step=on_step, stop=stop)
+                          pause_mode=cfg.sync.pause_mode, on_step=on_step, stop=stop, first_step=first_step,
+                          checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
+                                                  interval=cfg.run.save_interval))
 
 
 def _progress_bar(cfg: SluiceConfig):

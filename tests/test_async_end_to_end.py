@@ -104,6 +104,9 @@ def test_sigterm_in_async_mode_stops_after_the_step_in_progress_with_exit_0_and_
     assert code == 0, text[-3000:]
     assert "sluice: SIGTERM: stopping after the step in progress" in text
     assert f"sluice: stopped at step {len(records)} of 200 on SIGTERM" in text, text[-3000:]
+    checkpoint = tmp_path / "stop" / "checkpoints" / f"step_{len(records):08d}"
+    assert (checkpoint / "state.json").exists() and (checkpoint / "hf" / "model.safetensors").exists()
+    assert f"checkpoint {checkpoint}; the same command resumes it" in text
     assert "Traceback" not in text and "Aborted" not in text
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # no step lost or logged twice
     assert all(r["staleness/max"] <= 2 for r in records)
@@ -112,9 +115,11 @@ def test_sigterm_in_async_mode_stops_after_the_step_in_progress_with_exit_0_and_
 
 @pytest.mark.slow
 def test_a_second_signal_stops_at_once_with_exit_130_and_leaves_nothing_running(tmp_path):
-    # rewards take 2-3 s, so both signals (0.2 s apart) land within one step
+    # on-policy (max_staleness 0) with rewards that take 2-3 s, every step waits >= 2 s for fresh groups, so both
+    # signals (0.2 s apart, right after step 1 is logged) land within step 2
     code, text, records, left = signal_mid_run(tmp_path, "examples/configs/demo_async.yaml",
                                                [signal.SIGINT, signal.SIGINT], after_steps=1,
-                                               overrides=["rollout.task_args={min_latency_s: 2.0, max_latency_s: 3.0}"])
+                                               overrides=["rollout.task_args={min_latency_s: 2.0, max_latency_s: 3.0}",
+                                                          "sync.max_staleness=0"])
     assert code == 130 and "sluice: interrupted" in text, text[-3000:]
     assert not left, f"left running after two Ctrl-C: {left}"

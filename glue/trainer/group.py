@@ -60,6 +60,15 @@ class TrainerGroup:
         self.version = int(metrics["weights/version"])
         return metrics
 
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its part of a checkpoint into `directory` (glue.trainer.worker.save_checkpoint)."""
+        self._all("save_checkpoint", directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Every rank loads its part of the checkpoint in `directory`; the trainer is then at its version."""
+        self.version = self._all("load_checkpoint", directory)[0]
+        return self.version
+
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(HF name, dtype name, shape) of every weight `send_weights` broadcasts, in that order."""
         import ray

@@ -1,0 +1,69 @@
+"""Checkpoints of a run: `<run>/checkpoints/step_<N>/` holds the trainer's part (`hf/`: every weight as an HF
+checkpoint; `trainer/`: optimizer and RNG state per rank) and the driver's (`state.json`: step, policy version, the
+task's cursor and the groups to issue again). Each is written into a `.partial` folder and renamed once complete, so
+a crash mid-write leaves the previous checkpoint the latest; only the newest `keep` are kept."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+STATE = "state.json"
+
+
+class Checkpoints:
+    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0):
+        self.directory, self.keep, self.interval = Path(directory), keep, interval
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Every `interval` steps (0: never on a schedule), and always at the run's last step."""
+        return last or (self.interval > 0 and step % self.interval == 0)
+
+    def all(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if p.name.startswith("step_") and (p / STATE).is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+    def latest(self) -> Path | None:
+        done = self.all()
+        return done[-1] if done else None
+
+    def save(self, step: int, write_trainer: Callable[[str], None], state: dict[str, Any]) -> Path:
+        """Write checkpoint `step`: the trainer's part by `write_trainer(folder)`, then `state` (+ step); renamed
+        into place only when both are on disk."""
+        final = self.directory / f"step_{step:08d}"
+        partial = self.directory / f".step_{step:08d}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        write_trainer(str(partial))
+        with open(partial / STATE, "w") as handle:
+            json.dump({**state, "step": step}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        _fsync_dir(self.directory)
+        for old in self.all()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.directory.glob(".step_*.partial"):  # left by a crash mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+    @staticmethod
+    def read_state(checkpoint: str | Path) -> dict[str, Any]:
+        path = Path(checkpoint) / STATE
+        if not path.is_file():
+            raise FileNotFoundError(f"{checkpoint} is not a complete sluice checkpoint (no {STATE})")
+        return json.loads(path.read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
