@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from weight_sync.disk import fsync_path
+
 STATE = "state.json"
 
 
@@ -46,7 +48,7 @@ class Checkpoints:
             os.fsync(handle.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
-        _fsync_dir(self.directory)
+        fsync_path(str(self.directory))
         for old in self.all()[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.directory.glob(".step_*.partial"):  # left by a crash mid-write
@@ -60,10 +62,3 @@ class Checkpoints:
             raise FileNotFoundError(f"{checkpoint} is not a complete sluice checkpoint (no {STATE})")
         return json.loads(path.read_text())
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -31,6 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def live_processes() -> dict[int, tuple[str, list[str]]]:
+    """Every live (not zombie) process: pid -> (command name, the fields of /proc/<pid>/stat after it: state, ppid,
+    pgrp, session, ...)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            found[int(entry.name)] = (name, fields)
+    return found
+
+
 def is_gone(pid: int) -> bool:
     """True when neither the process nor anything left in its process group exists."""
     try:

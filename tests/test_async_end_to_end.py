@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import live_processes
 from glue.metrics import read_metrics
 from launch.config import load_config
 from launch.runner import run
@@ -38,15 +39,7 @@ def test_an_async_run_learns_and_never_trains_a_token_beyond_max_staleness(tmp_p
 
 def descendants(pid: int) -> set[int]:
     """Every live process below `pid` (children, their children, ...)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents[int(entry.name)] = int(fields[1])
+    parents = {p: int(fields[1]) for p, (_, fields) in live_processes().items()}
     found, frontier = set(), {pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier} - found

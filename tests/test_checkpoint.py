@@ -3,20 +3,14 @@ optimizer moments, RNG, version), its HF weights load in transformers, and a lay
 import multiprocessing as mp
 import pickle
 import queue
-import socket
 
 import pytest
 import torch
 
+from conftest import free_port
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from test_trainer_megatron import hf_teacher_forced_logprobs, make_batch, model_dir  # noqa: F401 (fixture)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank(rank, world, port, model_path, tp, script, results):
@@ -44,7 +38,7 @@ def _rank(rank, world, port, model_path, tp, script, results):
 def run_ranks(model_path, script, tp=1):
     """Run `script` ([("train"|"save"|"load", arg)]) on `tp` spawned ranks; rank 0's outputs."""
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank, args=(r, tp, port, model_path, tp, script, results)) for r in range(tp)]
     try:
         for p in procs:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import live_processes
 from glue.metrics import read_metrics
 from launch.config import load_config
 from launch.runner import run
@@ -16,18 +17,7 @@ REQUIRED = ["step", "rollout/reward_mean", "rollout/response_len_mean", "train/l
 
 def live_children(pid: int) -> list[str]:
     """Processes (not zombies) whose parent is `pid`, as 'pid command' strings."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.append(f"{entry.name} {stat.split('(', 1)[1].split(')')[0]}")
-    return found
+    return [f"{p} {name}" for p, (name, fields) in live_processes().items() if int(fields[1]) == pid]
 
 
 async def fails_one_group_in_eight(ctx, prompt, num_samples):

@@ -6,7 +6,6 @@ the head script stops its Ray by the pid it started it with, the test the worker
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port, live_processes
 from glue.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,26 +22,9 @@ HEAD_IP, WORKER_IP = "127.0.0.3", "127.0.0.2"
 RUN = ["run.num_steps=2", "rollout.prompts_per_step=4"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def session_pids(sid: int) -> list[int]:
-    """Live (not zombie) processes of session `sid`, from /proc."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+    """Live (not zombie) processes of session `sid`."""
+    return [pid for pid, (_, fields) in live_processes().items() if int(fields[3]) == sid]
 
 
 # The head script's SLUICE hook: run sluice, then, as an operator would when the job is done, stop the worker node

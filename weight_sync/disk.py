@@ -43,7 +43,7 @@ class CheckpointWriter:
         part = {name: tensors[name].detach().contiguous().cpu() for name in layout.names}
         path = os.path.join(self._staging, shard_name(index, len(self.layouts)))
         save_file(part, path, metadata={"format": "pt"})
-        _fsync(path)
+        fsync_path(path)
         return checksum_tensors([part[n] for n in layout.names])
 
     def commit(self) -> str:
@@ -55,11 +55,11 @@ class CheckpointWriter:
         index_path = os.path.join(self._staging, INDEX_FILE)
         with open(index_path, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-        _fsync(index_path)
+        fsync_path(index_path)
         self._count += 1
         final = os.path.join(self.root, f"weights-{os.getpid()}-{self._count}")
         os.rename(self._staging, final)
-        _fsync(self.root)
+        fsync_path(self.root)
         previous, self.committed = self.committed, final
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
@@ -72,7 +72,8 @@ class CheckpointWriter:
             self.committed = None
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file's or a folder's entry to disk (a rename is durable once its folder is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

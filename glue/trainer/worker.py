@@ -274,12 +274,23 @@ class TrainerWorker:
     def save_checkpoint(self, directory: str) -> None:
         """Collective. Rank 0 writes every weight as an HF safetensors checkpoint into `directory`/hf (config and
         tokenizer files copied from the initial model); each rank writes its optimizer state, RNG state and version
-        into `directory`/trainer/rank_<r>.pt."""
+        into `directory`/trainer/rank_<r>.pt. An offloaded trainer (colocated placement: the engines hold the devices
+        now) is brought back for the gather and offloaded again; on GPU that needs room next to the engines."""
+        offloaded = self._offloaded is not None
+        if offloaded:
+            self.onload()
+        try:
+            state = self.full_hf_state()
+            self._write_checkpoint(directory, state)
+        finally:
+            if offloaded:
+                self.offload()
+
+    def _write_checkpoint(self, directory: str, state: dict[str, torch.Tensor]) -> None:
         import shutil
 
         from safetensors.torch import save_file
 
-        state = self.full_hf_state()
         if self.rank == 0:
             hf = os.path.join(directory, "hf")
             os.makedirs(hf, exist_ok=True)
