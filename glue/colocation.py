@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from weight_sync.engine_calls import post_json, run_together
+from weight_sync.engine_calls import admin_key, post_json, run_together
 
 # SGLang's memory tags (sglang.srt.constants GPU_MEMORY_TYPE_*), the `tags` of its memory-occupation requests.
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -53,8 +53,9 @@ class Colocated:
     transfer happens in the next `before_rollout`, where a resumed engine needs it anyway."""
 
     def __init__(self, *, trainer: OffloadableTrainer, bridge: Any, engine_urls: Sequence[str],
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, api_key: str | None = None, admin_api_key: str | None = None):
         self.trainer, self.bridge, self.engine_urls, self.timeout_s = trainer, bridge, engine_urls, timeout_s
+        self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)  # the engines' SGLang keys
         self._engines_released = False
         self._version: int | None = None
         self._metrics: dict[str, float] = {}
@@ -84,22 +85,25 @@ class Colocated:
         return out
 
     def _engines(self, route: str, tags: list[str]) -> None:
-        run_together([lambda u=url: post_json(f"{u}{route}", {"tags": tags}, self.timeout_s)
+        run_together([lambda u=url: post_json(f"{u}{route}", {"tags": tags}, self.timeout_s, self.admin_key)
                       for url in self.engine_urls], self.timeout_s)
 
     def _record_engine_bytes(self, key: str) -> None:
         """Engine weight bytes from `/get_server_info` where the engine reports them (the embedded engine does)."""
-        states = [post_json(f"{u}/get_server_info", None, self.timeout_s).get("internal_states", [{}])[0]
+        states = [post_json(f"{u}/get_server_info", None, self.timeout_s, self.api_key).get("internal_states", [{}])[0]
                   for u in self.engine_urls]
         if all("weight_bytes" in s for s in states):
             self._metrics[key] = float(sum(s["weight_bytes"] for s in states))
 
 
 def make_colocation(placement: str, *, trainer: Any, bridge: Any, engine_urls: Sequence[str],
-                    timeout_s: float = 300.0) -> Colocation:
-    """`cluster.placement` -> the component the loop calls around each phase."""
+                    timeout_s: float = 300.0, api_key: str | None = None,
+                    admin_api_key: str | None = None) -> Colocation:
+    """`cluster.placement` -> the component the loop calls around each phase (`api_key` / `admin_api_key`: the
+    engines' SGLang keys, if they were started with them)."""
     if placement == "colocated":
-        return Colocated(trainer=trainer, bridge=bridge, engine_urls=engine_urls, timeout_s=timeout_s)
+        return Colocated(trainer=trainer, bridge=bridge, engine_urls=engine_urls, timeout_s=timeout_s,
+                         api_key=api_key, admin_api_key=admin_api_key)
     if placement == "disaggregated":
         return Disaggregated(bridge)
     raise ValueError(f"cluster.placement must be 'colocated' or 'disaggregated', got {placement!r}")

@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from weight_sync.engine_calls import admin_key, bearer
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -54,12 +56,17 @@ def weight_version_to_int(version: Any) -> int:
 
 class EngineClient:
     """`generate` through the router; control calls to each engine. Connection errors on generate are retried
-    (`max_connect_retries` times, counted in `connect_retries`); HTTP errors are not retried."""
+    (`max_connect_retries` times, counted in `connect_retries`); HTTP errors are not retried.
+
+    `api_key` / `admin_api_key`: the keys the engines (and the router, `--api-key`) were started with, sent as
+    `Authorization: Bearer` on generation / info calls and on control calls (SGLang's admin routes) respectively."""
 
     def __init__(self, router_url: str, engine_urls: list[str], *, request_timeout_s: float = 3600.0,
-                 control_timeout_s: float = 60.0, max_connect_retries: int = 3, retry_backoff_s: float = 0.5):
+                 control_timeout_s: float = 60.0, max_connect_retries: int = 3, retry_backoff_s: float = 0.5,
+                 api_key: str | None = None, admin_api_key: str | None = None):
         self.router_url = router_url.rstrip("/")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.max_connect_retries = max_connect_retries
@@ -79,7 +86,7 @@ class EngineClient:
             self._discard_session()
             connector = aiohttp.TCPConnector(limit=0)  # concurrency is bounded by the caller, not the pool
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=bearer(self.api_key))
             self._session_loop = loop
         return self._session
 
@@ -141,9 +148,11 @@ class EngineClient:
     close = aclose  # the same coroutine under aiohttp's name
 
     # ---------------------------------------------------------------- control (sync, to every engine)
-    def _call(self, url: str, method: str = "POST", body: dict | None = None) -> tuple[int, str]:
+    def _call(self, url: str, method: str = "POST", body: dict | None = None,
+              key: str | None = None) -> tuple[int, str]:
         data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **bearer(key)})
         try:
             with urllib.request.urlopen(req, timeout=self.control_timeout_s) as resp:
                 return resp.status, resp.read().decode(errors="replace")
@@ -151,11 +160,12 @@ class EngineClient:
             return err.code, err.read().decode(errors="replace")
 
     def _call_all(self, path: str, method: str = "POST", body: dict | None = None) -> list[str]:
-        """The same control call on every engine at once: a pause costs the slowest engine's answer, not the sum."""
+        """The same control call (an admin route) on every engine at once: a pause costs the slowest engine's
+        answer, not the sum."""
         from weight_sync.engine_calls import run_together
 
         def call(engine: str) -> str:
-            status, text = self._call(f"{engine}{path}", method, body)
+            status, text = self._call(f"{engine}{path}", method, body, self.admin_key)
             if status // 100 != 2:
                 raise EngineHTTPError(f"{engine}{path}", status, text)
             return text
@@ -179,20 +189,21 @@ class EngineClient:
         """Each engine's current weight version string, in `engine_urls` order (`weight_version_to_int` for ints)."""
         versions = []
         for engine in self.engine_urls:
-            status, text = self._call(f"{engine}/get_weight_version", "GET")
+            status, text = self._call(f"{engine}/get_weight_version", "GET", key=self.api_key)
             if status == 404:  # SGLang servers report it in /model_info instead
-                status, text = self._call(f"{engine}/model_info", "GET")
+                status, text = self._call(f"{engine}/model_info", "GET", key=self.api_key)
             if status // 100 != 2:
                 raise EngineHTTPError(f"{engine}/get_weight_version", status, text)
             versions.append(str(json.loads(text)["weight_version"]))
         return versions
 
     def health(self) -> list[bool]:
-        """Whether each engine answers GET /health with 2xx (connection errors count as unhealthy)."""
+        """Whether each engine answers GET /health with 2xx (connection errors count as unhealthy; SGLang leaves
+        /health open, the api key goes along for servers that do not)."""
         result = []
         for engine in self.engine_urls:
             try:
-                status, _ = self._call(f"{engine}/health", "GET")
+                status, _ = self._call(f"{engine}/health", "GET", key=self.api_key)
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 status = 0
             result.append(status // 100 == 2)

@@ -17,6 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
+from weight_sync.engine_calls import bearer
+
 EMBEDDED_ENGINE = (sys.executable, "-m", "glue.embedded_engine")
 SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")  # the GPU engine; same --model-path/--host/--port
 ROUTER = (sys.executable, "-m", "sglang_router.launch_router")
@@ -34,9 +36,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def _http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+def _http_get(url: str, timeout: float = 2.0, key: str | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=bearer(key)), timeout=timeout) as resp:
             return resp.status, resp.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
         return err.code, ""
@@ -121,6 +123,9 @@ class RolloutFleet:
     `--num-threads 1` or SGLang's `--tp 2`); `router_args` are appended to the router's command line.
     With `engine_hosts` (Ray actor options per engine, `launch.cluster.Placement.actor_options`), engine i is
     started on its placement-group bundle's node by a `glue.engine_host` actor; without, as a child of this process.
+    `api_key` / `admin_api_key` start every engine with SGLang's `--api-key` / `--admin-api-key`; the router gets
+    `--api-key` too (it then asks clients for that key and sends it to the engines), and the fleet's own calls
+    carry it.
     """
 
     def __init__(self, *, model_path: str, num_engines: int = 2, host: str = "127.0.0.1",
@@ -128,14 +133,19 @@ class RolloutFleet:
                  engine_args: Sequence[str] = (), router_args: Sequence[str] = (), log_dir: str | Path | None = None,
                  engine_command: Sequence[str] = EMBEDDED_ENGINE, router_command: Sequence[str] = ROUTER,
                  router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
-                 engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = ()):
+                 engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = (),
+                 api_key: str | None = None, admin_api_key: str | None = None):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
         self.router_policy = router_policy
         self.engine_startup_timeout_s = engine_startup_timeout_s
         self.router_startup_timeout_s = router_startup_timeout_s
-        self.engine_args, self.router_args = list(engine_args), list(router_args)
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        key_args = [*(["--api-key", api_key] if api_key else []),
+                    *(["--admin-api-key", admin_api_key] if admin_api_key else [])]
+        self.engine_args = list(engine_args) + key_args
+        self.router_args = list(router_args) + (["--api-key", api_key] if api_key else [])
         self.engine_env = list(engine_env)  # per engine index, e.g. its CUDA_VISIBLE_DEVICES from the placement
         self.engine_hosts = list(engine_hosts)
         if self.engine_hosts and len(self.engine_hosts) != num_engines:
@@ -214,7 +224,7 @@ class RolloutFleet:
         while pending:
             for url, engine in list(pending.items()):
                 engine.check_alive()
-                if _http_get(f"{url}/health")[0] == 200:
+                if _http_get(f"{url}/health", key=self.api_key)[0] == 200:
                     del pending[url]
             if pending and time.monotonic() > deadline:
                 url, engine = next(iter(pending.items()))
@@ -237,7 +247,7 @@ class RolloutFleet:
 
     def registered_workers(self) -> dict[str, bool]:
         """The router's view: worker url -> is_healthy (empty if the router does not answer yet)."""
-        status, body = _http_get(f"{self.router_url}/workers")
+        status, body = _http_get(f"{self.router_url}/workers", key=self.api_key)
         if status != 200:
             return {}
         return {w["url"].rstrip("/"): bool(w.get("is_healthy")) for w in json.loads(body).get("workers", [])}
@@ -270,8 +280,9 @@ class RolloutFleet:
             self._wait_engines_healthy()
             if prepare is not None:
                 prepare(url)
-            request = urllib.request.Request(f"{self.router_url}/workers", data=json.dumps({"url": url}).encode(),
-                                             headers={"Content-Type": "application/json"})
+            worker = {"url": url, **({"api_key": self.api_key} if self.api_key else {})}  # the router's key for it
+            request = urllib.request.Request(f"{self.router_url}/workers", data=json.dumps(worker).encode(),
+                                             headers={"Content-Type": "application/json", **bearer(self.api_key)})
             with urllib.request.urlopen(request, timeout=30):
                 pass
             self._wait_router_ready()

@@ -8,7 +8,7 @@ import time
 from typing import Any, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, plan_buckets
-from weight_sync.engine_calls import WeightSyncError, post_json, run_together
+from weight_sync.engine_calls import WeightSyncError, admin_key, post_json, run_together
 from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
                                     free_port)
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
@@ -17,10 +17,12 @@ VERIFY_MODES = ("checksum", "full", "off")
 
 
 class WeightBridge:
-    """Moves the source's weights to every engine; `sync(version)` = transfer (tagged `version`) -> verify."""
+    """Moves the source's weights to every engine; `sync(version)` = transfer (tagged `version`) -> verify.
+    `api_key` / `admin_api_key`: the engines' SGLang keys, when they were started with them."""
 
     def __init__(self, source: WeightSource, engine_urls: Sequence[str], *, make_transport: Any,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0,
+                 api_key: str | None = None, admin_api_key: str | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.source, self.engine_urls = source, list(engine_urls)
@@ -30,6 +32,7 @@ class WeightBridge:
         self.transport: Transport | None = None
         self.version: int | None = None  # the last version every engine verifiably holds
         self.last_sync: dict[str, float] = {}
+        self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
 
     def connect(self) -> None:
         """Plan the buckets from the source's weight specs and open the transport to every engine."""
@@ -89,36 +92,40 @@ class WeightBridge:
             check_bucket_checksums(transfer, [b.names for b in self.layouts])
         # The version travels with the last bucket and lands with it (SGLang's update routes take `weight_version`);
         # no separate /update_weight_version, which would leave a window of new weights under the old tag.
-        check_versions(urls, version, self.timeout_s)
+        check_versions(urls, version, self.timeout_s, self.api_key)
         if self.verify == "full":
-            run_together([lambda url=url: check_full(url, tensor_sums, self.timeout_s) for url in urls], self.timeout_s)
+            run_together([lambda url=url: check_full(url, tensor_sums, self.timeout_s, self.admin_key) for url in urls],
+                         self.timeout_s)
         t3 = time.perf_counter()
         self.last_sync = {"stage_s": t1 - t0, "transfer_s": t2 - t1, "verify_s": t3 - t2, "total_s": t3 - t0,
                           "bytes": float(sum(b.nbytes for b in self.layouts)), "buckets": float(len(self.layouts))}
 
 
 def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[str],
-                disk_dir: str | None = None, engine_tp_size: int = 1) -> WeightBridge:
+                disk_dir: str | None = None, engine_tp_size: int = 1, api_key: str | None = None,
+                admin_api_key: str | None = None) -> WeightBridge:
     """The bridge `sync_cfg` (glue.config.SyncConfig: transport, backend, bucket_bytes, verify, ...) describes,
-    connected to every engine; each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size)."""
+    connected to every engine; each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size) and
+    was started with `api_key` / `admin_api_key` (SGLang's --api-key / --admin-api-key), if any."""
     transport, timeout_s = sync_cfg.transport, sync_cfg.timeout_s
+    key = admin_key(api_key, admin_api_key)  # every weight route is an admin route
     if transport == "broadcast":
         def make(src, layouts, with_checksum):
             return BroadcastTransport(src, layouts, backend=sync_cfg.backend, master_address=sync_cfg.master_address,
                                       with_checksum=with_checksum, timeout_s=timeout_s,
-                                      ranks_per_engine=engine_tp_size)
+                                      ranks_per_engine=engine_tp_size, key=key)
     elif transport == "ipc":
         def make(src, layouts, with_checksum):
             return IpcTransport(src, layouts, device="cuda" if sync_cfg.backend == "nccl" else "cpu",
-                                with_checksum=with_checksum, timeout_s=timeout_s)
+                                with_checksum=with_checksum, timeout_s=timeout_s, key=key)
     elif transport == "disk":
         def make(src, layouts, with_checksum):
             return DiskTransport(src, layouts, directory=getattr(sync_cfg, "disk_dir", None) or disk_dir,
-                                 with_checksum=with_checksum, timeout_s=timeout_s)
+                                 with_checksum=with_checksum, timeout_s=timeout_s, key=key)
     else:
         raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {transport!r}")
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=sync_cfg.bucket_bytes,
-                          verify=sync_cfg.verify, timeout_s=timeout_s)
+                          verify=sync_cfg.verify, timeout_s=timeout_s, api_key=api_key, admin_api_key=admin_api_key)
     bridge.connect()
     return bridge
 

@@ -15,10 +15,23 @@ class WeightSyncError(RuntimeError):
     """An engine refused or failed a weight update, or its weights differ from the source's after one."""
 
 
-def post_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
-    """POST (or GET when payload is None) JSON to an engine; non-2xx answers raise with the body."""
+def bearer(key: str | None) -> dict[str, str]:
+    """SGLang's `Authorization: Bearer <key>` header; no header without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def admin_key(api_key: str | None, admin_api_key: str | None) -> str | None:
+    """The key SGLang's admin routes (weights, memory, pause/continue, abort, flush) take: the admin key where the
+    server has one, else its api key (which then guards every route)."""
+    return admin_api_key or api_key
+
+
+def post_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float = 300.0,
+              key: str | None = None) -> dict[str, Any]:
+    """POST (or GET when payload is None) JSON to an engine, with `key` as bearer token when given; non-2xx
+    answers raise with the body."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **bearer(key)})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             body = response.read().decode()
@@ -29,9 +42,10 @@ def post_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float 
     return json.loads(body) if body else {}
 
 
-def call_update(url: str, route: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def call_update(url: str, route: str, payload: dict[str, Any], timeout_s: float,
+                key: str | None = None) -> dict[str, Any]:
     """POST an update route; an answer without `success: true` raises with the engine's message."""
-    answer = post_json(f"{url}{route}", payload, timeout_s)
+    answer = post_json(f"{url}{route}", payload, timeout_s, key)
     if not answer.get("success", False):
         raise WeightSyncError(f"engine {url} failed {route}: {answer.get('message', answer)}")
     return answer
@@ -54,15 +68,16 @@ def run_together(calls: Sequence[Callable[[], Any]], timeout_s: float, pool: Thr
     return [f.result() for f in futures]
 
 
-def weight_version(url: str, timeout_s: float) -> str | None:
-    """The engine's version, from `/model_info` (SGLang 0.5.23 reports `weight_version` there)."""
-    reported = post_json(f"{url}/model_info", None, timeout_s).get("weight_version")
+def weight_version(url: str, timeout_s: float, key: str | None = None) -> str | None:
+    """The engine's version, from `/model_info` (SGLang 0.5.23 reports `weight_version` there; an api-key route)."""
+    reported = post_json(f"{url}/model_info", None, timeout_s, key).get("weight_version")
     return None if reported is None else str(reported)
 
 
-def weight_checksums(url: str, timeout_s: float) -> dict[str, str]:
-    """Per-tensor checksums of the engine's live weights, from SGLang's `/weights_checker` (action "checksum")."""
-    answer = call_update(url, "/weights_checker", {"action": "checksum"}, timeout_s)
+def weight_checksums(url: str, timeout_s: float, key: str | None = None) -> dict[str, str]:
+    """Per-tensor checksums of the engine's live weights, from SGLang's `/weights_checker` (action "checksum"; an
+    admin route)."""
+    answer = call_update(url, "/weights_checker", {"action": "checksum"}, timeout_s, key)
     ranks = answer.get("ranks") or []
     if len(ranks) != 1:
         raise WeightSyncError(f"engine {url}: /weights_checker reported {len(ranks)} ranks; the full comparison "

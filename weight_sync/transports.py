@@ -53,9 +53,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class _Base:
-    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float):
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float,
+                 key: str | None = None):
         self.source, self.layouts = source, layouts
         self.with_checksum, self.timeout_s = with_checksum, timeout_s
+        self.key = key  # bearer key of the engines' weight routes (admin routes: `engine_calls.admin_key`)
         self._pool_size = 16
         self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
 
@@ -73,7 +75,7 @@ class _Base:
                 **extra}
 
     def _on_engines(self, urls: Sequence[str], route: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        calls = [lambda url=url: call_update(url, route, payload, self.timeout_s) for url in urls]
+        calls = [lambda url=url: call_update(url, route, payload, self.timeout_s, self.key) for url in urls]
         return self._together(calls)
 
     def _flags(self, index: int, weight_version: str) -> dict[str, Any]:
@@ -104,8 +106,8 @@ class BroadcastTransport(_Base):
     and every member joins in the same call, so two groups never wait on each other."""
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str | None,
-                 with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+                 with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1, key: str | None = None):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
         self.backend, self.master_address = backend, master_address
         self.ranks_per_engine = ranks_per_engine
         self.address: tuple[str, int] | None = None  # (host, port) of the newest group, for logs and tests
@@ -123,7 +125,7 @@ class BroadcastTransport(_Base):
         engine_calls = [
             lambda url=url, rank=1 + i * self.ranks_per_engine: call_update(url, "/init_weights_update_group", {
                 "master_address": host, "master_port": port, "rank_offset": rank,
-                "world_size": world_size, "group_name": name, "backend": self.backend}, self.timeout_s)
+                "world_size": world_size, "group_name": name, "backend": self.backend}, self.timeout_s, self.key)
             for i, url in enumerate(urls)]
         self._together([lambda: self.source.open_weight_channel(name, spec), *engine_calls])
         self.groups[key] = name
@@ -151,8 +153,8 @@ class BroadcastTransport(_Base):
                        **self._flags(layout.index, weight_version)}
             del payload["offsets"]  # SGLang's struct has no such field; packing order defines them
             calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
-            calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s)
-                      for url in urls]
+            calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s,
+                                                  self.key) for url in urls]
             sent, *answers = self._together(calls)
             result.source.append(sent["checksum"])
             for url, answer in zip(urls, answers):
@@ -181,8 +183,9 @@ class _PointToPoint(_Base):
 
     CHANNEL = ""
 
-    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float,
+                 key: str | None = None):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
         self._open = False
 
     def _channel_spec(self) -> dict[str, Any]:
@@ -210,8 +213,8 @@ class IpcTransport(_PointToPoint):
     CHANNEL = "ipc"
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, device: str, with_checksum: bool,
-                 timeout_s: float):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+                 timeout_s: float, key: str | None = None):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
         self.device = device
 
     def _channel_spec(self) -> dict[str, Any]:
@@ -236,8 +239,8 @@ class DiskTransport(_PointToPoint):
     CHANNEL = "disk"
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, directory: str | None,
-                 with_checksum: bool, timeout_s: float):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s)
+                 with_checksum: bool, timeout_s: float, key: str | None = None):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
         self.directory = directory or tempfile.mkdtemp(prefix="sluice-weights-")
 
     def _channel_spec(self) -> dict[str, Any]:

@@ -27,16 +27,18 @@ def check_bucket_checksums(transfer: Transfer, layouts_names: Sequence[Sequence[
                               + "; ".join(problems[:5]))
 
 
-def check_versions(urls: Sequence[str], version: str, timeout_s: float) -> None:
+def check_versions(urls: Sequence[str], version: str, timeout_s: float, key: str | None = None) -> None:
+    """Every engine reports `version` (`key`: the engines' api key, if they have one)."""
     for url in urls:
-        reported = weight_version(url, timeout_s)
+        reported = weight_version(url, timeout_s, key)
         if reported != version:
             raise WeightSyncError(f"engine {url} reports weight_version {reported!r} after a sync to {version!r}")
 
 
-def check_full(url: str, source_sums: Mapping[str, str], timeout_s: float) -> None:
-    """Compare every tensor the engine holds (SGLang's `/weights_checker` checksums) with the source's."""
-    engine_sums = weight_checksums(url, timeout_s)
+def check_full(url: str, source_sums: Mapping[str, str], timeout_s: float, key: str | None = None) -> None:
+    """Compare every tensor the engine holds (SGLang's `/weights_checker` checksums, `key`: the key of its admin
+    routes) with the source's."""
+    engine_sums = weight_checksums(url, timeout_s, key)
     missing = sorted(set(source_sums) - set(engine_sums))
     extra = sorted(set(engine_sums) - set(source_sums))
     differ = sorted(n for n in set(source_sums) & set(engine_sums) if source_sums[n] != engine_sums[n])

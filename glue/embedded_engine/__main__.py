@@ -16,6 +16,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads for the model")
     parser.add_argument("--weight-version", default="0", help="initial weight version string (SGLang's is 'default')")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="timeout of weight-group collectives")
+    parser.add_argument("--api-key", default=None,
+                        help="SGLang's --api-key: every route but /health* needs `Authorization: Bearer <key>`")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="SGLang's --admin-api-key: admin routes (weights, memory, pause/continue, abort, flush) "
+                             "need this key, and no longer accept --api-key")
     args = parser.parse_args(argv)
     if args.max_running_requests < 1 or args.num_threads < 1:
         parser.error("--max-running-requests and --num-threads must be >= 1")
@@ -29,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = build_engine(model_path=args.model_path, host=args.host, port=args.port, seed=args.seed,
                               max_running_requests=args.max_running_requests, num_threads=args.num_threads,
-                              weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s)
+                              weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
+                              api_key=args.api_key, admin_api_key=args.admin_api_key)
     except FileNotFoundError as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2

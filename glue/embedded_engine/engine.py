@@ -33,7 +33,8 @@ def eos_token_ids(model) -> set[int]:
 
 
 def build_engine(*, model_path: str, host: str, port: int, seed: int, max_running_requests: int, num_threads: int,
-                 weight_version: str, weight_sync_timeout_s: float) -> EngineServer:
+                 weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
+                 admin_api_key: str | None = None) -> EngineServer:
     torch.set_num_threads(num_threads)
     model = load_model(model_path)
     config = model.config
@@ -48,7 +49,8 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                    "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
     return EngineServer(runner, WeightReceiver(runner, timeout_s=weight_sync_timeout_s), vocab_size=config.vocab_size,
-                        max_context=config.max_position_embeddings, model_info=model_info, server_info=server_info)
+                        max_context=config.max_position_embeddings, model_info=model_info, server_info=server_info,
+                        api_key=api_key, admin_api_key=admin_api_key)
 
 
 def serve(server: EngineServer, *, host: str, port: int) -> None:

@@ -39,11 +39,12 @@ _SAMPLING_EPS = 1e-6  # below this temperature SGLang samples greedily
 
 
 class RequestError(ValueError):
-    """A payload the engine refuses; `field` names the offending JSON field (dotted for nested ones)."""
+    """A payload the engine refuses; `field` names the offending JSON field (dotted for nested ones). The message
+    is prefixed with the field unless it already starts with it. `status` is the HTTP status of the refusal."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+    def __init__(self, field: str, message: str, *, status: int = 400):
+        super().__init__(message if message.startswith(field) else f"{field}: {message}")
+        self.field, self.status = field, status
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,56 +2,46 @@
 
 The subset sluice uses (generate, pause/continue, abort, weights by broadcast / tensor handles / disk, the weights
 checker, versions, memory release/resume for colocated placement, health, info), so
-the same client code drives this engine on CPU and real SGLang servers on GPUs.
+the same client code drives this engine on CPU and real SGLang servers on GPUs. The routing table (auth level and
+body fields per route) is `routes.ROUTES`; bodies are checked by `json_body`, keys by `auth`.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from glue.embedded_engine.auth import key_gate
+from glue.embedded_engine.json_body import describe, read_body
 from glue.embedded_engine.model_runner import PAUSE_MODES, MemoryReleasedError, ModelRunner, Sequence
 from glue.embedded_engine.request_schema import RequestError, parse_generate
-from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload, check_weight_version
+from glue.embedded_engine.routes import ADMIN_PATHS, ROUTES, Route
+from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_MESSAGE_CHARS = 2000  # an error message quotes the client's values; never echo a whole body back
 
 
 def error_response(message: str, field: str | None = None, status: int = 400) -> web.Response:
-    """SGLang's error shape, `{"error": {"message": ...}}`, plus the offending field's name when there is one."""
+    """SGLang's error shape, `{"error": {"message": ...}}`, plus the offending field's name when there is one, and
+    the `{"success": false, "message"}` of SGLang's update routes, so clients of either shape see the reason."""
+    message = message[:MAX_MESSAGE_CHARS]
     error: dict[str, Any] = {"message": message}
     if field is not None:
         error["field"] = field
-    return web.json_response({"error": error}, status=status)
-
-
-async def read_object(request: web.Request, *, empty_ok: bool = True) -> dict[str, Any]:
-    """The request's JSON object; a missing (unless `empty_ok`), malformed or non-object body is a RequestError."""
-    raw = await request.read()
-    if not raw.strip():
-        if empty_ok:
-            return {}
-        raise RequestError("body", "the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RequestError("body", f"the request body is not valid JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    return body
+    return web.json_response({"error": error, "success": False, "message": message}, status=status)
 
 
 @web.middleware
 async def bad_request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every payload problem becomes a 400 naming the field, never a 500 or a crash."""
+    """Every payload problem becomes a 4xx naming the field, never a 500 or a crash."""
     try:
         return await handler(request)
     except RequestError as e:
-        return error_response(str(e), e.field)
+        return error_response(str(e), e.field, e.status)
 
 
 def weight_versions(seq: Sequence) -> list[dict[str, Any]]:
@@ -101,15 +91,28 @@ def memory_tags(body: dict[str, Any]) -> set[str]:
     if tags is None:
         return set(MEMORY_TAGS)
     if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
-        raise RequestError("tags", f"must be null or a list of {list(MEMORY_TAGS)}, got {tags!r}")
+        raise RequestError("tags", f"must be null or a list of {list(MEMORY_TAGS)}, got {describe(tags)}")
     return set(tags)
+
+
+def check_group_numbers(body: dict[str, Any]) -> None:
+    """An `/init_weights_update_group` request names a TCP port and a rank inside the group (rank 0 is the
+    trainer), so that a bad number is refused here rather than deep inside the process-group setup."""
+    port, world_size, rank = body["master_port"], body["world_size"], body["rank_offset"]
+    if not 0 < port < 65536:
+        raise RequestError("master_port", f"master_port must be a TCP port in [1, 65535], got {port}")
+    if world_size < 2:
+        raise RequestError("world_size", f"world_size must be >= 2 (the trainer and this engine), got {world_size}")
+    if not 0 < rank < world_size:
+        raise RequestError("rank_offset", f"rank_offset must be in [1, world_size={world_size}), got {rank}")
 
 
 class EngineServer:
     """Routes SGLang's HTTP API to a `ModelRunner` and a `WeightReceiver`."""
 
     def __init__(self, runner: ModelRunner, receiver: WeightReceiver, *, vocab_size: int, max_context: int,
-                 model_info: dict[str, Any], server_info: dict[str, Any]):
+                 model_info: dict[str, Any], server_info: dict[str, Any], api_key: str | None = None,
+                 admin_api_key: str | None = None):
         self.runner = runner
         self.receiver = receiver
         self.vocab_size = vocab_size
@@ -118,27 +121,28 @@ class EngineServer:
         self.server_info = server_info
         self._rids = itertools.count()
         self.started_at = time.time()
+        self.api_key, self.admin_api_key = api_key, admin_api_key  # SGLang's --api-key / --admin-api-key
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024**2, middlewares=[bad_request_middleware])
-        get = {"/health": self.health, "/health_generate": self.health_generate, "/get_model_info": self.get_model_info,
-               "/model_info": self.get_model_info, "/get_server_info": self.get_server_info,
-               "/server_info": self.get_server_info, "/get_weight_version": self.get_weight_version,
-               "/weight_version": self.get_weight_version, "/flush_cache": self.flush_cache}
-        post = {"/generate": self.generate, "/pause_generation": self.pause_generation,
-                "/continue_generation": self.continue_generation, "/abort_request": self.abort_request,
-                "/flush_cache": self.flush_cache, "/init_weights_update_group": self.init_weights_update_group,
-                "/destroy_weights_update_group": self.destroy_weights_update_group,
-                "/update_weights_from_distributed": self.update_weights_from_distributed,
-                "/update_weights_from_tensor": self.update_weights_from_tensor,
-                "/update_weights_from_disk": self.update_weights_from_disk, "/weights_checker": self.weights_checker,
-                "/update_weight_version": self.update_weight_version,
-                "/release_memory_occupation": self.release_memory_occupation,
-                "/resume_memory_occupation": self.resume_memory_occupation}
-        app.router.add_routes([web.get(p, h) for p, h in get.items()] + [web.post(p, h) for p, h in post.items()])
-        app.router.add_route("PUT", "/generate", self.generate)
-        app.router.add_route("GET", "/weights_checker", self.weights_checker)
+        """The aiohttp app serving `ROUTES`; with a key set, SGLang's key gate runs before everything else."""
+        middlewares = [bad_request_middleware]
+        if self.api_key or self.admin_api_key:
+            middlewares.insert(0, key_gate(api_key=self.api_key, admin_api_key=self.admin_api_key,
+                                           admin_paths=ADMIN_PATHS))
+        app = web.Application(client_max_size=256 * 1024**2, middlewares=middlewares)
+        app.router.add_routes([web.route(r.method, r.path, self._endpoint(r)) for r in ROUTES])
         return app
+
+    def _endpoint(self, route: Route) -> Handler:
+        """The aiohttp handler of `route`: its body read and checked, then handed to the named method."""
+        handle = getattr(self, route.handler)
+
+        async def endpoint(request: web.Request) -> web.StreamResponse:
+            if route.body is None:
+                return await handle({})
+            return await handle(await read_body(request, route.body, may_be_empty=route.body_optional))
+
+        return endpoint
 
     # ---- generation ----
     async def run_requests(self, requests: list) -> list[Sequence]:
@@ -162,101 +166,85 @@ class EngineServer:
                 self.runner.abort(rid=req.rid)
             raise
 
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await read_object(request, empty_ok=False)
+    async def generate(self, body: dict[str, Any]) -> web.Response:
         requests, is_batch = parse_generate(body, vocab_size=self.vocab_size, max_context=self.max_context,
                                             next_rid=lambda: f"embedded-{next(self._rids)}")
         outputs = [format_output(seq) for seq in await self.run_requests(requests)]
         return web.json_response(outputs if is_batch else outputs[0])
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, body: dict[str, Any]) -> web.Response:
         return web.Response(status=200)
 
-    async def health_generate(self, request: web.Request) -> web.Response:
+    async def health_generate(self, body: dict[str, Any]) -> web.Response:
         """Generate one token; while generation is deliberately paused the engine is healthy without it."""
         if self.runner.is_paused or self.runner.released:
             return web.Response(status=200)
-        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                "rid": f"HEALTH_CHECK_{next(self._rids)}"}
-        requests, _ = parse_generate(body, vocab_size=self.vocab_size, max_context=self.max_context, next_rid=None)
+        probe = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                 "rid": f"HEALTH_CHECK_{next(self._rids)}"}
+        requests, _ = parse_generate(probe, vocab_size=self.vocab_size, max_context=self.max_context, next_rid=None)
         await self.run_requests(requests)
         return web.Response(status=200)
 
     # ---- information ----
-    async def get_model_info(self, request: web.Request) -> web.Response:
+    async def get_model_info(self, body: dict[str, Any]) -> web.Response:
         return web.json_response({**self.model_info, "weight_version": self.runner.weight_version})
 
-    async def get_server_info(self, request: web.Request) -> web.Response:
+    async def get_server_info(self, body: dict[str, Any]) -> web.Response:
         state = {**self.runner.load(), "forward_count": self.runner.forward_count, "is_paused": self.runner.is_paused,
                  "memory_released": sorted(self.runner.released), "weight_bytes": self.runner.weight_bytes()}
         return web.json_response({**self.server_info, "weight_version": self.runner.weight_version,
                                   "internal_states": [state], "startup_time": self.started_at})
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
+    async def get_weight_version(self, body: dict[str, Any]) -> web.Response:
         return web.json_response({"weight_version": self.runner.weight_version})
 
     # ---- control ----
-    async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await read_object(request)
+    async def pause_generation(self, body: dict[str, Any]) -> web.Response:
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            return error_response(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}", "mode")
+            return error_response(f"mode must be 'abort', 'retract' or 'in_place', got {describe(mode)}", "mode")
         await asyncio.to_thread(self.runner.pause, mode)  # answers once no forward runs (see ModelRunner.pause)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def continue_generation(self, request: web.Request) -> web.Response:
+    async def continue_generation(self, body: dict[str, Any]) -> web.Response:
         self.runner.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await read_object(request)
-        if not isinstance(body.get("rid", ""), (str, type(None))):
-            return error_response("rid must be a string (or set abort_all to true)", "rid")
-        if not isinstance(body.get("abort_all", False), bool):
-            return error_response("abort_all must be true or false", "abort_all")
+    async def abort_request(self, body: dict[str, Any]) -> web.Response:
         self.runner.abort(rid=body.get("rid") or None, abort_all=body.get("abort_all", False))
         return web.Response(status=200)
 
-    async def flush_cache(self, request: web.Request) -> web.Response:
+    async def flush_cache(self, body: dict[str, Any]) -> web.Response:
         """No prefix cache to flush: each request's KV lives only while it runs."""
         return web.Response(text="Cache flushed.\n", status=200)
 
     # ---- memory occupation (SGLang's Release/ResumeMemoryOccupationReqInput: `tags`, null = all) ----
-    async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = memory_tags(await read_object(request))
+    async def release_memory_occupation(self, body: dict[str, Any]) -> web.Response:
+        tags = memory_tags(body)
         await asyncio.to_thread(self.runner.release_memory, tags)
         if "weights" in tags:
             await asyncio.to_thread(self.receiver.drop_parameter_homes)
         return web.json_response({"success": True, "message": f"released {sorted(tags)}"})
 
-    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = memory_tags(await read_object(request))
+    async def resume_memory_occupation(self, body: dict[str, Any]) -> web.Response:
+        tags = memory_tags(body)
         await asyncio.to_thread(self.runner.resume_memory, tags)
         return web.json_response({"success": True, "message": f"resumed {sorted(tags)}"})
 
     # ---- weights ----
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await read_object(request, empty_ok=False)
-        types = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
-                 "group_name": str, "backend": str}
-        for name, kind in types.items():
-            if name in ("group_name", "backend") and name not in body:
-                continue
-            if isinstance(body.get(name), bool) or not isinstance(body.get(name), kind):
-                return error_response(f"{name} must be a {kind.__name__}, got {body.get(name)!r}", name)
+    async def init_weights_update_group(self, body: dict[str, Any]) -> web.Response:
+        check_group_numbers(body)
         ok, message = await asyncio.to_thread(
             self.receiver.init_group, master_address=body["master_address"], master_port=body["master_port"],
             rank_offset=body["rank_offset"], world_size=body["world_size"],
             group_name=body.get("group_name", "weight_update_group"), backend=body.get("backend", "nccl"))
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await read_object(request)
+    async def destroy_weights_update_group(self, body: dict[str, Any]) -> web.Response:
         ok, message = await asyncio.to_thread(self.receiver.destroy_group, body.get("group_name", "weight_update_group"))
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await read_object(request, empty_ok=False)
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> web.Response:
         problem = check_update_payload(body)
         if problem is not None:
             return web.json_response({"success": False, "message": problem}, status=400)
@@ -268,17 +256,14 @@ class EngineServer:
             load_format=body.get("load_format"))
         return update_response(ok, message, sums)
 
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+    async def update_weights_from_tensor(self, body: dict[str, Any]) -> web.Response:
         """SGLang's colocated route; here `serialized_named_tensors` holds shared-memory bucket handles."""
-        body = await read_object(request, empty_ok=False)
-        handles = body.get("serialized_named_tensors")
-        if not isinstance(handles, list) or not all(isinstance(h, str) for h in handles):
+        handles = body["serialized_named_tensors"]
+        if not all(isinstance(h, str) for h in handles):
             return update_response(False, "serialized_named_tensors must be a list of base64 strings", None)
         if body.get("load_format") != "flattened_bucket":
             return update_response(False, f"load_format {body.get('load_format')!r} is not supported by the embedded "
                                           "engine; send shared-memory buckets with load_format 'flattened_bucket'", None)
-        if (problem := check_weight_version(body)) is not None:
-            return update_response(False, problem, None)
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
         try:
@@ -286,31 +271,23 @@ class EngineServer:
                                                         weight_version=body.get("weight_version"))
         except (ValueError, OSError) as e:  # a bad or stale handle: refused, nothing loaded
             return update_response(False, str(e), None)
+        except (KeyError, TypeError) as e:  # a handle of the right kind missing or mistyping a field
+            return update_response(False, f"serialized_named_tensors[0] is not a complete handle ({e!r})", None)
         return update_response(ok, message, sums)
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await read_object(request, empty_ok=False)
-        if not isinstance(body.get("model_path"), str):
-            return update_response(False, f"model_path must be a string, got {body.get('model_path')!r}", None)
-        if (problem := check_weight_version(body)) is not None:
-            return update_response(False, problem, None)
+    async def update_weights_from_disk(self, body: dict[str, Any]) -> web.Response:
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
         ok, message, sums = await asyncio.to_thread(self.receiver.update_from_disk, model_path=body["model_path"],
                                                     weight_version=body.get("weight_version"))
         return update_response(ok, message, sums, num_paused_requests=0)
 
-    async def weights_checker(self, request: web.Request) -> web.Response:
-        body = await read_object(request)
+    async def weights_checker(self, body: dict[str, Any]) -> web.Response:
         answer = await asyncio.to_thread(self.receiver.check_weights, body.get("action", "checksum"))
         return web.json_response(answer, status=200 if answer["success"] else 400)
 
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await read_object(request, empty_ok=False)
-        version = body.get("new_version")
-        if not isinstance(version, str):
-            return web.json_response({"success": False, "message": f"new_version must be a string, got {version!r}"},
-                                     status=400)
+    async def update_weight_version(self, body: dict[str, Any]) -> web.Response:
+        version = body["new_version"]
         if body.get("abort_all_requests", True):
             self.runner.abort(abort_all=True)
         self.runner.set_weight_version(version)

@@ -209,6 +209,8 @@ def check_update_payload(body: Any) -> str | None:
     for name in ("names", "dtypes", "shapes"):
         if not isinstance(body.get(name), list):
             return f"{name} must be a list (one entry per tensor)"
+    if not all(isinstance(name, str) for name in body["names"]):
+        return "names must be a list of strings (parameter names)"
     if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
         return (f"names, dtypes and shapes must have the same length, got {len(body['names'])}, "
                 f"{len(body['dtypes'])} and {len(body['shapes'])}")
