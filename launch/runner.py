@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def run(cfg: SluiceConfig) -> Path:
         from glue.colocation import make_colocation
 
         colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
-                                     timeout_s=cfg.sync.timeout_s)
+                                     timeout_s=cfg.sync.timeout_s, api_key=fleet.api_key,
+                                     admin_api_key=fleet.admin_api_key)
         # Start-up succeeded: only now does a previous run's record give way to this one (or get cut back to the
         # checkpoint this run continues from).
         resume_state = restore(cfg, resume_from, trainer=trainer, client=client, colocation=colocation)
@@ -248,12 +250,17 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     from glue.trainer.group import TrainerGroup
     import weight_sync
 
+    # Every engine and the router ask for keys (SGLang's --api-key / --admin-api-key, new per run unless set under
+    # sglang:): weight, memory and pause routes take the admin key only, which no one outside this run holds.
+    api_key = cfg.sglang.get("api_key") or secrets.token_urlsafe(24)
+    admin_api_key = cfg.sglang.get("admin_api_key") or secrets.token_urlsafe(24)
     fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
                          router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
                          engine_command=plan.engine_command, engine_args=plan.engine_args,
                          router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
-                         engine_hosts=[engine_host_options(placement, e) for e in plan.engines])
+                         engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
+                         api_key=api_key, admin_api_key=admin_api_key)
     stack.callback(fleet.stop)
     fleet.start()
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
@@ -261,11 +268,12 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     stack.callback(trainer.shutdown)
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
-    client = EngineClient(fleet.router_url, fleet.engine_urls)
+    client = EngineClient(fleet.router_url, fleet.engine_urls, api_key=api_key, admin_api_key=admin_api_key)
     stack.callback(lambda: loop.run_until_complete(client.close()))
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
                                      disk_dir=str(run_dir / "weights"),
-                                     engine_tp_size=cfg.cluster.engine_tensor_parallel_size)
+                                     engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
+                                     api_key=api_key, admin_api_key=admin_api_key)
     stack.callback(bridge.close)
     if getattr(bridge.transport, "address", None) is not None:
         host, port = bridge.transport.address

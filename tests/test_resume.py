@@ -2,6 +2,7 @@
 finished run has trained every prompt exactly once, logged every step exactly once, kept the staleness bound right
 after the resume, and exported its final policy as an HF checkpoint."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,13 +73,19 @@ def kill_after_checkpoint(tmp_path, command) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_killed_after_a_checkpoint_resumes_without_losing_or_repeating_a_prompt_or_a_step(tmp_path, mode):
-    config = "examples/configs/demo.yaml" if mode == "sync" else "examples/configs/demo_async.yaml"
-    logged_before_kill = kill_after_checkpoint(tmp_path, sluice(tmp_path, config))
-    assert logged_before_kill >= 3  # step 3 (after checkpoint 2) was logged, so the resume must cut it back
-    done = subprocess.run(sluice(tmp_path, config), cwd=REPO, capture_output=True, text=True, timeout=400,
+    # rewards take 0.2-1.0 s (demo_async's task), so a step lasts long enough to be killed in the middle of the run
+    mode_args = ["run.mode=sync", "sync.max_staleness=0"] if mode == "sync" else []
+    command = sluice(tmp_path, "examples/configs/demo_async.yaml", *mode_args)
+    logged_before_kill = kill_after_checkpoint(tmp_path, command)
+    assert logged_before_kill >= 3  # it logged past checkpoint 2: the resume must cut metrics back to its checkpoint
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "sluice: resuming from" in done.stdout and "step_00000002 (step 2, policy version 2)" in done.stdout
+    resumed = re.search(r"sluice: resuming from \S+/step_(\d+) \(step (\d+), policy version (\d+)\)", done.stdout)
+    assert resumed, done.stdout[-2000:]
+    step = int(resumed.group(2))
+    assert int(resumed.group(1)) == step == int(resumed.group(3))
+    assert step in (2, 4) and step <= logged_before_kill  # a checkpoint is written after its step is logged
     records = read_metrics(tmp_path / "r/metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step logged once
     assert [r["weights/version"] for r in records] == list(range(1, STEPS + 1))
