@@ -18,11 +18,12 @@ import torch
 from conftest import REPO_ROOT
 
 
-def call(url: str, path: str, body: dict | None = None, method: str | None = None, timeout: float = 60.0):
+def call(url: str, path: str, body: dict | None = None, method: str | None = None, timeout: float = 60.0,
+         headers: dict[str, str] | None = None):
     """(status, parsed JSON or text) for one HTTP call; non-2xx answers are returned, not raised."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method=method or ("GET" if body is None else "POST"),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = r.status, r.read()

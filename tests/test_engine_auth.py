@@ -9,14 +9,13 @@ import http.client
 import importlib.util
 import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from glue.embedded_engine.auth import presents_key, required_key
+from test_embedded_engine import call
 from glue.embedded_engine.routes import ROUTES
 
 API_KEY, ADMIN_KEY = "sluice-api-key-1", "sluice-admin-key-2"
@@ -26,21 +25,10 @@ GREEDY = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2, "temp
 def send(url: str, path: str, body: dict | None = None, *, key: str | None = None, method: str | None = None,
          authorization: str | None = None) -> tuple[int, object]:
     """(status, parsed JSON or text) of one call; `key` sends `Authorization: Bearer <key>`."""
-    headers = {"Content-Type": "application/json"}
+    headers = {}
     if key is not None or authorization is not None:
         headers["Authorization"] = authorization if authorization is not None else f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers=headers,
-                                 method=method or ("GET" if body is None else "POST"))
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, raw.decode(errors="replace")
+    return call(url, path, body, method=method, headers=headers)
 
 
 # ---------------------------------------------------------------- the rules, against SGLang's source
