@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -186,3 +187,20 @@ def sglang_request_fields(class_name: str) -> set[str]:
 def test_the_client_sends_only_fields_sglang_defines():
     assert {"input_ids", "sampling_params", "return_logprob"} <= sglang_request_fields("GenerateReqInput")
     assert {"mode"} <= sglang_request_fields("PauseGenerationReqInput")
+
+
+def test_a_chatty_process_log_rotates_instead_of_growing_without_bound(tmp_path):
+    """The router writes a line per request; its log (like every process log the fleet keeps) stays bounded."""
+    from glue.fleet import RotatingLog
+
+    log = RotatingLog(tmp_path / "router.log", max_bytes=10_000, backups=2)
+    script = "import sys\nfor i in range(5000): print(f'request {i:05d} routed to worker', flush=True)"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log.write_fd, stderr=subprocess.STDOUT)
+    os.close(log.write_fd)
+    assert proc.wait(timeout=60) == 0
+    log.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["router.log", "router.log.1", "router.log.2"]  # 5000 x 34 bytes written, 3 x ~10 kB kept
+    assert all((tmp_path / f).stat().st_size < 10_000 + (1 << 16) for f in files)
+    assert log.tail(1) == "request 04999 routed to worker"  # the newest line is in the live file
+    assert (tmp_path / "router.log.2").read_text().startswith("request ")
