@@ -72,10 +72,18 @@ class RemoteEngine:
 
         return ray.get(self._actor.log_tail.remote(lines))
 
-    def check_alive(self) -> None:
+    def exit_code(self) -> int | None:
+        """The engine's exit code, None while it runs (-1 when its host actor is gone, and the engine with it)."""
         import ray
+        from ray.exceptions import RayActorError
 
-        code = ray.get(self._actor.exit_code.remote())
+        try:
+            return ray.get(self._actor.exit_code.remote())
+        except RayActorError:
+            return -1
+
+    def check_alive(self) -> None:
+        code = self.exit_code()
         if code is not None:
             raise RuntimeError(f"{self.name} exited with code {code} during start-up; command: {' '.join(self.cmd)}\n"
                                f"last lines of {self.log_path}:\n{self.log_tail()}")

@@ -56,6 +56,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class ProcessDied(RuntimeError):
+    """A process the run depends on (engine, router, trainer rank) is gone; the message names it and its log."""
+
+
 class RotatingLog:
     """A child's stdout and stderr, through a pipe, into `path`; once it holds `max_bytes` it becomes `path.1` (the
     older ones shift up to `path.<backups>`, the oldest is dropped), so a chatty process (the router logs a line per
@@ -130,6 +134,9 @@ class _Managed:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
 
     def log_tail(self, lines: int = 30) -> str:
         return self._log.tail(lines)
@@ -343,6 +350,11 @@ class RolloutFleet:
             engine.kill()
             raise
         return url
+
+    def exited(self) -> list[str]:
+        """One line per started process (engine or router) that is no longer running: its name, exit code, log."""
+        return [f"{m.name} exited with code {code}; its log: {m.log_path}" for m in self._processes()
+                if (code := m.exit_code()) is not None]
 
     def stop(self) -> None:
         """SIGTERM every process group this fleet started (router first), SIGKILL what is left after

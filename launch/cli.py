@@ -137,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict()}, sort_keys=False, width=1000), end="")
         return 0
+    from glue.fleet import ProcessDied
     from glue.stream import RolloutFailed
     from launch.cluster import ClusterError
     from launch.runner import run
 
     try:
         run(cfg)
+    except ProcessDied as err:
+        print(f"sluice: error: {err}. Every other process it started is stopped; the same command resumes from the "
+              f"last checkpoint in {cfg.run_dir / 'checkpoints'} (run.resume=auto)", file=sys.stderr)
+        return 1
     except ConfigError as err:  # found at start-up: the run folder, the model path
         print(f"sluice: config error: {err}", file=sys.stderr)
         return 2

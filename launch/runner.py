@@ -45,7 +45,7 @@ def run(cfg: SluiceConfig) -> Path:
         progress = stack.enter_context(_progress_bar(cfg))
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
                                                  colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
-                                                 resume_state=resume_state))
+                                                 resume_state=resume_state, fleet=fleet))
         stop.armed = True
         try:
             last_step = loop.run_until_complete(training)
@@ -119,7 +119,7 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
     return state
 
 
-async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress,
+async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, fleet,
                        stop=lambda: False, resume_state: dict | None = None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     from glue.buffer import RolloutBuffer
@@ -150,11 +150,47 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
                              stale=f"{record['staleness/max']:.0f}")
 
-    return await run_loop(num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client,
-                          phases=colocation, loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"),
-                          pause_mode=cfg.sync.pause_mode, on_step=on_step, stop=stop, first_step=first_step,
-                          checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                                                  interval=cfg.run.save_interval))
+    training = asyncio.ensure_future(run_loop(
+        num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client, phases=colocation,
+        loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), pause_mode=cfg.sync.pause_mode,
+        on_step=on_step, stop=stop, first_step=first_step,
+        checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
+                                interval=cfg.run.save_interval)))
+    return await watched(training, fleet)
+
+
+async def watched(training: asyncio.Future, fleet, poll_s: float = 2.0) -> int:
+    """Await `training` while checking every `poll_s` that the engines and the router still run. A death ends the
+    run with ProcessDied naming the process and its log (as does a training error once one of them died, or a dead
+    trainer rank), instead of a traceback from whichever call met it first."""
+    from ray.exceptions import RayActorError
+
+    from glue.fleet import ProcessDied
+
+    async def watch() -> None:
+        while not (dead := await asyncio.to_thread(fleet.exited)):
+            await asyncio.sleep(poll_s)
+        raise ProcessDied("; ".join(dead))
+
+    watchdog = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({training, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+        if not training.done():
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+            watchdog.result()
+        try:
+            return training.result()
+        except RayActorError as err:
+            raise ProcessDied(f"a trainer rank died: {str(err).strip().splitlines()[0]}") from err
+        except Exception as err:
+            dead = fleet.exited()
+            if dead:
+                raise ProcessDied("; ".join(dead)) from err
+            raise
+    finally:
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)
 
 
 def _progress_bar(cfg: SluiceConfig):

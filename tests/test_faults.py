@@ -1,0 +1,57 @@
+"""A process the run depends on dies: the run ends within seconds with one line naming it and its log, stops
+everything else, and the same command resumes from the last checkpoint."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from glue.metrics import read_metrics
+from tests.test_async_end_to_end import descendants, is_alive
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_run_ends_it_with_one_line_naming_the_engine_and_its_log(tmp_path):
+    metrics = tmp_path / "f" / "metrics.jsonl"
+    command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", "run.mode=sync",
+               "sync.max_staleness=0", f"run.output_dir={tmp_path}", "run.name=f", "run.num_steps=200",
+               "rollout.prompts_per_step=4", "run.save_interval=2"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen |= descendants(proc.pid)
+            if metrics.exists() and len(read_metrics(metrics)) >= 2:
+                break
+            time.sleep(0.3)
+        engines = [p for p in descendants(proc.pid)
+                   if b"glue.embedded_engine" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
+        assert len(engines) == 2, engines
+        victim = max(engines)  # started second: engine 1
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("sluice: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert re.match(r"sluice: error: engine \d \(http://[\d.]+:\d+\) exited with code -9; its log: \S+/logs/"
+                    r"engine_\d\.log\. Every other process it started is stopped; the same command resumes", errors[0])
+    print(errors[0], f"(ended {took:.1f} s after the kill)")
+    assert took < 30, took  # detected within seconds (the watchdog polls every 2 s)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(is_alive(p) for p in seen):
+        time.sleep(0.5)
+    assert not [p for p in seen if is_alive(p)], "processes left running after an engine died"
