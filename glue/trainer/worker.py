@@ -270,66 +270,18 @@ class TrainerWorker:
         """Every weight as a full HF-named CPU tensor on rank 0, {} elsewhere (collective: every rank calls it)."""
         return full_hf_state(self.model, self.hf_config, self.place, keep=self.rank == 0)
 
-    # ---- checkpoints: HF weights (any layout reloads them), optimizer state and RNG per rank (same layout) ----
+    # ---- checkpoints (glue.trainer.checkpointing): HF weights, optimizer and RNG state per rank ----
     def save_checkpoint(self, directory: str) -> None:
-        """Collective. Rank 0 writes every weight as an HF safetensors checkpoint into `directory`/hf (config and
-        tokenizer files copied from the initial model); each rank writes its optimizer state, RNG state and version
-        into `directory`/trainer/rank_<r>.pt. An offloaded trainer (colocated placement: the engines hold the devices
-        now) is brought back for the gather and offloaded again; on GPU that needs room next to the engines."""
-        offloaded = self._offloaded is not None
-        if offloaded:
-            self.onload()
-        try:
-            state = self.full_hf_state()
-            self._write_checkpoint(directory, state)
-        finally:
-            if offloaded:
-                self.offload()
+        """Collective: this rank's part of a checkpoint into `directory`."""
+        from glue.trainer.checkpointing import save_rank
 
-    def _write_checkpoint(self, directory: str, state: dict[str, torch.Tensor]) -> None:
-        import shutil
-
-        from safetensors.torch import save_file
-
-        if self.rank == 0:
-            hf = os.path.join(directory, "hf")
-            os.makedirs(hf, exist_ok=True)
-            for name in os.listdir(self.model_path):
-                if not name.endswith((".safetensors", ".bin", ".pt")) and name != "model.safetensors.index.json":
-                    source = os.path.join(self.model_path, name)
-                    if os.path.isfile(source):
-                        shutil.copy(source, hf)
-            save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(hf, "model.safetensors"),
-                      metadata={"format": "pt"})
-        os.makedirs(os.path.join(directory, "trainer"), exist_ok=True)
-        torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "version": self.version, "layout": self._layout_key()},
-                   os.path.join(directory, "trainer", f"rank_{self.rank:05d}.pt"))
+        save_rank(self, directory)
 
     def load_checkpoint(self, directory: str) -> int:
-        """Load what `save_checkpoint` wrote: the weights (at this rank's layout, whatever the saving layout), and
-        this rank's optimizer and RNG state, which need the layout the checkpoint was taken at. Returns the version."""
-        from glue.trainer import model
+        """This rank's part of the checkpoint in `directory`; returns the policy version it was taken at."""
+        from glue.trainer.checkpointing import load_rank
 
-        path = os.path.join(directory, "trainer", f"rank_{self.rank:05d}.pt")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} is missing: the checkpoint was taken with fewer trainer ranks")
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-        if saved["layout"] != self._layout_key():
-            raise ValueError(f"checkpoint {directory} was taken at trainer layout {saved['layout']}, this run is "
-                             f"{self._layout_key()}: the optimizer state is per rank, so resume at the same layout "
-                             "(the weights alone reshard: start a new run with model.path=<checkpoint>/hf)")
-        model.load_hf_weights(self.model, os.path.join(directory, "hf"), self.hf_config, self.place.layout())
-        self.optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["torch_rng"])
-        self.version = int(saved["version"])
-        if self._snapshots is not None:
-            self._snapshots.save(self.version, self.model)
-        return self.version
-
-    def _layout_key(self) -> dict[str, int]:
-        p = self.place
-        return {"world_size": self.world_size, "tp": p.tp_size, "dp": p.dp_size, "ep": p.ep_size, "etp": p.etp_size}
+        return load_rank(self, directory)
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str = "gloo") -> None:
