@@ -48,6 +48,46 @@ def live_processes() -> dict[int, tuple[str, list[str]]]:
     return found
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    parents = {p: int(fields[1]) for p, (_, fields) in live_processes().items()}
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def sluice_run(command: list[str], ready, *, timeout_s: float = 240, **popen):
+    """`command` (a `python -m launch ...` run) in a session of its own: waits until `ready()` holds or the process
+    ends, then yields (process, every pid seen below it so far, a set to extend); kills it on the way out if it
+    still runs."""
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, **popen)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen |= descendants(proc.pid)
+            if ready():
+                break
+            time.sleep(0.2)
+        seen |= descendants(proc.pid)
+        yield proc, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def is_gone(pid: int) -> bool:
     """True when neither the process nor anything left in its process group exists."""
     try:

@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import live_processes
+from conftest import is_alive, sluice_run
 from glue.metrics import read_metrics
 from launch.config import load_config
 from launch.runner import run
 from tests.test_end_to_end import live_children
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -37,51 +35,19 @@ def test_an_async_run_learns_and_never_trains_a_token_beyond_max_staleness(tmp_p
     assert set(live_children(os.getpid())) <= before, "processes left running after the run"
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (children, their children, ...)."""
-    parents = {p: int(fields[1]) for p, (_, fields) in live_processes().items()}
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def signal_mid_run(tmp_path, config: str, signals: list[int], *, after_steps: int = 3, overrides=()):
     """Start `sluice` as a process, send `signals` (one after another) once `after_steps` steps are logged, and
     return (exit code, output, metrics records, processes still alive among those that ran below it)."""
     metrics = tmp_path / "stop" / "metrics.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "--config", config, f"run.output_dir={tmp_path}", "run.name=stop",
-         "run.num_steps=200", "rollout.prompts_per_step=4", *overrides],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    seen: set[int] = set()
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            seen |= descendants(proc.pid)
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps:
-                break
-            time.sleep(0.5)
+    command = [sys.executable, "-m", "launch", "--config", config, f"run.output_dir={tmp_path}", "run.name=stop",
+               "run.num_steps=200", "rollout.prompts_per_step=4", *overrides]
+    with sluice_run(command, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as (proc, seen):
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert metrics.exists(), f"the run did not reach step {after_steps} in time"
-        seen |= descendants(proc.pid)
         for sig in signals:
             proc.send_signal(sig)
             time.sleep(0.2)
         output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert len(seen) >= 3, f"expected engines, router and Ray below the driver, saw {seen}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(is_alive(p) for p in seen):

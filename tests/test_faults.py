@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import descendants, is_alive, sluice_run
 from glue.metrics import read_metrics
-from tests.test_async_end_to_end import descendants, is_alive
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -22,16 +20,8 @@ def test_an_engine_killed_mid_run_ends_it_with_one_line_naming_the_engine_and_it
     command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", "run.mode=sync",
                "sync.max_staleness=0", f"run.output_dir={tmp_path}", "run.name=f", "run.num_steps=200",
                "rollout.prompts_per_step=4", "run.save_interval=2"]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    seen: set[int] = set()
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            seen |= descendants(proc.pid)
-            if metrics.exists() and len(read_metrics(metrics)) >= 2:
-                break
-            time.sleep(0.3)
+    with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 2,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, seen):
         engines = [p for p in descendants(proc.pid)
                    if b"glue.embedded_engine" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
         assert len(engines) == 2, engines
@@ -40,10 +30,6 @@ def test_an_engine_killed_mid_run_ends_it_with_one_line_naming_the_engine_and_it
         os.kill(victim, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
         took = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("sluice: error:")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import is_alive, sluice_run
 from glue.metrics import read_metrics
-from tests.test_async_end_to_end import descendants, is_alive
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, GROUPS = 6, 4
@@ -36,24 +36,17 @@ def kill_after_checkpoint(tmp_path, command) -> int:
     """Start `command`, SIGKILL it once checkpoint 2 exists and step 3 is logged; returns the steps it had logged.
     Every process below it must be gone within 60 s (the engines and router follow their parent)."""
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    seen: set[int] = set()
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            seen |= descendants(proc.pid)
-            logged = len(read_metrics(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else 0
-            if (run_dir / "checkpoints/step_00000002/state.json").exists() and logged >= 3:
-                break
-            time.sleep(0.2)
+
+    def checkpoint_2_and_step_3() -> bool:
+        logged = len(read_metrics(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else 0
+        return (run_dir / "checkpoints/step_00000002/state.json").exists() and logged >= 3
+
+    with sluice_run(command, checkpoint_2_and_step_3, timeout_s=300, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL) as (proc, seen):
         assert proc.poll() is None, "the run ended before it could be killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
     def alive() -> dict[int, str]:
         return {p: (Path("/proc") / str(p) / "cmdline").read_bytes().split(b"\0")[0].decode() for p in seen
                 if is_alive(p)}
