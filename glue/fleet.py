@@ -200,10 +200,11 @@ class RolloutFleet:
         self.engine_startup_timeout_s = engine_startup_timeout_s
         self.router_startup_timeout_s = router_startup_timeout_s
         self.api_key, self.admin_api_key = api_key, admin_api_key
-        key_args = [*(["--api-key", api_key] if api_key else []),
-                    *(["--admin-api-key", admin_api_key] if admin_api_key else [])]
+        # `--flag=value`: a key may begin with '-', which a separate argument would turn into a flag
+        key_args = [*([f"--api-key={api_key}"] if api_key else []),
+                    *([f"--admin-api-key={admin_api_key}"] if admin_api_key else [])]
         self.engine_args = list(engine_args) + key_args
-        self.router_args = list(router_args) + (["--api-key", api_key] if api_key else [])
+        self.router_args = list(router_args) + ([f"--api-key={api_key}"] if api_key else [])
         self.engine_env = list(engine_env)  # per engine index, e.g. its CUDA_VISIBLE_DEVICES from the placement
         self.engine_hosts = list(engine_hosts)
         if self.engine_hosts and len(self.engine_hosts) != num_engines:

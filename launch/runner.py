@@ -288,8 +288,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
 
     # Every engine and the router ask for keys (SGLang's --api-key / --admin-api-key, new per run unless set under
     # sglang:): weight, memory and pause routes take the admin key only, which no one outside this run holds.
-    api_key = cfg.sglang.get("api_key") or secrets.token_urlsafe(24)
-    admin_api_key = cfg.sglang.get("admin_api_key") or secrets.token_urlsafe(24)
+    api_key = cfg.sglang.get("api_key") or secrets.token_hex(24)
+    admin_api_key = cfg.sglang.get("admin_api_key") or secrets.token_hex(24)
     fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
                          router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",

@@ -18,7 +18,7 @@ from glue.embedded_engine.auth import presents_key, required_key
 from test_embedded_engine import call
 from glue.embedded_engine.routes import ROUTES
 
-API_KEY, ADMIN_KEY = "sluice-api-key-1", "sluice-admin-key-2"
+API_KEY, ADMIN_KEY = "-sluice-api-key-1", "-sluice-admin-key-2"  # a leading "-" once broke the command line
 GREEDY = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
 
 
@@ -120,17 +120,17 @@ def test_a_non_ascii_token_is_refused_where_sglang_raises(sglang_srt):
 # ---------------------------------------------------------------- engines started with keys
 @pytest.fixture(scope="module")
 def keyed_engine(engine_processes, tiny_model_dir) -> str:
-    return engine_processes.start(tiny_model_dir, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
+    return engine_processes.start(tiny_model_dir, f"--api-key={API_KEY}", f"--admin-api-key={ADMIN_KEY}")
 
 
 @pytest.fixture(scope="module")
 def api_key_only_engine(engine_processes, tiny_model_dir) -> str:
-    return engine_processes.start(tiny_model_dir, "--api-key", API_KEY)
+    return engine_processes.start(tiny_model_dir, f"--api-key={API_KEY}")
 
 
 @pytest.fixture(scope="module")
 def admin_key_only_engine(engine_processes, tiny_model_dir) -> str:
-    return engine_processes.start(tiny_model_dir, "--admin-api-key", ADMIN_KEY)
+    return engine_processes.start(tiny_model_dir, f"--admin-api-key={ADMIN_KEY}")
 
 
 def test_generation_needs_the_api_key_and_the_admin_key_does_not_open_it(keyed_engine):
