@@ -19,6 +19,10 @@ setup(
         "aiohttp>=3.9",
         "tqdm",
         "numpy",
+        "tokenizers",  # the model directory's tokenizer and chat template (text tasks)
+        "math-verify>=0.7",  # the math reward's answer checker
+        "pyarrow",  # Parquet data sets
+        "openai>=1.0",  # agents written against the OpenAI client train through the fleet
     ],
     extras_require={
         "gpu": ["sglang", "transformer-engine"],
