@@ -48,6 +48,9 @@ class RolloutConfig:
     engine_startup_timeout_s: float = 120.0  # an engine not healthy by then fails the run with its log tail
     group_timeout_s: float | None = 3600.0  # a group still generating after this is cut and counted FAILED; null: no limit
     max_failed_frac: float = 0.5  # the run stops when more than this share of a step's groups fail (raise or time out)
+    max_engine_restarts: int = 3  # engines that die or hang are restarted this many times per run, then the run stops
+    health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate)
+    health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "prompts_per_step", "samples_per_prompt"):
@@ -57,6 +60,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_concurrent_groups must be >= 1 or null, got {self.max_concurrent_groups}")
         if self.buffer_order not in ("fifo", "newest_first"):
             raise ValueError(f"rollout.buffer_order must be 'fifo' or 'newest_first', got {self.buffer_order!r}")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"rollout.max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        for name in ("health_check_interval_s", "health_check_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
         if self.group_timeout_s is not None and not self.group_timeout_s > 0:
             raise ValueError(f"rollout.group_timeout_s must be > 0 or null, got {self.group_timeout_s}")
         if not 0 <= self.max_failed_frac < 1:

@@ -31,10 +31,13 @@ class FleetControl(Protocol):
 async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, fleet: FleetControl,
                    phases: Colocation, loss_cfg: Any, logger: MetricsLogger, pause_mode: str = "retract",
                    on_step: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False,
-                   checkpoints: Checkpoints | None = None, first_step: int = 1) -> int:
+                   checkpoints: Checkpoints | None = None, first_step: int = 1,
+                   sync_guard: Callable[[Callable[[], None]], None] = lambda sync: sync(),
+                   extra_metrics: Callable[[], dict[str, float]] = dict) -> int:
     """Train steps `first_step`..`num_steps`, or until `stop()` holds after a step (a checkpoint is written then,
     as at the last step and every `checkpoints.interval`); returns the last step trained. Every trained token is
-    at most `stream.gate.max_staleness` versions old."""
+    at most `stream.gate.max_staleness` versions old. `sync_guard(sync)` runs each weight sync (in a worker thread;
+    glue.fleet_watch keeps it apart from engine restarts); `extra_metrics()` adds to every step's record."""
     gate = stream.gate
     phases.before_rollout()
     stream.start()
@@ -49,12 +52,13 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             stream.trained(trainer.version)
             if gate.should_sync():
                 with timer("sync"):
-                    await stream.sync(lambda: sync_weights(fleet, phases, trainer.version, pause_mode), trainer.version)
+                    await stream.sync(lambda: sync_guard(lambda: sync_weights(fleet, phases, trainer.version,
+                                                                              pause_mode)), trainer.version)
             wall = time.perf_counter() - started
             record = {"step": step, **rollout_metrics(groups), **train_metrics, **staleness, **stream.metrics(wall),
                       **timer.metrics, **phases.metrics(), "time/step_s": wall,
                       "time/trainer_idle_frac": timer.metrics["time/rollout_s"] / wall,
-                      "weights/version": trainer.version}
+                      "weights/version": trainer.version, **extra_metrics()}
             logger.log(record)
             if on_step is not None:
                 on_step(record)

@@ -29,6 +29,9 @@ class GenerateClient(Protocol):
         ...
 
 
+RETRIED_STATUSES = (502, 503, 504)  # the router had no engine to take the request: worth sending again
+
+
 class EngineHTTPError(RuntimeError):
     """An engine or the router answered with a non-2xx status."""
 
@@ -55,23 +58,25 @@ def weight_version_to_int(version: Any) -> int:
 
 
 class EngineClient:
-    """`generate` through the router; control calls to each engine. Connection errors on generate are retried
-    (`max_connect_retries` times, counted in `connect_retries`); HTTP errors are not retried.
+    """`generate` through the router; control calls to each engine. Connection errors on generate, and the
+    router's 502 / 503 / 504 (no engine could take the request, e.g. the only one died and is being restarted), are
+    retried `max_connect_retries` times with a growing pause (counted in `connect_retries`); other HTTP errors are
+    not. `engine_urls` is held, not copied: the fleet replaces a restarted engine's url in that list.
 
     `api_key` / `admin_api_key`: the keys the engines (and the router, `--api-key`) were started with, sent as
     `Authorization: Bearer` on generation / info calls and on control calls (SGLang's admin routes) respectively."""
 
     def __init__(self, router_url: str, engine_urls: list[str], *, request_timeout_s: float = 3600.0,
-                 control_timeout_s: float = 60.0, max_connect_retries: int = 3, retry_backoff_s: float = 0.5,
+                 control_timeout_s: float = 60.0, max_connect_retries: int = 6, retry_backoff_s: float = 0.5,
                  api_key: str | None = None, admin_api_key: str | None = None):
         self.router_url = router_url.rstrip("/")
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.engine_urls = engine_urls
         self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.max_connect_retries = max_connect_retries
         self.retry_backoff_s = retry_backoff_s
-        self.connect_retries = 0  # metric: connection errors retried on generate
+        self.connect_retries = 0  # metric: generate requests sent again after a connection error or a 502-504
         self.pauses = 0  # pause_generation calls so far: a generate spanning one must say where versions change
         self._session: "aiohttp.ClientSession | None" = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -114,15 +119,17 @@ class EngineClient:
                     if resp.status // 100 != 2:
                         raise EngineHTTPError(url, resp.status, body)
                     return self._checked_versions(json.loads(body), pauses_before)
-            except (aiohttp.ClientConnectionError, ConnectionError) as err:
+            except (aiohttp.ClientConnectionError, ConnectionError, EngineHTTPError) as err:
+                if isinstance(err, EngineHTTPError) and err.status not in RETRIED_STATUSES:
+                    raise
                 if attempt >= self.max_connect_retries:
                     raise ConnectionError(
-                        f"generate: cannot reach the router at {url} after {attempt + 1} attempts ({err}); "
+                        f"generate: the router at {url} could not serve it after {attempt + 1} attempts ({err}); "
                         "is the fleet running?"
                     ) from err
                 attempt += 1
                 self.connect_retries += 1
-                await asyncio.sleep(self.retry_backoff_s * attempt)
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
 
     def _checked_versions(self, answer: Any, pauses_before: int) -> Any:
         """Refuse an answer that a sync may have split without saying where: SGLang servers report one

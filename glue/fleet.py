@@ -217,6 +217,8 @@ class RolloutFleet:
         self._engines: list[_Managed] = []
         self._router: _Managed | None = None
         self.started_pids: list[int] = []  # every pid this fleet ever started (kept after stop, for checks)
+        self.restarts = 0  # engines replaced by replace_engine
+        self._metrics_port: int | None = None  # the router's Prometheus exporter
 
     @property
     def pids(self) -> list[int]:
@@ -253,12 +255,13 @@ class RolloutFleet:
         ports = free_ports(self.num_engines + 1, self.host)
         self._router_port = ports[-1]
         for i, port in enumerate(ports[:-1]):
-            self._launch_engine(i, port)
+            self._engines.append(self._launch_engine(i, port))
+            self.engine_urls.append(self._engines[-1].url)
 
-    def _launch_engine(self, i: int, port: int | None = None) -> None:
+    def _launch_engine(self, i: int, port: int | None = None) -> Any:
         """Start engine i: through its host actor on its bundle's node (which picks the address and port there),
-        or as a child process on `self.host:port`. A replacement engine (i >= num_engines) reuses the bundle of
-        engine i % num_engines."""
+        or as a child process on `self.host:port`. A late engine (i >= num_engines) reuses the bundle of engine
+        i % num_engines; a replacement keeps its index, bundle and log file."""
         log_path = self.log_dir / f"engine_{i}.log"
         env = self.engine_env[i % len(self.engine_env)] if self.engine_env else None
         if self.engine_hosts:
@@ -273,13 +276,14 @@ class RolloutFleet:
             cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
                    *self.engine_args]
             engine = _Managed(f"engine {i} ({url})", cmd, log_path, env, url=url)
-        self._engines.append(engine)
-        self.engine_urls.append(engine.url)
         self.started_pids.append(engine.pid)
+        return engine
 
-    def _wait_engines_healthy(self) -> None:
+    def _wait_engines_healthy(self, indices: Sequence[int] | None = None) -> None:
+        """Wait until engines `indices` (default: all) answer GET /health."""
         deadline = time.monotonic() + self.engine_startup_timeout_s
-        pending = dict(zip(self.engine_urls, self._engines))
+        pending = {self.engine_urls[i]: self._engines[i]
+                   for i in (range(len(self._engines)) if indices is None else indices)}
         while pending:
             for url, engine in list(pending.items()):
                 engine.check_alive()
@@ -298,9 +302,11 @@ class RolloutFleet:
         self.router_url = f"http://{self.host}:{self._router_port}"
         cmd = [*self.router_command, "--host", self.host, "--port", str(self._router_port),
                "--policy", self.router_policy, "--worker-urls", *self.engine_urls, *self.router_args]
-        if "--prometheus-port" not in self.router_args:
-            # The router's metrics exporter has a fixed default port: two routers on one machine would collide.
-            cmd += ["--prometheus-port", str(free_ports(1, self.host)[0])]
+        if "--prometheus-port" in self.router_args:
+            self._metrics_port = int(self.router_args[self.router_args.index("--prometheus-port") + 1])
+        else:  # the router's metrics exporter has a fixed default port: two routers on one machine would collide
+            self._metrics_port = free_ports(1, self.host)[0]
+            cmd += ["--prometheus-port", str(self._metrics_port)]
         self._router = _Managed(f"router ({self.router_url})", cmd, self.log_dir / "router.log")
         self.started_pids.append(self._router.proc.pid)
 
@@ -333,29 +339,84 @@ class RolloutFleet:
         (`POST /workers`); returns its url. If `prepare` fails the engine is stopped and never routed to."""
         if self._router is None:
             raise RuntimeError("RolloutFleet.add_engine needs a started fleet; call start() first")
-        self._launch_engine(len(self._engines))
-        url = self.engine_urls[-1]
+        self._engines.append(self._launch_engine(len(self._engines)))
+        self.engine_urls.append(self._engines[-1].url)
         try:
-            self._wait_engines_healthy()
-            if prepare is not None:
-                prepare(url)
-            worker = {"url": url, **({"api_key": self.api_key} if self.api_key else {})}  # the router's key for it
-            request = urllib.request.Request(f"{self.router_url}/workers", data=json.dumps(worker).encode(),
-                                             headers={"Content-Type": "application/json", **bearer(self.api_key)})
+            self._route_to(len(self._engines) - 1, prepare)
+        except BaseException:
+            self.engine_urls.pop()
+            self._engines.pop().kill()
+            raise
+        return self.engine_urls[-1]
+
+    def replace_engine(self, index: int, prepare: Callable[[str], None] | None = None) -> str:
+        """Engine `index` died or stopped answering: take it off the router, kill what is left of it, start a new
+        one in its place (same index, bundle and log file; a new port), bring it to the current weights with
+        `prepare(url)` and only then route to it. Returns the new url; `engine_urls[index]` is updated in place, so
+        every holder of the list (client, bridge, colocation) sees it. If the new engine cannot be brought up the
+        error rises and the slot holds the stopped engine."""
+        if self._router is None:
+            raise RuntimeError("RolloutFleet.replace_engine needs a started fleet; call start() first")
+        self._unregister(self.engine_urls[index])
+        self._engines[index].kill()
+        self._engines[index] = self._launch_engine(index)
+        self.engine_urls[index] = self._engines[index].url
+        self.restarts += 1
+        try:
+            self._route_to(index, prepare)
+        except BaseException:
+            self._engines[index].kill()
+            raise
+        return self.engine_urls[index]
+
+    def _route_to(self, index: int, prepare: Callable[[str], None] | None) -> None:
+        """A just-started engine: wait until it serves, `prepare(url)`, register it with the router."""
+        url = self.engine_urls[index]
+        self._wait_engines_healthy([index])
+        if prepare is not None:
+            prepare(url)
+        worker = {"url": url, **({"api_key": self.api_key} if self.api_key else {})}  # the router's key for it
+        request = urllib.request.Request(f"{self.router_url}/workers", data=json.dumps(worker).encode(),
+                                         headers={"Content-Type": "application/json", **bearer(self.api_key)})
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+        self._wait_router_ready()
+
+    def _unregister(self, url: str) -> None:
+        """Take `url` off the router (`DELETE /workers/<id>`), so it stops sending requests there; a no-op when the
+        router does not list it."""
+        status, body = _http_get(f"{self.router_url}/workers", key=self.api_key)
+        ids = [w["id"] for w in json.loads(body).get("workers", []) if w["url"].rstrip("/") == url] if status == 200 else []
+        for worker_id in ids:
+            request = urllib.request.Request(f"{self.router_url}/workers/{worker_id}", method="DELETE",
+                                             headers=bearer(self.api_key))
             with urllib.request.urlopen(request, timeout=30):
                 pass
-            self._wait_router_ready()
-        except BaseException:
-            engine = self._engines.pop()
-            self.engine_urls.remove(url)
-            engine.kill()
-            raise
-        return url
+
+    def dead_engines(self) -> list[int]:
+        """Indices of the engines that are no longer running."""
+        return [i for i, m in enumerate(self._engines) if m.exit_code() is not None]
+
+    def router_retries(self) -> int:
+        """Requests the router sent again to another engine after one failed (its `smg_worker_retries_total`):
+        how generation survives an engine that dies mid-request. 0 if its metrics cannot be read."""
+        status, text = _http_get(f"http://127.0.0.1:{self._metrics_port}/metrics")  # the router runs here
+        if status != 200:
+            return 0
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("smg_worker_retries_total")))
 
     def exited(self) -> list[str]:
         """One line per started process (engine or router) that is no longer running: its name, exit code, log."""
-        return [f"{m.name} exited with code {code}; its log: {m.log_path}" for m in self._processes()
-                if (code := m.exit_code()) is not None]
+        return [self._exit_line(m) for m in self._processes() if m.exit_code() is not None]
+
+    def engine_exit(self, index: int) -> str:
+        """The `exited()` line of engine `index`."""
+        return self._exit_line(self._engines[index])
+
+    @staticmethod
+    def _exit_line(m: Any) -> str:
+        return f"{m.name} exited with code {m.exit_code()}; its log: {m.log_path}"
 
     def stop(self) -> None:
         """SIGTERM every process group this fleet started (router first), SIGKILL what is left after

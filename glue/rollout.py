@@ -154,7 +154,7 @@ class RolloutManager:
             return self._failed(group_id, prompt, f"{where} timed out after rollout.group_timeout_s="
                                                   f"{self.group_timeout_s:g} s")
         except Exception as err:  # noqa: BLE001 - any error of user code fails its group, not the run
-            return self._failed(group_id, prompt, f"{where}: {type(err).__name__}: {err}")
+            return self._failed(group_id, prompt, f"{where}: {type(err).__name__}: {err}", lost=is_fleet_error(err))
         return Group(group_id=group_id, samples=samples)
 
     async def _run_function(self, group_id: int, prompt: dict, where: str) -> list[Sample]:
@@ -171,13 +171,30 @@ class RolloutManager:
             sample.validate()
         return samples
 
-    def _failed(self, group_id: int, prompt: dict, error: str) -> Group:
+    def _failed(self, group_id: int, prompt: dict, error: str, lost: bool = False) -> Group:
         first_line = (error.strip().splitlines() or [""])[0]
         print(f"sluice: group {group_id} failed: {first_line}", file=sys.stderr, flush=True)
         samples = [Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=group_id, index=i,
                           status=SampleStatus.FAILED, metadata={"error": first_line})
                    for i in range(self.samples_per_prompt)]
-        return Group(group_id=group_id, samples=samples, error=first_line)
+        return Group(group_id=group_id, samples=samples, error=first_line, lost=lost)
+
+
+def is_fleet_error(err: BaseException) -> bool:
+    """Did generation fail because no engine could serve it (connection lost, the router's 5xx), as opposed to
+    the rollout function or task failing? Such samples count as lost (`rollout/lost_samples`)."""
+    import aiohttp
+
+    from glue.engine_client import EngineHTTPError
+
+    for _ in range(8):  # the error and what it was raised from
+        if isinstance(err, (ConnectionError, aiohttp.ClientError)) or (
+                isinstance(err, EngineHTTPError) and err.status >= 500):
+            return True
+        err = err.__cause__ or err.__context__
+        if err is None:
+            return False
+    return False
 
 
 def _build_task(task_path: str, task_args: dict) -> Any:

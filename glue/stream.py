@@ -44,6 +44,8 @@ class RolloutStream:
         self.max_concurrent = max_concurrent  # groups generating at once (None: as many as the gate admits)
         self.max_failed_frac = max_failed_frac
         self.failed_groups = 0  # over the run
+        self.lost_samples = 0  # samples of groups that failed because the fleet could not serve them, over the run
+        self._lost_at_last_metrics = 0
         self._failed_this_step: list[Group] = []
         self._failed_at_last_metrics = 0
         self.idle = IdleClock()
@@ -112,6 +114,7 @@ class RolloutStream:
         """A step takes `groups_per_step` good groups; once the failed ones alone exceed `max_failed_frac` of the
         step (failed + good), no later success can bring the share back under it."""
         self.failed_groups += 1
+        self.lost_samples += len(group.samples) if group.lost else 0
         self._failed_this_step.append(group)
         failed, good = len(self._failed_this_step), self.buffer.groups_per_step
         if failed > self.max_failed_frac * (failed + good) and self._error is None:
@@ -169,7 +172,8 @@ class RolloutStream:
         idle, self._idle_at_last_metrics = idle_now - self._idle_at_last_metrics, idle_now
         in_flight, in_queue = self.buffer.in_flight, self.buffer.in_queue
         failed, self._failed_at_last_metrics = self.failed_groups - self._failed_at_last_metrics, self.failed_groups
-        return {"rollout/failed_groups": float(failed), "staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
+        lost, self._lost_at_last_metrics = self.lost_samples - self._lost_at_last_metrics, self.lost_samples
+        return {"rollout/failed_groups": float(failed), "rollout/lost_samples": float(lost), "staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
                 "async/in_flight_groups": float(len(in_flight)), "async/buffer_groups": float(len(in_queue)),
                 "async/dropped_stale": float(gate.dropped_stale), "async/syncs": float(gate.syncs),
                 "weights/lag": float(gate.lag), "time/rollout_idle_frac": min(1.0, idle / step_s)}

@@ -83,6 +83,7 @@ class Group:
     group_id: int
     samples: list[Sample]
     error: str | None = None  # why the rollout function failed for this group (its samples are then FAILED)
+    lost: bool = False  # failed because the fleet could not serve it (engines gone), not because of the task
 
     @property
     def rewards(self) -> list[float]:

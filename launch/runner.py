@@ -43,9 +43,10 @@ def run(cfg: SluiceConfig) -> Path:
         resume_state = restore(cfg, resume_from, trainer=trainer, client=client, colocation=colocation)
         write_resolved(cfg, run_dir / "config.yaml")
         progress = stack.enter_context(_progress_bar(cfg))
+        watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client)
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
                                                  colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
-                                                 resume_state=resume_state, fleet=fleet))
+                                                 resume_state=resume_state, watch=watch))
         stop.armed = True
         try:
             last_step = loop.run_until_complete(training)
@@ -119,7 +120,7 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
     return state
 
 
-async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, fleet,
+async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, watch,
                        stop=lambda: False, resume_state: dict | None = None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     from glue.buffer import RolloutBuffer
@@ -155,42 +156,25 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), pause_mode=cfg.sync.pause_mode,
         on_step=on_step, stop=stop, first_step=first_step,
         checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                                interval=cfg.run.save_interval)))
-    return await watched(training, fleet)
+                                interval=cfg.run.save_interval),
+        sync_guard=watch.guarded_sync, extra_metrics=watch.metrics))
+    return await watch.run(training)
 
 
-async def watched(training: asyncio.Future, fleet, poll_s: float = 2.0) -> int:
-    """Await `training` while checking every `poll_s` that the engines and the router still run. A death ends the
-    run with ProcessDied naming the process and its log (as does a training error once one of them died, or a dead
-    trainer rank), instead of a traceback from whichever call met it first."""
-    from ray.exceptions import RayActorError
+def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
+    """The watch that keeps engines serving (glue.fleet_watch): a dead or hung engine is replaced and brought to
+    the current weights before the router sends it work. Colocated placement ends the run instead (a new engine
+    there would have to take its devices back from the trainer mid-step)."""
+    from glue.fleet_watch import FleetWatch
 
-    from glue.fleet import ProcessDied
+    def repair(index: int) -> None:
+        bridge.remove_engine(fleet.engine_urls[index])
+        fleet.replace_engine(index, prepare=bridge.add_engine)
 
-    async def watch() -> None:
-        while not (dead := await asyncio.to_thread(fleet.exited)):
-            await asyncio.sleep(poll_s)
-        raise ProcessDied("; ".join(dead))
-
-    watchdog = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({training, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-        if not training.done():
-            training.cancel()
-            await asyncio.gather(training, return_exceptions=True)
-            watchdog.result()
-        try:
-            return training.result()
-        except RayActorError as err:
-            raise ProcessDied(f"a trainer rank died: {str(err).strip().splitlines()[0]}") from err
-        except Exception as err:
-            dead = fleet.exited()
-            if dead:
-                raise ProcessDied("; ".join(dead)) from err
-            raise
-    finally:
-        watchdog.cancel()
-        await asyncio.gather(watchdog, return_exceptions=True)
+    r = cfg.rollout
+    return FleetWatch(fleet, repair=None if plan.placement == "colocated" else repair, client=client,
+                      max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
+                      health_timeout_s=r.health_check_timeout_s)
 
 
 def _progress_bar(cfg: SluiceConfig):

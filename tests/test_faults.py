@@ -14,18 +14,50 @@ from conftest import descendants, is_alive, sluice_run
 from glue.metrics import read_metrics
 
 
+def engine_pids(driver: int) -> list[int]:
+    return sorted(p for p in descendants(driver)
+                  if b"glue.embedded_engine" in (Path("/proc") / str(p) / "cmdline").read_bytes())
+
+
 @pytest.mark.slow
-def test_an_engine_killed_mid_run_ends_it_with_one_line_naming_the_engine_and_its_log(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_finishes_with_nothing_lost(tmp_path, mode):
+    metrics = tmp_path / "f" / "metrics.jsonl"
+    command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", f"run.mode={mode}",
+               f"run.output_dir={tmp_path}", "run.name=f", "run.num_steps=8", "rollout.prompts_per_step=4",
+               "rollout.sampling.max_new_tokens=64"]
+    if mode == "sync":
+        command.append("sync.max_staleness=0")
+    with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 2,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, seen):
+        engines = engine_pids(proc.pid)
+        assert len(engines) == 2, engines
+        os.kill(engines[1], signal.SIGKILL)  # started second: engine 1, mid-rollout (generation never stops here)
+        out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert sum(r["rollout/lost_samples"] for r in records) == 0
+    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    assert records[-1]["fault/engine_restarts"] >= 1
+    if mode == "async":  # generation never stops, so engine 1 died holding requests: the router sent them again
+        assert records[-1]["fault/reissued_requests"] >= 1
+    restarts = [line for line in out.splitlines() if "serves again" in line]
+    assert restarts and re.match(r"sluice: engine 1 serves again at http://\S+ with the current weights", restarts[0])
+    print(restarts[0], f"reissued requests: {records[-1]['fault/reissued_requests']:.0f}")
+
+
+@pytest.mark.slow
+def test_an_engine_killed_with_no_restarts_left_ends_the_run_with_one_line_naming_the_engine_and_its_log(tmp_path):
     metrics = tmp_path / "f" / "metrics.jsonl"
     command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", "run.mode=sync",
                "sync.max_staleness=0", f"run.output_dir={tmp_path}", "run.name=f", "run.num_steps=200",
-               "rollout.prompts_per_step=4", "run.save_interval=2"]
+               "rollout.prompts_per_step=4", "run.save_interval=2", "rollout.max_engine_restarts=0"]
     with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 2,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, seen):
-        engines = [p for p in descendants(proc.pid)
-                   if b"glue.embedded_engine" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
+        engines = engine_pids(proc.pid)
         assert len(engines) == 2, engines
-        victim = max(engines)  # started second: engine 1
+        victim = engines[1]  # started second: engine 1
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
@@ -34,7 +66,7 @@ def test_an_engine_killed_mid_run_ends_it_with_one_line_naming_the_engine_and_it
     errors = [line for line in err.splitlines() if line.startswith("sluice: error:")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert re.match(r"sluice: error: engine \d \(http://[\d.]+:\d+\) exited with code -9; its log: \S+/logs/"
-                    r"engine_\d\.log\. Every other process it started is stopped; the same command resumes", errors[0])
+                    r"engine_\d\.log \(rollout\.max_engine_restarts=0 restarts used up\)\. Every other process it started is stopped; the same command resumes", errors[0])
     print(errors[0], f"(ended {took:.1f} s after the kill)")
     assert took < 30, took  # detected within seconds (the watchdog polls every 2 s)
     deadline = time.monotonic() + 30

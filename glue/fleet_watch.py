@@ -1,0 +1,166 @@
+"""Keeps the rollout fleet serving while the loop trains: an engine that dies, or stops generating, is replaced.
+
+Beside the loop, every `poll_s` the watch looks at the processes the fleet started, and every
+`health_interval_s` asks each engine for one token (`GET /health_generate`, SGLang's deep health check). An engine
+that exited, or failed `health_failures` checks in a row, is restarted in its place: taken off the router, a new
+process started on its bundle, brought to the weights the others hold, and only then routed to
+(`RolloutFleet.replace_engine` with `WeightBridge.add_engine`). Its in-flight requests are not lost: the router sends
+a request that failed on a dead engine to another one (counted in `fault/reissued_requests`, with the client's own
+retries of the router's 502-504). The generated tokens of those requests went down with the engine; they start
+again from the prompt (or from the tokens a partial rollout already holds).
+
+A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
+again (`guarded_sync`). The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
+when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
+line naming what died and its log.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Callable
+
+from glue.fleet import ProcessDied, _http_get
+
+HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
+
+
+class FleetWatch:
+    """`repair(index)` replaces engine `index` (blocking; None: faults end the run). `client` (its
+    `connect_retries`) adds the client's retries to the router's in `fault/reissued_requests`."""
+
+    def __init__(self, fleet: Any, *, repair: Callable[[int], None] | None, client: Any = None,
+                 max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
+                 health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES):
+        self.fleet, self.repair, self.client = fleet, repair, client
+        self.max_restarts, self.poll_s = max_restarts, poll_s
+        self.health_interval_s, self.health_timeout_s, self.health_failures = (health_interval_s, health_timeout_s,
+                                                                               health_failures)
+        self.lock = threading.Lock()  # held by a weight sync and by a repair: never both at once
+        self.restarts = 0
+        self.recovery_s: list[float] = []  # seconds from detection to the new engine serving, per restart
+        self._failed_checks: dict[int, int] = {}
+        self._syncing = False
+        self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
+
+    # ---- what the loop calls
+    async def run(self, training: asyncio.Future) -> Any:
+        """Await `training` while watching; a fault that cannot be repaired cancels it and raises ProcessDied (as
+        does a training error once a process died, or a dead trainer rank), instead of a traceback from whichever
+        call met the death first."""
+        from ray.exceptions import RayActorError
+
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            await asyncio.wait({training, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not training.done():
+                training.cancel()
+                await asyncio.gather(training, return_exceptions=True)
+                watchdog.result()
+            try:
+                return training.result()
+            except RayActorError as err:
+                raise ProcessDied(f"a trainer rank died: {str(err).strip().splitlines()[0]}") from err
+            except Exception as err:
+                dead = self.fleet.exited()
+                if dead:
+                    raise ProcessDied("; ".join(dead)) from err
+                raise
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
+
+    def guarded_sync(self, sync: Callable[[], Any]) -> Any:
+        """Run a weight sync (blocking, in a worker thread) while no repair runs; if it fails because an engine
+        died, wait for the watch to replace it and sync again (the new engine holds the previous weights, the
+        others may hold part of the new ones under the old tag and stay paused until then)."""
+        self._syncing = True
+        try:
+            for attempt in range(self.max_restarts + 1):
+                with self.lock:
+                    try:
+                        return sync()
+                    except Exception:
+                        if self.repair is None or attempt == self.max_restarts or not self._death_seen():
+                            raise
+                self._wait_for_repair()
+        finally:
+            self._syncing = False
+
+    def metrics(self) -> dict[str, float]:
+        """Run totals: engines restarted, requests sent again (by the router or the client)."""
+        reissued = self.fleet.router_retries() + (self.client.connect_retries if self.client is not None else 0)
+        return {"fault/engine_restarts": float(self.restarts), "fault/reissued_requests": float(reissued)}
+
+    # ---- the watch
+    async def _watch(self) -> None:
+        try:
+            await self._watch_until_fault()
+        finally:
+            self._ended.set()
+
+    async def _watch_until_fault(self) -> None:
+        next_check = time.monotonic() + self.health_interval_s
+        while True:
+            await asyncio.sleep(self.poll_s)
+            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited) if line.startswith("router")]
+            if router_gone:
+                raise ProcessDied(router_gone[0])
+            for index in await asyncio.to_thread(self.fleet.dead_engines):
+                await self._replace(index, self.fleet.engine_exit(index))
+            if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
+                for index in await asyncio.to_thread(self._hung_engines):
+                    await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) failed "
+                                               f"{self.health_failures} deep health checks in a row (GET "
+                                               f"/health_generate, {self.health_timeout_s:g} s each)")
+                next_check = time.monotonic() + self.health_interval_s
+
+    def _hung_engines(self) -> list[int]:
+        """Ask every engine for a token; the ones that have now failed `health_failures` checks in a row."""
+        if not self.lock.acquire(blocking=False):
+            return []  # a sync or a repair is under way: engines may be busy loading weights
+        try:
+            urls = list(self.fleet.engine_urls)
+            key = getattr(self.fleet, "api_key", None)
+            for index, url in enumerate(urls):
+                ok = _http_get(f"{url}/health_generate", timeout=self.health_timeout_s, key=key)[0] == 200
+                self._failed_checks[index] = 0 if ok else self._failed_checks.get(index, 0) + 1
+            return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
+        finally:
+            self.lock.release()
+
+    async def _replace(self, index: int, why: str) -> None:
+        if self.repair is None or self.restarts >= self.max_restarts:
+            limit = ("" if self.repair is None else
+                     f" (rollout.max_engine_restarts={self.max_restarts} restarts used up)")
+            raise ProcessDied(why + limit)
+        self.restarts += 1
+        self._failed_checks[index] = 0
+        print(f"sluice: {why}; restarting it ({self.restarts} of at most {self.max_restarts} restarts)", flush=True)
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self._repair_locked, index)
+        except Exception as err:
+            raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+        self.recovery_s.append(time.monotonic() - started)
+        print(f"sluice: engine {index} serves again at {self.fleet.engine_urls[index]} with the current weights, "
+              f"{self.recovery_s[-1]:.1f} s after the fault was seen", flush=True)
+
+    def _repair_locked(self, index: int) -> None:
+        with self.lock:
+            self.repair(index)
+
+    def _death_seen(self, within_s: float = 3.0) -> bool:
+        """Did an engine die? A sync call can fail on a dying engine's socket a moment before its exit shows."""
+        deadline = time.monotonic() + within_s
+        while not self.fleet.dead_engines():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _wait_for_repair(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.fleet.dead_engines() and not self._ended.is_set() and time.monotonic() < deadline:
+            time.sleep(0.2)

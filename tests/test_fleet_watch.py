@@ -1,0 +1,73 @@
+"""The fleet watch on a real fleet (embedded engines behind the real sgl-router): an engine that stops answering is
+found by its deep health check, replaced, and the requests that were waiting on it are served by the others."""
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import is_alive
+from glue.engine_client import EngineClient
+from glue.fleet import ProcessDied, RolloutFleet
+from glue.fleet_watch import FleetWatch
+
+
+@pytest.fixture
+def fleet(tiny_model_dir, tmp_path):
+    with RolloutFleet(model_path=tiny_model_dir, num_engines=2, engine_args=["--num-threads", "1"],
+                      log_dir=tmp_path / "logs") as fleet:
+        yield fleet
+
+
+async def generate_for(client: EngineClient, seconds: float, answers: list) -> None:
+    """Keep 8 requests in flight for `seconds`; every answer (or error) lands in `answers`."""
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        while time.monotonic() < deadline:
+            answer = await client.generate([0, 4, 5], {"max_new_tokens": 48, "temperature": 1.0})
+            answers.append(len(answer["output_ids"]))
+
+    await asyncio.gather(*(worker() for _ in range(8)))
+
+
+@pytest.mark.slow
+def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_lost(fleet):
+    client = EngineClient(fleet.router_url, fleet.engine_urls)
+    watch = FleetWatch(fleet, repair=lambda i: fleet.replace_engine(i), client=client, poll_s=0.2,
+                       health_interval_s=0.5, health_timeout_s=1.0, health_failures=2)
+    hung_pid, hung_url = fleet.pids[0], fleet.engine_urls[0]
+    answers: list = []
+
+    async def scenario() -> None:
+        training = asyncio.ensure_future(generate_for(client, 20.0, answers))
+        await asyncio.sleep(2.0)
+        os.kill(hung_pid, signal.SIGSTOP)  # alive, holding its requests, answering nothing
+        await watch.run(training)
+        await client.close()
+
+    asyncio.run(scenario())
+    assert watch.restarts == 1
+    assert fleet.engine_urls[0] != hung_url and fleet.engine_urls[1] not in (hung_url,)
+    assert not is_alive(hung_pid), "the hung engine was not killed"
+    assert set(fleet.registered_workers()) == set(fleet.engine_urls)
+    assert answers and all(n >= 1 for n in answers)  # no request failed: generate_for would have raised
+    metrics = watch.metrics()
+    assert metrics["fault/engine_restarts"] == 1.0
+    assert metrics["fault/reissued_requests"] >= 1  # the requests held by the hung engine went to the other one
+    print(f"{len(answers)} answers, restart took {watch.recovery_s[0]:.1f} s, "
+          f"{metrics['fault/reissued_requests']:.0f} requests re-issued")
+
+
+@pytest.mark.slow
+def test_without_a_way_to_repair_a_dead_engine_ends_the_run_naming_it(fleet):
+    watch = FleetWatch(fleet, repair=None, poll_s=0.2)
+
+    async def scenario() -> None:
+        training = asyncio.ensure_future(asyncio.sleep(30))
+        os.kill(fleet.pids[1], signal.SIGKILL)
+        await watch.run(training)
+
+    with pytest.raises(ProcessDied, match=r"^engine 1 \(http://\S+\) exited with code -9; its log: \S+engine_1\.log$"):
+        asyncio.run(scenario())
