@@ -164,3 +164,19 @@ class FleetWatch:
         deadline = time.monotonic() + timeout_s
         while self.fleet.dead_engines() and not self._ended.is_set() and time.monotonic() < deadline:
             time.sleep(0.2)
+
+
+def engine_repair(fleet: Any, bridge: Any) -> Callable[[int], None]:
+    """The usual `repair`: the bridge stops syncing the faulty engine, the fleet replaces it and the bridge brings
+    the new one to the current weights before the router sees it. If the new engine cannot be routed to after all,
+    the bridge forgets it again (it is stopped)."""
+
+    def repair(index: int) -> None:
+        bridge.remove_engine(fleet.engine_urls[index])
+        try:
+            fleet.replace_engine(index, prepare=bridge.add_engine)
+        except BaseException:
+            bridge.remove_engine(fleet.engine_urls[index])
+            raise
+
+    return repair

@@ -165,14 +165,11 @@ def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
     """The watch that keeps engines serving (glue.fleet_watch): a dead or hung engine is replaced and brought to
     the current weights before the router sends it work. Colocated placement ends the run instead (a new engine
     there would have to take its devices back from the trainer mid-step)."""
-    from glue.fleet_watch import FleetWatch
-
-    def repair(index: int) -> None:
-        bridge.remove_engine(fleet.engine_urls[index])
-        fleet.replace_engine(index, prepare=bridge.add_engine)
+    from glue.fleet_watch import FleetWatch, engine_repair
 
     r = cfg.rollout
-    return FleetWatch(fleet, repair=None if plan.placement == "colocated" else repair, client=client,
+    repair = None if plan.placement == "colocated" else engine_repair(fleet, bridge)
+    return FleetWatch(fleet, repair=repair, client=client,
                       max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
                       health_timeout_s=r.health_check_timeout_s)
 

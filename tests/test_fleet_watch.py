@@ -71,3 +71,33 @@ def test_without_a_way_to_repair_a_dead_engine_ends_the_run_naming_it(fleet):
 
     with pytest.raises(ProcessDied, match=r"^engine 1 \(http://\S+\) exited with code -9; its log: \S+engine_1\.log$"):
         asyncio.run(scenario())
+
+
+def test_an_engine_whose_routing_fails_after_its_weights_were_loaded_is_not_kept_by_the_bridge():
+    """FINDINGS: the bridge kept a replacement engine the router never took. The fleet and bridge here are records
+    of calls: the contract under test is engine_repair's own bookkeeping."""
+    from glue.fleet_watch import engine_repair
+
+    class Bridge:
+        def __init__(self):
+            self.engine_urls = ["http://a", "http://b"]
+
+        def add_engine(self, url):
+            self.engine_urls.append(url)
+
+        def remove_engine(self, url):
+            if url in self.engine_urls:
+                self.engine_urls.remove(url)
+
+    class Fleet:
+        engine_urls = ["http://a", "http://b"]
+
+        def replace_engine(self, index, prepare):
+            self.engine_urls[index] = "http://c"
+            prepare("http://c")
+            raise OSError("router refused POST /workers")
+
+    bridge = Bridge()
+    with pytest.raises(OSError):
+        engine_repair(Fleet(), bridge)(1)
+    assert bridge.engine_urls == ["http://a"]
