@@ -32,8 +32,12 @@ def save_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     seed: int = 0,
+    bos_token_id: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int | None = None,
 ) -> str:
-    """Write a random float32 `family` model with untied embeddings to `path` and return the path as a string."""
+    """Write a random float32 `family` model with untied embeddings to `path` and return the path as a string.
+    The special token ids default to the toy tasks' (bos 0, eos 1); a model with a real tokenizer passes its ids."""
     import torch
     import transformers
 
@@ -54,9 +58,9 @@ def save_tiny_model(
         intermediate_size=intermediate_size,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=None,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
         torch_dtype="float32",
         **_family_fields(family, hidden_size, num_heads, intermediate_size),
     )
