@@ -30,6 +30,18 @@ GENERATE = {"input_ids": field(list), "sampling_params": field(dict, list), "ret
 UPDATE_FLAGS = {"flush_cache": field(bool), "abort_all_requests": field(bool), "weight_version": field(str),
                 "load_format": field(str)}
 MEMORY = {"tags": field(list)}
+CHAT_COMPLETION = {  # SGLang's ChatCompletionRequest (sglang/srt/entrypoints/openai/protocol.py); more in openai_chat
+    "messages": field(list, required=True), "model": field(str), "max_tokens": field(int),
+    "max_completion_tokens": field(int), "temperature": field(float), "top_p": field(float), "top_k": field(int),
+    "min_p": field(float), "seed": field(int), "n": field(int), "stop": field(str, list),
+    "stop_token_ids": field(list), "ignore_eos": field(bool), "no_stop_trim": field(bool),
+    "skip_special_tokens": field(bool), "logprobs": field(bool), "top_logprobs": field(int), "stream": field(bool),
+    "tools": field(list), "tool_choice": field(str, dict), "chat_template_kwargs": field(dict),
+    "continue_final_message": field(bool), "input_ids": field(list), "rid": field(str),
+    "return_prompt_token_ids": field(bool), "return_token_ids": field(bool), "return_meta_info": field(bool),
+    "return_input_ids_in_sglext": field(bool), "return_output_ids_in_sglext": field(bool),
+    "frequency_penalty": field(float), "presence_penalty": field(float), "repetition_penalty": field(float),
+    "logit_bias": field(dict), "response_format": field(dict), "min_tokens": field(int), "user": field(str)}
 
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/health", "health"),
@@ -42,6 +54,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/weight_version", "get_weight_version"),
     Route("POST", "/generate", "generate", body=GENERATE),
     Route("PUT", "/generate", "generate", body=GENERATE),
+    Route("POST", "/v1/chat/completions", "chat_completions", body=CHAT_COMPLETION),
+    Route("GET", "/v1/models", "list_models"),
     Route("POST", "/pause_generation", "pause_generation", is_admin=True, body={"mode": field(str)}),
     Route("POST", "/continue_generation", "continue_generation", is_admin=True,
           body={"torch_empty_cache": field(bool)}),

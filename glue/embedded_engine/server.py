@@ -1,9 +1,9 @@
 """The embedded engine's HTTP front: SGLang's endpoints and JSON field names on aiohttp, in front of the model runner.
 
 The subset sluice uses (generate, pause/continue, abort, weights by broadcast / tensor handles / disk, the weights
-checker, versions, memory release/resume for colocated placement, health, info), so
-the same client code drives this engine on CPU and real SGLang servers on GPUs. The routing table (auth level and
-body fields per route) is `routes.ROUTES`; bodies are checked by `json_body`, keys by `auth`.
+checker, versions, memory release/resume for colocated placement, health, info, and OpenAI-compatible chat through
+`openai_chat`), so the same client code drives this engine on CPU and real SGLang servers on GPUs. The routing table
+(auth level and body fields per route) is `routes.ROUTES`; bodies are checked by `json_body`, keys by `auth`.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from aiohttp import web
 from glue.embedded_engine.auth import key_gate
 from glue.embedded_engine.json_body import describe, read_body
 from glue.embedded_engine.model_runner import PAUSE_MODES, MemoryReleasedError, ModelRunner, Sequence
+from glue.embedded_engine.openai_chat import ChatFront
 from glue.embedded_engine.request_schema import RequestError, parse_generate
 from glue.embedded_engine.routes import ADMIN_PATHS, ROUTES, Route
 from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload
@@ -122,6 +123,8 @@ class EngineServer:
         self._rids = itertools.count()
         self.started_at = time.time()
         self.api_key, self.admin_api_key = api_key, admin_api_key  # SGLang's --api-key / --admin-api-key
+        self.chat = ChatFront(model_path=model_info["model_path"], served_model_name=model_info["served_model_name"],
+                              vocab_size=vocab_size, max_context=max_context)
 
     def build_app(self) -> web.Application:
         """The aiohttp app serving `ROUTES`; with a key set, SGLang's key gate runs before everything else."""
@@ -171,6 +174,15 @@ class EngineServer:
                                             next_rid=lambda: f"embedded-{next(self._rids)}")
         outputs = [format_output(seq) for seq in await self.run_requests(requests)]
         return web.json_response(outputs if is_batch else outputs[0])
+
+    async def chat_completions(self, body: dict[str, Any]) -> web.Response:
+        """SGLang's OpenAI-compatible chat route: the prompt from the chat template, one generation (openai_chat)."""
+        chat = await self.chat.parse(body, rid=f"chatcmpl-{next(self._rids)}")
+        [seq] = await self.run_requests([chat.generation])
+        return web.json_response(self.chat.answer(chat, format_output(seq)))
+
+    async def list_models(self, body: dict[str, Any]) -> web.Response:
+        return web.json_response(self.chat.model_list())
 
     async def health(self, body: dict[str, Any]) -> web.Response:
         return web.Response(status=200)
