@@ -21,6 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--admin-api-key", default=None,
                         help="SGLang's --admin-api-key: admin routes (weights, memory, pause/continue, abort, flush) "
                              "need this key, and no longer accept --api-key")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="SGLang's flag: a token depends only on weights, context and sampling_seed (each token "
+                             "from an uncached forward of its own request, sampled with a (seed, position) generator)")
     args = parser.parse_args(argv)
     if args.max_running_requests < 1 or args.num_threads < 1:
         parser.error("--max-running-requests and --num-threads must be >= 1")
@@ -35,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         server = build_engine(model_path=args.model_path, host=args.host, port=args.port, seed=args.seed,
                               max_running_requests=args.max_running_requests, num_threads=args.num_threads,
                               weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
-                              api_key=args.api_key, admin_api_key=args.admin_api_key)
+                              api_key=args.api_key, admin_api_key=args.admin_api_key,
+                              deterministic=args.enable_deterministic_inference)
     except FileNotFoundError as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2

@@ -34,18 +34,19 @@ def eos_token_ids(model) -> set[int]:
 
 def build_engine(*, model_path: str, host: str, port: int, seed: int, max_running_requests: int, num_threads: int,
                  weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
-                 admin_api_key: str | None = None) -> EngineServer:
+                 admin_api_key: str | None = None, deterministic: bool = False) -> EngineServer:
     torch.set_num_threads(num_threads)
     model = load_model(model_path)
     config = model.config
     runner = ModelRunner(model, max_running_requests=max_running_requests, seed=seed, weight_version=weight_version,
-                         eos_token_ids=eos_token_ids(model))
+                         eos_token_ids=eos_token_ids(model), deterministic=deterministic)
     model_info = {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": None,
                   "is_generation": True, "preferred_sampling_params": None, "load_format": "auto",
                   "has_image_understanding": False, "has_audio_understanding": False,
                   "model_type": config.model_type, "architectures": config.architectures}
     server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": 1,
                    "dp_size": 1, "max_running_requests": max_running_requests, "num_threads": num_threads,
+                   "enable_deterministic_inference": deterministic,
                    "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
     return EngineServer(runner, WeightReceiver(runner, timeout_s=weight_sync_timeout_s), vocab_size=config.vocab_size,

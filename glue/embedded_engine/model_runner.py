@@ -41,6 +41,7 @@ class Sequence:
     request: GenerationRequest
     on_done: Callable[["Sequence"], None]
     generator: torch.Generator
+    seed: int = 0  # the request's sampling seed (SGLang's sampling_seed, or drawn from the engine's --seed)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight version that produced each output token
@@ -56,11 +57,20 @@ class Sequence:
         return self.request.input_ids + self.output_ids
 
 
+def position_generator(seq: Sequence) -> torch.Generator:
+    """The generator for the next token of `seq` in deterministic mode: seeded by the request's seed and the
+    token's position in the sequence, so a continued request draws what the uninterrupted one would have."""
+    position = len(seq.request.input_ids) + len(seq.output_ids)
+    return torch.Generator().manual_seed((seq.seed * 1_000_003 + position) % (2**63 - 1))
+
+
 class ModelRunner:
     """Owns the model and the scheduling thread. Call `start()` once; `stop()` ends the thread."""
 
-    def __init__(self, model: Any, *, max_running_requests: int, seed: int, weight_version: str, eos_token_ids: set[int]):
+    def __init__(self, model: Any, *, max_running_requests: int, seed: int, weight_version: str, eos_token_ids: set[int],
+                 deterministic: bool = False):
         self.model = model
+        self.deterministic = deterministic  # see _deterministic_step
         self.model_lock = threading.Lock()
         self.weight_version = weight_version
         self.max_running_requests = max_running_requests
@@ -98,7 +108,7 @@ class ModelRunner:
             seed = request.sampling.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            seq = Sequence(request=request, on_done=on_done, generator=torch.Generator().manual_seed(seed))
+            seq = Sequence(request=request, on_done=on_done, generator=torch.Generator().manual_seed(seed), seed=seed)
             self._waiting.append(seq)
             self._cond.notify_all()
         return seq
@@ -235,6 +245,9 @@ class ModelRunner:
                 self._active.update(admitted)
                 self._is_stepping = True  # decided under the lock that pause() takes: a pause waits for this step
             try:
+                if self.deterministic:
+                    self._deterministic_step(admitted)
+                    continue
                 self._prefill(admitted)
                 if self._running:
                     self._decode_step()
@@ -268,7 +281,8 @@ class ModelRunner:
             if seq.abort_requested:
                 self._finish(seq, {"type": "abort", "message": ABORT_MESSAGE, "status_code": None, "err_type": None})
         self._running = [self._running[i] for i in keep]
-        self._batch.keep_rows(keep)
+        if not self.deterministic:  # deterministic steps keep no KV
+            self._batch.keep_rows(keep)
 
     def _stop_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
         s = seq.request.sampling
@@ -282,7 +296,8 @@ class ModelRunner:
         """Sample one token per row; finish the rows that stop; return the indices of rows that go on."""
         going_on, finished = [], []
         for i, seq in enumerate(seqs):
-            token, logprob = sample_token(logits[i], seq.request.sampling, seq.generator)
+            generator = seq.generator if not self.deterministic else position_generator(seq)
+            token, logprob = sample_token(logits[i], seq.request.sampling, generator)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
@@ -293,10 +308,10 @@ class ModelRunner:
                 self._finish(seqs[i], reason)
         return [i for i, _ in going_on]
 
-    def _forward(self, **inputs: Any) -> tuple[Any, str]:
+    def _forward(self, use_cache: bool = True, **inputs: Any) -> tuple[Any, str]:
         with self.model_lock, torch.inference_mode():
             self.forward_count += 1
-            return self.model(**inputs, use_cache=True), self.weight_version
+            return self.model(**inputs, use_cache=use_cache), self.weight_version
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run each context-length group's contexts together and move the survivors into the running batch."""
@@ -316,6 +331,24 @@ class ModelRunner:
                 kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache_tensors(out.past_key_values)]
                 self._batch.add(kv, [length] * len(going_on))
                 self._running.extend(group[i] for i in going_on)
+
+    def _deterministic_step(self, admitted: list[Sequence]) -> None:
+        """`--enable-deterministic-inference`: every token comes from a forward of one request over its whole
+        context (no KV cache, no batch), sampled with a generator seeded by the request's seed and the token's
+        position. A token then depends only on the weights, the context and the seed: not on which requests ran
+        beside it, nor on whether its request was retracted, aborted and continued, or re-issued after a restart
+        from the tokens it had. Slow (quadratic in the length): for tests and reproducible runs on small models."""
+        for seq in admitted:
+            if seq.request.sampling.max_new_tokens == 0:
+                with self._cond:
+                    self._finish(seq, {"type": "length", "length": 0})
+            else:
+                self._running.append(seq)
+        going_on = []
+        for seq in self._running:
+            out, version = self._forward(use_cache=False, input_ids=torch.tensor([seq.context_ids], dtype=torch.long))
+            going_on.extend(seq for i in self._take_tokens([seq], out.logits[:, -1], version) if i == 0)
+        self._running = going_on
 
     def _decode_step(self) -> None:
         tokens = torch.tensor([[s.output_ids[-1]] for s in self._running], dtype=torch.long)
