@@ -8,7 +8,7 @@ import torch
 
 from glue.buffer import is_trainable
 from glue.staleness import StalenessGate, StalenessStats
-from glue.types import Group, SampleStatus, TrainBatch
+from glue.types import Group, Sample, SampleStatus, TrainBatch
 
 
 def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple[int, int]] = frozenset(),
@@ -61,10 +61,25 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
         "rollout/failed": float(len(samples) - len(scored)),
         "rollout/aborted": float(sum(s.status is SampleStatus.ABORTED for s in samples)),
         "rollout/discarded_tokens": float(sum(s.metadata.get("discarded_tokens", 0) for s in samples)),
+        "rollout/error_turns": float(sum(s.metadata.get("error_turns", 0) for s in samples)),  # failed agent turns
+        "rollout/masked_error_turns": float(sum(s.metadata.get("masked_error_turns", 0) for s in samples)),
         "rollout/zero_std_group_frac": flat_groups / len(groups),
         "rollout/num_samples": float(len(samples)),
         "rollout/group_ids": id_ranges(g.group_id for g in groups),  # which prompts this step trained
+        **reward_key_means(scored, prefix="reward/"),
     }
+
+
+def reward_key_means(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """`<prefix><key>`: the mean of each entry of dict rewards besides "score" (e.g. math_reward's "correct",
+    "format_ok"), over the samples whose reward has it."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        if isinstance(s.reward, dict):
+            for key, value in s.reward.items():
+                if key != "score" and isinstance(value, (int, float)):
+                    values.setdefault(key, []).append(float(value))
+    return {f"{prefix}{key}": sum(v) / len(v) for key, v in sorted(values.items())}
 
 
 def id_ranges(ids) -> str:

@@ -10,7 +10,7 @@ from typing import Literal
 from glue.staleness import StalePolicy, StalenessGate
 from glue.types import Group, Sample, SampleStatus
 
-BufferOrder = Literal["fifo", "newest_first"]
+BufferOrder = Literal["fifo", "newest_first", "group_id"]  # group_id: deterministic mode, independent of timing
 
 
 @dataclass(kw_only=True)
@@ -26,7 +26,7 @@ class RolloutBuffer:
     """In-flight and finished groups, keyed by group id."""
 
     def __init__(self, *, groups_per_step: int, order: BufferOrder = "fifo", stale_policy: StalePolicy = "drop"):
-        if order not in ("fifo", "newest_first"):
+        if order not in ("fifo", "newest_first", "group_id"):
             raise ValueError(f"rollout.buffer_order must be 'fifo' or 'newest_first', got {order!r}")
         if stale_policy not in ("drop", "keep"):
             raise ValueError(f"sync.stale_policy must be 'drop' or 'keep', got {stale_policy!r}")
@@ -70,8 +70,11 @@ class RolloutBuffer:
         satisfies it whenever any choice does, and waiting for groups still generating is what makes it so. Within
         that freedom groups go by `order`. With admission off (no deadlines) it is just `order`."""
         size = self.groups_per_step
-        queue = sorted(self.in_queue, key=(lambda e: e.finished_order) if self.order == "fifo"
-                       else (lambda e: -e.finished_order))
+        if self.order == "group_id":  # deterministic: the next ids, whatever finished first (they are the earliest due)
+            first = sorted(self.entries.values(), key=lambda e: e.group_id)[:size]
+            return first if len(first) == size and all(e.group is not None for e in first) else None
+        queue = sorted(self.in_queue, key={"fifo": lambda e: e.finished_order, "newest_first": lambda e: -e.finished_order,
+                                           "group_id": lambda e: e.group_id}[self.order])
         if len(queue) < size:
             return None
         if not gate.admission:

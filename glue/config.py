@@ -47,10 +47,13 @@ class RolloutConfig:
     router_policy: str = "round_robin"  # sgl-router load-balancing policy
     engine_startup_timeout_s: float = 120.0  # an engine not healthy by then fails the run with its log tail
     group_timeout_s: float | None = 3600.0  # a group still generating after this is cut and counted FAILED; null: no limit
+    error_masking: bool = False  # multi-turn: a failed turn (malformed tool call, tool error, environment exception) is not trained on, the turns after it are (rollout/masked_error_turns)
     max_failed_frac: float = 0.5  # the run stops when more than this share of a step's groups fail (raise or time out)
     max_engine_restarts: int = 3  # engines that die or hang are restarted this many times per run, then the run stops
     health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate)
     health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
+    dynamic_sampling: bool = False  # DAPO: a group whose rewards are all equal (no advantage) is dropped when it finishes and another prompt drawn in its place
+    max_filtered_frac: float = 0.9  # with dynamic_sampling, the run stops when more than this share of the groups finished while collecting a step were dropped
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "prompts_per_step", "samples_per_prompt"):
@@ -67,6 +70,9 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
         if self.group_timeout_s is not None and not self.group_timeout_s > 0:
             raise ValueError(f"rollout.group_timeout_s must be > 0 or null, got {self.group_timeout_s}")
+        if not 0 <= self.max_filtered_frac < 1:
+            raise ValueError(f"rollout.max_filtered_frac must be in [0, 1), got {self.max_filtered_frac} (at 1 a task "
+                             "whose every group has equal rewards would draw prompts forever)")
         if not 0 <= self.max_failed_frac < 1:
             raise ValueError(f"rollout.max_failed_frac must be in [0, 1), got {self.max_failed_frac} (at 1 a task "
                              "whose every group fails would draw prompts forever)")
@@ -116,3 +122,59 @@ class SyncConfig:
             raise ValueError(f"sync.verify must be 'checksum', 'full' or 'off', got {self.verify!r}")
         if self.bucket_bytes < 1:
             raise ValueError(f"sync.bucket_bytes must be >= 1 (default 512 MiB = 536870912), got {self.bucket_bytes}")
+
+
+@dataclass(kw_only=True)
+class EvalSamplingConfig:
+    """Sampling for evaluation; each null field takes rollout.sampling's value."""
+
+    temperature: float | None = 0.0  # 0 = greedy; null: rollout.sampling.temperature
+    top_p: float | None = None  # nucleus sampling mass
+    top_k: int | None = None  # top-k sampling, -1 = off
+    max_new_tokens: int | None = None  # response length limit per generate call
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"eval.sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"eval.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def to_sglang(self, base: dict[str, Any]) -> dict[str, Any]:
+        """`base` (the training run's sampling_params) with this section's fields that are set."""
+        chosen = {k: v for k, v in vars(self).items() if v is not None}
+        return {**base, **chosen}
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """A held-out evaluation through the same fleet, never through the training buffer (glue.evaluation)."""
+
+    interval: int | None = None  # evaluate after every this many train steps; 0 or null: no evaluation
+    at_start: bool = True  # also evaluate the initial weights (logged as step 0)
+    task: str | None = None  # task class or object, `module:attr`; null: rollout.task, built with rollout.task_args updated by eval.task_args
+    task_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the task class (e.g. {path: test.jsonl})
+    seed: int = 1000  # seed of the eval task's prompts(seed): the same num_prompts prompts at every evaluation
+    num_prompts: int = 32  # prompts per evaluation
+    samples_per_prompt: int = 1  # answers per prompt (pass@k needs k of them)
+    pass_at_k: list[int] = field(default_factory=lambda: [1])  # eval/pass@k for each k (unbiased estimator, k <= samples_per_prompt)
+    pass_threshold: float = 1.0  # an answer passes when its reward's "correct" entry (dict rewards) or its score is >= this
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.interval is not None and self.interval < 0:
+            raise ValueError(f"eval.interval must be >= 0 (0 or null: off), got {self.interval}")
+        for name in ("num_prompts", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
+        bad = [k for k in self.pass_at_k if not isinstance(k, int) or not 1 <= k <= self.samples_per_prompt]
+        if bad:
+            raise ValueError(f"eval.pass_at_k entries must be integers in [1, eval.samples_per_prompt="
+                             f"{self.samples_per_prompt}], got {bad}; raise eval.samples_per_prompt or drop them")
+        if self.task is not None and not self.task.replace(":", ".").replace("_", "a").replace(".", "a").isalnum():
+            raise ValueError(f"eval.task must be an import path like 'pkg.module:attr', got {self.task!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.interval)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from glue.batch import build_train_batch, rollout_metrics
 from glue.checkpoint import Checkpoints
@@ -28,24 +28,34 @@ class FleetControl(Protocol):
     def continue_generation(self) -> None: ...
 
 
+async def no_evaluation(step: int) -> dict[str, float]:
+    return {}
+
+
 async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, fleet: FleetControl,
                    phases: Colocation, loss_cfg: Any, logger: MetricsLogger, pause_mode: str = "retract",
                    on_step: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False,
                    checkpoints: Checkpoints | None = None, first_step: int = 1,
                    sync_guard: Callable[[Callable[[], None]], None] = lambda sync: sync(),
-                   extra_metrics: Callable[[], dict[str, float]] = dict) -> int:
+                   extra_metrics: Callable[[], dict[str, float]] = dict,
+                   evaluate: Callable[[int], Awaitable[dict[str, float]]] = no_evaluation) -> int:
     """Train steps `first_step`..`num_steps`, or until `stop()` holds after a step (a checkpoint is written then,
     as at the last step and every `checkpoints.interval`); returns the last step trained. Every trained token is
     at most `stream.gate.max_staleness` versions old. `sync_guard(sync)` runs each weight sync (in a worker thread;
-    glue.fleet_watch keeps it apart from engine restarts); `extra_metrics()` adds to every step's record."""
+    glue.fleet_watch keeps it apart from engine restarts); `extra_metrics()` adds to every step's record.
+    `await evaluate(step)` runs after each step's sync, when the engines hold a known version (and for step 0 before
+    the first step); what it returns (glue.evaluation: {} unless due) joins the step's record."""
     gate = stream.gate
     phases.before_rollout()
     stream.start()
     try:
+        if first_step == 1 and (at_start := await evaluate(0)):
+            logger.log({"step": 0, **at_start, "weights/version": trainer.version})
         for step in range(first_step, num_steps + 1):
             timer, started = StepTimer(), time.perf_counter()
             with timer("rollout"):  # the trainer waits for a batch
                 groups, withheld = await stream.next_batch()
+            groups = sorted(groups, key=lambda g: g.group_id)  # one order whatever order they finished in
             batch, staleness = build_train_batch(groups, loss_cfg, withheld=withheld, gate=gate)
             with timer("train"):
                 train_metrics = await asyncio.to_thread(train_phase, phases, trainer, batch)
@@ -54,17 +64,18 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
                 with timer("sync"):
                     await stream.sync(lambda: sync_guard(lambda: sync_weights(fleet, phases, trainer.version,
                                                                               pause_mode)), trainer.version)
+            evaluation = await evaluate(step)
             wall = time.perf_counter() - started
             record = {"step": step, **rollout_metrics(groups), **train_metrics, **staleness, **stream.metrics(wall),
                       **timer.metrics, **phases.metrics(), "time/step_s": wall,
                       "time/trainer_idle_frac": timer.metrics["time/rollout_s"] / wall,
-                      "weights/version": trainer.version, **extra_metrics()}
+                      "weights/version": trainer.version, **evaluation, **extra_metrics()}
             logger.log(record)
             if on_step is not None:
                 on_step(record)
             stopping = stop()
             if checkpoints is not None and checkpoints.due(step, last=stopping or step == num_steps):
-                state = {**stream.resume_state(), "version": trainer.version}  # on the loop: a consistent view
+                state = {**await stream.checkpoint_state(fleet), "version": trainer.version}  # on the loop
                 await asyncio.to_thread(checkpoints.save, step, trainer.save_checkpoint, state)
             if stopping:
                 return step

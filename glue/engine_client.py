@@ -78,6 +78,7 @@ class EngineClient:
         self.retry_backoff_s = retry_backoff_s
         self.connect_retries = 0  # metric: generate requests sent again after a connection error or a 502-504
         self.pauses = 0  # pause_generation calls so far: a generate spanning one must say where versions change
+        self._calls_by_pause: dict[int, int] = {}  # generate calls in flight, by the pause count when they started
         self._session: "aiohttp.ClientSession | None" = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -109,9 +110,28 @@ class EngineClient:
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                    "return_logprob": return_logprob}
         url = f"{self.router_url}/generate"
+        pauses_before = self.pauses
+        self._calls_by_pause[pauses_before] = self._calls_by_pause.get(pauses_before, 0) + 1
+        try:
+            return await self._generate(url, payload, pauses_before)
+        finally:
+            self._calls_by_pause[pauses_before] -= 1
+
+    async def calls_settled(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every generate call that started before the last pause has returned (after a pause with
+        mode "abort" the engines answer them at once; what the callers do next queues behind the pause). False if
+        some had not after `timeout_s` (e.g. one waiting to retry)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(n for epoch, n in self._calls_by_pause.items() if epoch < self.pauses):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def _generate(self, url: str, payload: dict, pauses_before: int) -> dict:
         import aiohttp
 
-        attempt, pauses_before = 0, self.pauses
+        attempt = 0
         while True:
             try:
                 async with self._get_session().post(url, json=payload) as resp:

@@ -16,13 +16,15 @@ class EngineHost:
         self._engine: Any = None
 
     def start(self, *, name: str, command: Sequence[str], model_path: str, args: Sequence[str],
-              env: dict[str, str] | None, log_path: str, cwd: str) -> tuple[str, int, list[str]]:
-        """Start the engine on this node's address and a port free here; returns (url, pid, command line)."""
+              env: dict[str, str] | None, log_path: str, cwd: str,
+              bind: str | None = None) -> tuple[str, int, list[str]]:
+        """Start the engine on `bind` (default: this node's address) and a port free here; returns (url, pid,
+        command line)."""
         import ray
 
         from glue.fleet import _Managed, free_ports
 
-        host = ray.util.get_node_ip_address()
+        host = bind or ray.util.get_node_ip_address()
         port = free_ports(1, host)[0]
         cmd = [*command, "--model-path", model_path, "--host", host, "--port", str(port), *args]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +55,7 @@ class RemoteEngine:
     fleet's calls (check_alive, log_tail, terminate, wait, kill) by asking the actor."""
 
     def __init__(self, name: str, *, command: Sequence[str], model_path: str, args: Sequence[str],
-                 env: dict[str, str] | None, log_path: Path, actor_options: dict[str, Any]):
+                 env: dict[str, str] | None, log_path: Path, actor_options: dict[str, Any], bind: str | None = None):
         import ray
 
         self.name, self.log_path = name, log_path
@@ -61,7 +63,7 @@ class RemoteEngine:
         try:
             self.url, self.pid, self.cmd = ray.get(self._actor.start.remote(
                 name=name, command=list(command), model_path=model_path, args=list(args), env=env,
-                log_path=str(Path(log_path).resolve()), cwd=os.getcwd()))
+                log_path=str(Path(log_path).resolve()), cwd=os.getcwd(), bind=bind))
         except BaseException:
             ray.kill(self._actor)
             raise

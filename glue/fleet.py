@@ -180,7 +180,8 @@ class RolloutFleet:
     The fleet appends `--model-path --host --port` and then `engine_args` (pass-through flags such as
     `--num-threads 1` or SGLang's `--tp 2`); `router_args` are appended to the router's command line.
     With `engine_hosts` (Ray actor options per engine, `launch.cluster.Placement.actor_options`), engine i is
-    started on its placement-group bundle's node by a `glue.engine_host` actor; without, as a child of this process.
+    started on its placement-group bundle's node by a `glue.engine_host` actor (listening on `engine_bind`, default
+    that node's address); without, as a child of this process.
     `api_key` / `admin_api_key` start every engine with SGLang's `--api-key` / `--admin-api-key`; the router gets
     `--api-key` too (it then asks clients for that key and sends it to the engines), and the fleet's own calls
     carry it.
@@ -192,7 +193,7 @@ class RolloutFleet:
                  engine_command: Sequence[str] = EMBEDDED_ENGINE, router_command: Sequence[str] = ROUTER,
                  router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
                  engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = (),
-                 api_key: str | None = None, admin_api_key: str | None = None):
+                 api_key: str | None = None, admin_api_key: str | None = None, engine_bind: str | None = None):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
@@ -207,6 +208,7 @@ class RolloutFleet:
         self.router_args = list(router_args) + ([f"--api-key={api_key}"] if api_key else [])
         self.engine_env = list(engine_env)  # per engine index, e.g. its CUDA_VISIBLE_DEVICES from the placement
         self.engine_hosts = list(engine_hosts)
+        self.engine_bind = engine_bind  # engines on host actors listen here (default: their node's address)
         if self.engine_hosts and len(self.engine_hosts) != num_engines:
             raise ValueError(f"RolloutFleet: {len(self.engine_hosts)} engine_hosts for {num_engines} engines")
         self.engine_command, self.router_command = list(engine_command), list(router_command)
@@ -269,7 +271,8 @@ class RolloutFleet:
 
             engine: Any = RemoteEngine(f"engine {i}", command=self.engine_command, model_path=self.model_path,
                                        args=self.engine_args, env=env, log_path=log_path,
-                                       actor_options=self.engine_hosts[i % len(self.engine_hosts)])
+                                       actor_options=self.engine_hosts[i % len(self.engine_hosts)],
+                                       bind=self.engine_bind)
         else:
             port = port or free_ports(1, self.host)[0]
             url = f"http://{self.host}:{port}"

@@ -65,7 +65,7 @@ class FleetWatch:
             except Exception as err:
                 dead = self.fleet.exited()
                 if dead:
-                    raise ProcessDied("; ".join(dead)) from err
+                    raise ProcessDied(self._beyond_repair("; ".join(dead))) from err
                 raise
         finally:
             watchdog.cancel()
@@ -132,9 +132,7 @@ class FleetWatch:
 
     async def _replace(self, index: int, why: str) -> None:
         if self.repair is None or self.restarts >= self.max_restarts:
-            limit = ("" if self.repair is None else
-                     f" (rollout.max_engine_restarts={self.max_restarts} restarts used up)")
-            raise ProcessDied(why + limit)
+            raise ProcessDied(self._beyond_repair(why))
         self.restarts += 1
         self._failed_checks[index] = 0
         print(f"sluice: {why}; restarting it ({self.restarts} of at most {self.max_restarts} restarts)", flush=True)
@@ -146,6 +144,12 @@ class FleetWatch:
         self.recovery_s.append(time.monotonic() - started)
         print(f"sluice: engine {index} serves again at {self.fleet.engine_urls[index]} with the current weights, "
               f"{self.recovery_s[-1]:.1f} s after the fault was seen", flush=True)
+
+    def _beyond_repair(self, why: str) -> str:
+        """`why`, and why no restart follows when restarts were possible but are used up."""
+        if self.repair is None or self.restarts < self.max_restarts:
+            return why
+        return f"{why} (rollout.max_engine_restarts={self.max_restarts} restarts used up)"
 
     def _repair_locked(self, index: int) -> None:
         with self.lock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator
 
 from glue.engine_client import GenerateClient, weight_version_to_int
@@ -26,6 +26,27 @@ class RolloutContext:
     reward_fn: Callable[[Sample], float | dict | Awaitable[float | dict]]  # the task's reward
     group_id: int  # id of the group being generated; put it on every sample
     partial_rollouts: str = "resume"  # an aborted generation: "resume" from the tokens so far, or "restart" it
+    seed: int | None = None  # set in deterministic mode (run.deterministic): the group's sampling seed
+    error_masking: bool = False  # rollout.error_masking: a failed agent turn's tokens get loss_mask 0 (multi_turn)
+    task: Any = None  # the task object, for rollout functions that need more than its reward (multi_turn's make_env)
+    resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
+    tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
+
+    def track(self, sample: Sample) -> Sample:
+        """Register a sample being generated, so a checkpoint taken while its group is in flight keeps its tokens
+        so far (`resumed` hands them back after a restart; continue from `sample.prompt_tokens +
+        sample.response_tokens`). Returns the sample."""
+        self.tracked[sample.index] = sample
+        return sample
+
+    def sampling_for(self, index: int) -> dict:
+        """The sampling_params for sample `index` of this group: a copy, with SGLang's per-request
+        `sampling_seed` in deterministic mode (then the same sample draws the same tokens in every run, and when
+        continued from its partial tokens)."""
+        params = dict(self.sampling_params)
+        if self.seed is not None:
+            params["sampling_seed"] = (self.seed * 1_000_003 + index) % (2**31 - 1)
+        return params
 
 
 async def score(ctx: RolloutContext, sample: Sample) -> None:
@@ -81,18 +102,22 @@ class RolloutManager:
 
     def __init__(self, *, function_path: str, task_path: str, client: GenerateClient, sampling_params: dict,
                  prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None,
-                 partial_rollouts: str = "resume", group_timeout_s: float | None = None):
+                 partial_rollouts: str = "resume", group_timeout_s: float | None = None,
+                 deterministic: bool = False, error_masking: bool = False):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
-        self.task = _build_task(task_path, task_args or {})
+        self.task = build_task(task_path, task_args or {})
         self.client, self.sampling_params = client, dict(sampling_params)
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.partial_rollouts, self.group_timeout_s = partial_rollouts, group_timeout_s
-        self.seed = seed
+        self.seed, self.deterministic = seed, deterministic
+        self.error_masking = error_masking
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
+        self._resumed: dict[int, dict[int, Sample]] = {}  # group id -> its checkpointed partial samples by index
+        self._contexts: dict[int, RolloutContext] = {}  # groups whose rollout function is running
 
     def next_group(self) -> tuple[int, Awaitable[Group]]:
         """The next prompt's group id and the coroutine that generates and scores its group (groups to re-issue
@@ -108,9 +133,19 @@ class RolloutManager:
         """Prompts taken from the task so far (group ids 0 .. groups_drawn - 1): the task's cursor."""
         return self._next_group_id
 
-    def resume(self, groups_drawn: int, reissue: list[int]) -> None:
+    def partial_samples(self, group_ids: list[int]) -> dict[int, list[dict]]:
+        """The samples with tokens that the rollout functions of these in-flight groups registered with `ctx.track`,
+        as dicts (for a checkpoint): tokens, logprobs and versions so far."""
+        held = {gid: [s.to_dict() for s in self._contexts[gid].tracked.values() if s.response_tokens]
+                for gid in group_ids if gid in self._contexts}
+        return {gid: samples for gid, samples in held.items() if samples}
+
+    def resume(self, groups_drawn: int, reissue: list[int], partial: dict[int, list[dict]] | None = None) -> None:
         """Continue a checkpointed run: skip the `groups_drawn` prompts it took (the task's prompts are seeded, so
-        they are the same ones) and issue the groups in `reissue` again first, the ones drawn but never trained."""
+        they are the same ones) and issue the groups in `reissue` again first, the ones drawn but never trained,
+        with the partial samples checkpointed for them (`ctx.resumed`)."""
+        self._resumed = {int(gid): {d["index"]: Sample.from_dict(d) for d in samples}
+                         for gid, samples in (partial or {}).items()}
         pending = set(reissue)
         self._prompts, self._next_group_id, self._reissue = iter(self.task.prompts(self.seed)), 0, []
         for group_id in range(groups_drawn):
@@ -159,15 +194,25 @@ class RolloutManager:
 
     async def _run_function(self, group_id: int, prompt: dict, where: str) -> list[Sample]:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
-                             reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts)
+                             reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts,
+                             seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
+                             error_masking=self.error_masking, task=self.task,
+                             resumed=self._resumed.pop(group_id, {}))
+        self._contexts[group_id] = ctx
+        try:
+            return await self._call_function(ctx, prompt)
+        finally:
+            self._contexts.pop(group_id, None)
+
+    async def _call_function(self, ctx: RolloutContext, prompt: dict) -> list[Sample]:
         samples = await self.fn(ctx, prompt, self.samples_per_prompt)
         if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
             raise TypeError(f"must return a list of glue.types.Sample, got {_describe(samples)}")
-        if len(samples) != self.samples_per_prompt:
-            raise ValueError(f"returned {len(samples)} samples; expected num_samples={self.samples_per_prompt} "
-                             "(mark failed ones status=FAILED instead of dropping them)")
+        if len(samples) < self.samples_per_prompt:  # more is fine: an agent run may split into several trajectories
+            raise ValueError(f"returned {len(samples)} samples; expected at least num_samples="
+                             f"{self.samples_per_prompt} (mark failed ones status=FAILED instead of dropping them)")
         for index, sample in enumerate(samples):
-            sample.group_id, sample.index = group_id, index
+            sample.group_id, sample.index = ctx.group_id, index
             sample.validate()
         return samples
 
@@ -197,7 +242,7 @@ def is_fleet_error(err: BaseException) -> bool:
     return False
 
 
-def _build_task(task_path: str, task_args: dict) -> Any:
+def build_task(task_path: str, task_args: dict) -> Any:
     """A task is a class (instantiated with task_args) or a ready object with prompts(seed) and reward(sample)."""
     obj = load_object(task_path, what="task")
     if inspect.isclass(obj):

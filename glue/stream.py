@@ -36,13 +36,21 @@ class RolloutStream:
     """`start()`, then `await next_batch()` per train step and `await sync(fn)` per weight sync; `stop()` cancels
     what is still generating. `max_groups` caps the groups ever trained (the run's steps x groups per step),
     `max_concurrent` the groups generating at once. A failed group (`Group.error`) gives its place to a new one and
-    is counted; more than `max_failed_frac` of a step's groups failing stops the run with RolloutFailed."""
+    is counted; more than `max_failed_frac` of a step's groups failing stops the run with RolloutFailed. With
+    `dynamic_sampling` (DAPO) a group whose rewards are all equal gives its place back the same way, counted in
+    `rollout/filtered_groups`, bounded by `max_filtered_frac`."""
 
     def __init__(self, *, manager: Any, gate: StalenessGate, buffer: RolloutBuffer, max_groups: int,
-                 max_concurrent: int | None = None, max_failed_frac: float = 0.5):
+                 max_concurrent: int | None = None, max_failed_frac: float = 0.5, drain_before_sync: bool = False,
+                 dynamic_sampling: bool = False, max_filtered_frac: float = 0.9):
         self.manager, self.gate, self.buffer, self.max_groups = manager, gate, buffer, max_groups
         self.max_concurrent = max_concurrent  # groups generating at once (None: as many as the gate admits)
         self.max_failed_frac = max_failed_frac
+        self.drain_before_sync = drain_before_sync  # deterministic mode: no rollout spans a weight sync
+        self.dynamic_sampling, self.max_filtered_frac = dynamic_sampling, max_filtered_frac
+        self.filtered_groups = 0  # groups dropped for equal rewards, over the run
+        self._filtered_this_step = 0
+        self._filtered_at_last_metrics = 0
         self.failed_groups = 0  # over the run
         self.lost_samples = 0  # samples of groups that failed because the fleet could not serve them, over the run
         self._lost_at_last_metrics = 0
@@ -104,11 +112,15 @@ class RolloutStream:
     def _accept(self, group: Group) -> None:
         if group.error is not None:
             self._count_failure(group)
-        if any(is_trainable(s) for s in group.samples):
+        trainable = [s for s in group.samples if is_trainable(s)]
+        is_flat = self.dynamic_sampling and len({s.scalar_reward for s in trainable}) == 1
+        if trainable and not is_flat:
             self.buffer.finished(group)
         else:  # nothing to learn from: give its place back so another group can start
             self.buffer.discard(group.group_id)
             self.gate.give_back()
+        if trainable and is_flat:
+            self._count_filtered()
 
     def _count_failure(self, group: Group) -> None:
         """A step takes `groups_per_step` good groups; once the failed ones alone exceed `max_failed_frac` of the
@@ -123,12 +135,25 @@ class RolloutStream:
                 f"{failed} groups failed while a step of {good} was collected, more than rollout.max_failed_frac="
                 f"{self.max_failed_frac:g} of them; first: group {first.group_id}: {first.error}")
 
+    def _count_filtered(self) -> None:
+        """Like failures: once the dropped groups alone exceed `max_filtered_frac` of the step (dropped + kept),
+        the task gives the policy too few groups with a learning signal to go on."""
+        self.filtered_groups += 1
+        self._filtered_this_step += 1
+        filtered, good = self._filtered_this_step, self.buffer.groups_per_step
+        if filtered > self.max_filtered_frac * (filtered + good) and self._error is None:
+            self._error = RolloutFailed(
+                f"{filtered} groups had all-equal rewards and were dropped (rollout.dynamic_sampling) while a step "
+                f"of {good} was collected, more than rollout.max_filtered_frac={self.max_filtered_frac:g} of them; "
+                "the task is too hard or too easy for the policy: raise rollout.max_filtered_frac, "
+                "rollout.samples_per_prompt, or set rollout.dynamic_sampling=false")
+
     async def next_batch(self) -> tuple[list[Group], set[tuple[int, int]]]:
         """Wait until the buffer holds a step's groups (re-raising a rollout function's error), then take them."""
         await self._wait_for(lambda: self._error is not None or self.buffer.is_ready(self.gate))
         if self._error is not None:
             raise self._error
-        self._failed_this_step = []
+        self._failed_this_step, self._filtered_this_step = [], 0
         return self.buffer.take(self.gate)
 
     def trained(self, version: int) -> None:
@@ -141,6 +166,8 @@ class RolloutStream:
         self._paused = True
         self.idle.set(True)
         try:
+            if self.drain_before_sync:  # every group in flight finishes on the weights it started with
+                await self._wait_for(lambda: not self._tasks or self._error is not None)
             await asyncio.to_thread(transfer)
             self.gate.synced(version)
         finally:
@@ -149,15 +176,40 @@ class RolloutStream:
             self._changed.set()
 
     def resume_state(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue this stream: the task's cursor and the groups drawn but not trained
-        (still generating, or finished and waiting), which a resumed run issues again. Taken on the event loop."""
-        return {"groups_drawn": self.manager.groups_drawn, "reissue": sorted(self.buffer.entries)}
+        """What a checkpoint needs to continue this stream: the task's cursor, the finished groups waiting in the
+        buffer (whole: tokens, logprobs, versions, rewards), and the ids of the groups still generating, which a
+        resumed run issues again. Taken on the event loop."""
+        finished = [{"group": e.group.to_dict(), "deadline": e.deadline, "start_version": e.start_version}
+                    for e in sorted(self.buffer.in_queue, key=lambda e: e.finished_order)]
+        in_flight = sorted(e.group_id for e in self.buffer.in_flight)
+        return {"groups_drawn": self.manager.groups_drawn, "finished": finished, "reissue": in_flight,
+                "partial": self.manager.partial_samples(in_flight)}
+
+    async def checkpoint_state(self, fleet: Any) -> dict[str, Any]:
+        """`resume_state()` with the tokens generated so far by the groups in flight: generation is paused with
+        mode "abort", so the engines hand every request's tokens back to its rollout function (which keeps them in
+        its tracked samples and asks again: those requests wait behind the pause), then it continues. Without
+        groups in flight, or with partial_rollouts "restart" (which would throw the tokens away), just the state."""
+        if not self.buffer.in_flight or self.manager.partial_rollouts != "resume":
+            return self.resume_state()
+        await asyncio.to_thread(fleet.pause_generation, "abort")
+        try:
+            await fleet.calls_settled()
+            return self.resume_state()
+        finally:
+            await asyncio.to_thread(fleet.continue_generation)
 
     def resume(self, state: dict[str, Any], version: int, trained_groups: int) -> None:
-        """Continue from a checkpoint: trainer and engines at `version`, `trained_groups` already trained."""
-        self.manager.resume(state["groups_drawn"], state["reissue"])
+        """Continue from a checkpoint: trainer and engines at `version`, `trained_groups` already trained; the
+        buffer's finished groups come back as they were, the ones that were generating are issued again."""
+        self.manager.resume(state["groups_drawn"], state["reissue"], state.get("partial"))
         self.gate.v_train = self.gate.v_engine = version
         self.gate.admitted = trained_groups
+        for entry in state.get("finished", []):  # checkpoints before 2026-11-23 re-issued these too
+            group = Group.from_dict(entry["group"])
+            self.buffer.started(group.group_id, deadline=entry["deadline"], start_version=entry["start_version"])
+            self.buffer.finished(group)
+            self.gate.admitted += 1
 
     def metrics(self, step_s: float) -> dict[str, float]:
         """Where work waits and how far behind it is, for a step that took `step_s`: staleness of groups still
@@ -173,7 +225,11 @@ class RolloutStream:
         in_flight, in_queue = self.buffer.in_flight, self.buffer.in_queue
         failed, self._failed_at_last_metrics = self.failed_groups - self._failed_at_last_metrics, self.failed_groups
         lost, self._lost_at_last_metrics = self.lost_samples - self._lost_at_last_metrics, self.lost_samples
-        return {"rollout/failed_groups": float(failed), "rollout/lost_samples": float(lost), "staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
+        filtered, self._filtered_at_last_metrics = (self.filtered_groups - self._filtered_at_last_metrics,
+                                                    self.filtered_groups)
+        return {"rollout/failed_groups": float(failed), "rollout/filtered_groups": float(filtered),
+                "rollout/lost_samples": float(lost),
+                "staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
                 "async/in_flight_groups": float(len(in_flight)), "async/buffer_groups": float(len(in_queue)),
                 "async/dropped_stale": float(gate.dropped_stale), "async/syncs": float(gate.syncs),
                 "weights/lag": float(gate.lag), "time/rollout_idle_frac": min(1.0, idle / step_s)}

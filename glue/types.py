@@ -71,6 +71,19 @@ class Sample:
                 "(mark the sample status=FAILED if the verifier could not score it)"
             )
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields (for checkpoints); `Sample.from_dict` reverses it."""
+        from dataclasses import asdict
+
+        return {**asdict(self), "status": self.status.value}
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "Sample":
+        import copy
+
+        fields = copy.deepcopy(fields)  # the sample's lists grow as it is continued; the dict stays as it was
+        return cls(**{**fields, "status": SampleStatus(fields["status"])})
+
     def staleness(self, current_version: int) -> int:
         """How many versions behind `current_version` the oldest token of this sample is."""
         return current_version - min(self.versions) if self.versions else 0
@@ -88,6 +101,14 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.scalar_reward for s in self.samples]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "samples": [s.to_dict() for s in self.samples], "error": self.error,
+                "lost": self.lost}
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "Group":
+        return cls(**{**fields, "samples": [Sample.from_dict(s) for s in fields["samples"]]})
 
 
 @dataclass(kw_only=True)

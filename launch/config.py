@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from glue.config import RolloutConfig, SyncConfig
+from glue.config import EvalConfig, RolloutConfig, SyncConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 
@@ -30,6 +30,12 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 128
     seed: int = 0  # initial weights' seed
+    tokenizer: bool = False  # also train a byte-level BPE tokenizer with a chat template (glue.tiny_text_model), for text tasks; needs vocab_size >= 260
+
+    def __post_init__(self) -> None:
+        if self.tokenizer and self.vocab_size < 260:
+            raise ValueError(f"model.tiny.vocab_size must be >= 260 with model.tiny.tokenizer=true (256 bytes and 4 "
+                             f"special tokens), got {self.vocab_size}")
 
 
 @dataclass(kw_only=True)
@@ -51,6 +57,7 @@ class RunConfig:
     resume: str = "auto"  # auto: continue from the run folder's latest checkpoint if any; never; or a checkpoint path
     save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
+    deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -108,6 +115,7 @@ class SluiceConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)

@@ -142,6 +142,10 @@ def _check_staleness(cfg: SluiceConfig) -> None:
         raise ValueError(f"sync.pause_mode={s.pause_mode} with SGLang engines in async mode: SGLang answers one "
                          "weight_version per request, so a request running across a sync could not be split by version; "
                          "use sync.pause_mode=abort (the rollout function resumes aborted requests on the new weights)")
+    if cfg.run.deterministic and s.interval != 1:
+        raise ValueError(f"run.deterministic needs sync.interval=1 (got {s.interval}): a resumed run's engines get "
+                         "the checkpoint's weights, which is where an uninterrupted run's engines are only when every "
+                         "step syncs")
     if cfg.trainer.old_logprobs == "snapshot" and cfg.loss.old_logprobs_from != "given":
         raise ValueError(f"trainer.old_logprobs=snapshot needs loss.old_logprobs_from=given (it is "
                          f"{cfg.loss.old_logprobs_from!r}, which does not read the trainer's old logprobs)")
@@ -254,6 +258,12 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                            coords=_coords(cfg, r)) for r in range(cfg.trainer.world_size)]
     engine_command = list(SGLANG_SERVER if c.engine_kind == "sglang" else EMBEDDED_ENGINE)
     layout = ["--tp-size", str(c.engine_tensor_parallel_size)] if c.engine_kind == "sglang" else []
+    if c.engine_kind == "sglang":  # token ids in every OpenAI-style answer: the router drops the per-request opt-ins
+        known = sglang_options() or {}  # an SGLang without these switches is left as it is
+        layout += [f"--{k.replace('_', '-')}" for k in ("return_input_ids", "return_output_ids")
+                   if k in known and k not in cfg.sglang]
+    if cfg.run.deterministic and "enable_deterministic_inference" not in cfg.sglang:
+        layout.append("--enable-deterministic-inference")  # the embedded engine takes SGLang's flag too
     engine_args = layout + to_argv(cfg.sglang, sglang_options())
     model = cfg.model.path or str(cfg.run_dir / "init_model")
     engines = []

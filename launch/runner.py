@@ -25,6 +25,7 @@ def run(cfg: SluiceConfig) -> Path:
     if plan.notes:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
     check_plugins(cfg)
+    check_eval(cfg, plan.placement)
     run_dir = cfg.run_dir
     resume_from = find_checkpoint(cfg)
     model_path = prepare_model(cfg, run_dir)
@@ -44,9 +45,10 @@ def run(cfg: SluiceConfig) -> Path:
         write_resolved(cfg, run_dir / "config.yaml")
         progress = stack.enter_context(_progress_bar(cfg))
         watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client)
+        evaluator = make_evaluator(cfg, fn=manager.fn, client=client, model_path=model_path)
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
                                                  colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
-                                                 resume_state=resume_state, watch=watch))
+                                                 resume_state=resume_state, watch=watch, evaluator=evaluator))
         stop.armed = True
         try:
             last_step = loop.run_until_complete(training)
@@ -116,16 +118,18 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
             if line.strip() and json.loads(line).get("step", 0) <= state["step"]]
     metrics.write_text("".join(line + "\n" for line in kept))
     print(f"sluice: resuming from {checkpoint} (step {state['step']}, policy version {version}); "
-          f"{len(state['reissue'])} groups drawn but not trained are issued again", flush=True)
+          f"{len(state.get('finished', []))} finished groups back in the buffer, {len(state['reissue'])} that were "
+          f"generating issued again ({sum(len(v) for v in state.get('partial', {}).values())} of their samples "
+          "continue from the tokens they had)", flush=True)
     return state
 
 
 async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, watch,
-                       stop=lambda: False, resume_state: dict | None = None) -> int:
+                       stop=lambda: False, resume_state: dict | None = None, evaluator=None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     from glue.buffer import RolloutBuffer
     from glue.checkpoint import Checkpoints
-    from glue.controller import run_loop
+    from glue.controller import no_evaluation, run_loop
     from glue.metrics import MetricsLogger
     from glue.staleness import StalenessGate
     from glue.stream import RolloutStream
@@ -133,11 +137,14 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     groups_per_step = cfg.rollout.prompts_per_step
     gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=cfg.sync.max_staleness,
                          interval=cfg.sync.interval, admission=cfg.sync.admission)
-    buffer = RolloutBuffer(groups_per_step=groups_per_step, order=cfg.rollout.buffer_order,
+    buffer = RolloutBuffer(groups_per_step=groups_per_step,
+                           order="group_id" if cfg.run.deterministic else cfg.rollout.buffer_order,
                            stale_policy=cfg.sync.stale_policy)
     stream = RolloutStream(manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
                            max_concurrent=cfg.rollout.max_concurrent_groups,
-                           max_failed_frac=cfg.rollout.max_failed_frac)
+                           max_failed_frac=cfg.rollout.max_failed_frac, drain_before_sync=cfg.run.deterministic,
+                           dynamic_sampling=cfg.rollout.dynamic_sampling,
+                           max_filtered_frac=cfg.rollout.max_filtered_frac)
 
     first_step = 1
     if resume_state is not None:
@@ -157,8 +164,53 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         on_step=on_step, stop=stop, first_step=first_step,
         checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
                                 interval=cfg.run.save_interval),
-        sync_guard=watch.guarded_sync, extra_metrics=watch.metrics))
+        sync_guard=watch.guarded_sync, extra_metrics=lambda: {**watch.metrics(), **task_metrics(manager.task)},
+        evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
     return await watch.run(training)
+
+
+def task_metrics(task) -> dict[str, float]:
+    """What a task counts itself: `rollout/filtered_prompts` (e.g. TextDataTask's rows over max_prompt_tokens)."""
+    count = getattr(task, "filtered_prompts", None)
+    return {"rollout/filtered_prompts": float(count)} if isinstance(count, (int, float)) else {}
+
+
+def task_args_for(task_path: str, task_args: dict, model_path: str) -> dict:
+    """`task_args`, with `tokenizer: <model_path>` added when the task is a class whose constructor takes a
+    tokenizer and none was given: a text task reads the policy's own tokenizer and chat template by default."""
+    import inspect
+
+    from glue.plugins import load_object
+
+    task = load_object(task_path, what="task")
+    if "tokenizer" in task_args or not inspect.isclass(task):
+        return dict(task_args)
+    takes_tokenizer = "tokenizer" in inspect.signature(task).parameters
+    return {**task_args, "tokenizer": model_path} if takes_tokenizer else dict(task_args)
+
+
+def eval_task(cfg: SluiceConfig) -> tuple[str, dict]:
+    """The eval task's import path and arguments: `eval.task` with `eval.task_args`, or with no `eval.task` the
+    training task with `rollout.task_args` updated by `eval.task_args` (e.g. another data file)."""
+    if cfg.eval.task is None:
+        return cfg.rollout.task, {**cfg.rollout.task_args, **cfg.eval.task_args}
+    return cfg.eval.task, dict(cfg.eval.task_args)
+
+
+def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
+    """The held-out evaluation (glue.evaluation) the loop runs every `eval.interval` steps, or None when off."""
+    if not cfg.eval.enabled:
+        return None
+    from glue.evaluation import Evaluator
+    from glue.rollout import build_task
+
+    path, args = eval_task(cfg)
+    e = cfg.eval
+    return Evaluator(fn=fn, task=build_task(path, task_args_for(path, args, model_path)), client=client,
+                     sampling_params=e.sampling.to_sglang(cfg.rollout.sampling.to_sglang()), interval=e.interval,
+                     at_start=e.at_start, seed=e.seed, num_prompts=e.num_prompts,
+                     samples_per_prompt=e.samples_per_prompt, ks=e.pass_at_k, threshold=e.pass_threshold,
+                     group_timeout_s=cfg.rollout.group_timeout_s)
 
 
 def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
@@ -200,6 +252,17 @@ def check_plugins(cfg: SluiceConfig) -> None:
     fn = load_object(cfg.rollout.function, what="rollout.function")
     check_signature(fn, ["ctx", "prompt", "num_samples"], what="rollout.function")
     load_object(cfg.rollout.task, what="rollout.task")
+    if cfg.eval.enabled:
+        load_object(eval_task(cfg)[0], what="eval.task")
+
+
+def check_eval(cfg: SluiceConfig, placement: str) -> None:
+    """Evaluation runs after a step's sync; with colocated placement the engines hold no weights after a step
+    without one, so every eval step must be a sync step."""
+    e, interval = cfg.eval, cfg.sync.interval
+    if e.enabled and placement == "colocated" and e.interval % interval:
+        raise ConfigError(f"eval.interval={e.interval} must be a multiple of sync.interval={interval} with "
+                          "cluster.placement=colocated (the engines hold weights only after a sync)")
 
 
 def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
@@ -214,8 +277,11 @@ def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
     from dataclasses import asdict
 
     from glue.embedded_engine.tiny_model import save_tiny_model
+    from glue.tiny_text_model import save_tiny_text_model
 
-    return str(Path(save_tiny_model(str(run_dir / "init_model"), **asdict(cfg.model.tiny))).resolve())
+    tiny = asdict(cfg.model.tiny)
+    save = save_tiny_text_model if tiny.pop("tokenizer") else save_tiny_model
+    return str(Path(save(str(run_dir / "init_model"), **tiny)).resolve())
 
 
 def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
@@ -277,7 +343,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                          engine_command=plan.engine_command, engine_args=plan.engine_args,
                          router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
-                         api_key=api_key, admin_api_key=admin_api_key)
+                         api_key=api_key, admin_api_key=admin_api_key,
+                         engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
     stack.callback(fleet.stop)
     fleet.start()
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
@@ -296,11 +363,13 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
         host, port = bridge.transport.address
         print(f"sluice: weight group hosted by trainer rank 0 at {host}:{port}", flush=True)
     manager = RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
-                             task_args=cfg.rollout.task_args, client=client,
+                             task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
+                             client=client,
                              sampling_params=cfg.rollout.sampling.to_sglang(),
                              prompts_per_step=cfg.rollout.prompts_per_step,
                              samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
                              partial_rollouts=cfg.sync.partial_rollouts,
-                             group_timeout_s=cfg.rollout.group_timeout_s)
+                             group_timeout_s=cfg.rollout.group_timeout_s, deterministic=cfg.run.deterministic,
+                             error_masking=cfg.rollout.error_masking)
     return fleet, client, trainer, bridge, manager, loop
 

@@ -20,17 +20,19 @@ async def generate_one(ctx: RolloutContext, prompt: dict, index: int) -> Sample:
     is kept and generation continues from prompt + response so far, so its tokens may carry two versions; with
     `ctx.partial_rollouts == "restart"` the partial response is thrown away (counted in
     metadata["discarded_tokens"]) and generation starts again from the prompt, so every token has one version."""
-    sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index,
-                    metadata={k: v for k, v in prompt.items() if k != "prompt_tokens"})
+    sample = ctx.track(ctx.resumed.get(index) or Sample(
+        prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index,
+        metadata={k: v for k, v in prompt.items() if k != "prompt_tokens"}, status=SampleStatus.ABORTED))
     budget = ctx.sampling_params.get("max_new_tokens")
-    for _ in range(1 + MAX_RESUMES):
-        params = dict(ctx.sampling_params)
+    while sample.status is SampleStatus.ABORTED:  # a new sample, or one checkpointed part-way (ctx.resumed)
+        params = ctx.sampling_for(index)
         if budget is not None:
             params["max_new_tokens"] = budget - len(sample.response_tokens)
         output = await ctx.client.generate(sample.prompt_tokens + sample.response_tokens, params)
         append_generation(sample, output)
-        if sample.status is not SampleStatus.ABORTED:
+        if sample.status is not SampleStatus.ABORTED or sample.metadata.get("resumes", 0) >= MAX_RESUMES:
             break
+        sample.metadata["resumes"] = sample.metadata.get("resumes", 0) + 1
         if ctx.partial_rollouts == "restart":
             sample.metadata["discarded_tokens"] = sample.metadata.get("discarded_tokens", 0) + len(sample.response_tokens)
             sample.response_tokens, sample.loss_mask, sample.rollout_logprobs, sample.versions = [], [], [], []

@@ -25,6 +25,22 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def text_model_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2 with a real tokenizer (byte-level BPE trained here, ChatML chat template, vocab 512)."""
+    from glue.tiny_text_model import save_tiny_text_model
+
+    return save_tiny_text_model(tmp_path_factory.mktemp("tiny_text"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(text_model_dir):
+    """`text_model_dir`'s tokenizer, loaded offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(text_model_dir, local_files_only=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ def engine_pids(driver: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["async"])  # generation never pauses: the kill lands mid-rollout
 def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_finishes_with_nothing_lost(tmp_path, mode):
     metrics = tmp_path / "f" / "metrics.jsonl"
     command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", f"run.mode={mode}",
@@ -43,7 +43,9 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_finishes_with_not
     if mode == "async":  # generation never stops, so engine 1 died holding requests: the router sent them again
         assert records[-1]["fault/reissued_requests"] >= 1
     restarts = [line for line in out.splitlines() if "serves again" in line]
-    assert restarts and re.match(r"sluice: engine 1 serves again at http://\S+ with the current weights", restarts[0])
+    # a single-node run's engines listen on loopback only (multi-node ones on the node address, with keys)
+    assert restarts and re.match(r"sluice: engine 1 serves again at http://127\.0\.0\.1:\d+ with the current weights",
+                                 restarts[0])
     print(restarts[0], f"reissued requests: {records[-1]['fault/reissued_requests']:.0f}")
 
 

@@ -41,7 +41,7 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
     answers: list = []
 
     async def scenario() -> None:
-        training = asyncio.ensure_future(generate_for(client, 20.0, answers))
+        training = asyncio.ensure_future(generate_for(client, 12.0, answers))
         await asyncio.sleep(2.0)
         os.kill(hung_pid, signal.SIGSTOP)  # alive, holding its requests, answering nothing
         await watch.run(training)

@@ -89,7 +89,7 @@ def test_sglang_and_router_options_arrive_unchanged_in_every_engine_and_router_c
     assert len(plan["engines"]) == 2
     for engine in plan["engines"]:
         assert engine["command"].split(" --port PORT ")[1] == (
-            "--tp-size 2 --mem-fraction-static 0.61 --enable-memory-saver --ep-size 2 "
+            "--tp-size 2 --return-input-ids --return-output-ids --mem-fraction-static 0.61 --enable-memory-saver --ep-size 2 "
             "--json-model-override-args '{\"rope_theta\": 5}'")
         assert "-m sglang.launch_server" in engine["command"]
     assert plan["engines"][1]["devices"] == [2, 3]

@@ -26,20 +26,6 @@ TOOL_OUTPUT = "The answer is 5"
 
 
 @pytest.fixture(scope="module")
-def text_model_dir(tmp_path_factory) -> str:
-    from glue.tiny_text_model import save_tiny_text_model
-
-    return save_tiny_text_model(tmp_path_factory.mktemp("tiny_text"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(text_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(text_model_dir)
-
-
-@pytest.fixture(scope="module")
 def engine_url(engine_processes, text_model_dir) -> str:
     return engine_processes.start(text_model_dir, "--seed", "0", "--num-threads", "1")
 

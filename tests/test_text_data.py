@@ -15,20 +15,6 @@ from rollout_fns.arith_data import arith_rows, write_arith_jsonl
 from rollout_fns.text_data import TextDataTask, load_rows
 
 
-@pytest.fixture(scope="module")
-def text_model_dir(tmp_path_factory) -> str:
-    from glue.tiny_text_model import save_tiny_text_model
-
-    return save_tiny_text_model(tmp_path_factory.mktemp("tiny_text"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(text_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(text_model_dir, local_files_only=True)
-
-
 @pytest.fixture
 def arith_path(tmp_path) -> str:
     return write_arith_jsonl(tmp_path / "arith.jsonl", 20, seed=1)
