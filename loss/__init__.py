@@ -1,6 +1,7 @@
 """Pure tensor math for RL losses (imports only torch): the controller calls `compute_advantages` once per step,
 the trainer calls `compute_policy_loss` once per micro-batch and sums gradients. Methods are chosen by name
-through the registries below, from `LossConfig` alone; docs/algorithms.md lists every method and its formula.
+through the registries below, from `LossConfig` alone (`PRESETS`: whole algorithms by name); docs/algorithms.md lists
+every method and its formula.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from loss.corrections import (CORRECTIONS, OLD_LOGPROB_SOURCES, apply_correction
                               masked_log_ratio, ratio_metrics, resolve_old_logprobs)
 from loss.kl import KL_ESTIMATORS, token_entropy
 from loss.policy import POLICY_LOSSES
+from loss.presets import PRESETS, IncoherentLossWarning
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "CORRECTIONS", "KL_ESTIMATORS", "OLD_LOGPROB_SOURCES", "POLICY_LOSSES",
-    "LossConfig", "compute_advantages", "compute_policy_loss", "count_tokens_and_seqs", "ewma_proximal_logprobs",
+    "PRESETS", "IncoherentLossWarning", "LossConfig", "compute_advantages", "compute_policy_loss", "count_tokens_and_seqs", "ewma_proximal_logprobs",
     "gae", "token_entropy",
 ]
 

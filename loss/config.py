@@ -1,8 +1,10 @@
 """`LossConfig`: the `loss:` section of a run config. Every method is picked by name from an explicit registry;
-`__post_init__` checks names (with a "did you mean") and value ranges, naming the field. Imports only torch."""
+`preset` names a paper's combination (loss/presets.py) whose settings become the defaults of the fields not given.
+`__post_init__` checks names (with a "did you mean"), ranges and coherence, naming the field. Imports only torch."""
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 
 from loss.advantages import ADVANTAGE_ESTIMATORS
@@ -10,10 +12,30 @@ from loss.aggregation import AGGREGATIONS
 from loss.corrections import CORRECTIONS, OLD_LOGPROB_SOURCES
 from loss.kl import KL_ESTIMATORS
 from loss.policy import POLICY_LOSSES
+from loss.presets import PRESETS, warn_if_incoherent
 
 
+def _preset_gives_defaults(cls: type) -> type:
+    """Wrap the dataclass __init__ so that `preset=NAME` fills every field the caller did not pass from
+    PRESETS[NAME]: a field given beside the preset (in Python, or as a key of the YAML `loss:` section) wins."""
+    generated_init = cls.__init__
+
+    @functools.wraps(generated_init)
+    def __init__(self, **fields) -> None:
+        name = fields.get("preset")
+        if name is not None:
+            check_name("loss.preset", name, PRESETS)
+            fields = {**PRESETS[name], **fields}
+        generated_init(self, **fields)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_preset_gives_defaults
 @dataclass(kw_only=True)
 class LossConfig:
+    preset: str | None = None  # name in PRESETS (grpo, dapo, gspo, ...): that paper's settings as defaults
     # --- advantages (compute_advantages) ---
     advantage_estimator: str = "grpo"  # name in ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae
     normalize_std: bool = True  # grpo: divide by the group's reward std
@@ -53,7 +75,10 @@ class LossConfig:
             ("old_logprobs_from", OLD_LOGPROB_SOURCES), ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
         ):
             check_name(f"loss.{field}", getattr(self, field), registry)
+        if self.preset is not None:
+            check_name("loss.preset", self.preset, PRESETS)
         self._check_ranges()
+        warn_if_incoherent(self)
 
     def _check_ranges(self) -> None:
         in_range = [
@@ -83,7 +108,8 @@ class LossConfig:
                 raise ValueError(f"loss.{field} must be {want}, got {getattr(self, field)!r}")
         if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is None:
             raise ValueError("loss.norm_length must be set for aggregation seq_mean_token_sum_norm "
-                             "(Dr.GRPO's constant normaliser): use the rollout's max new tokens")
+                             "(Dr.GRPO's constant normaliser, also set by preset dr_grpo): set loss.norm_length "
+                             "to rollout.sampling.max_new_tokens")
 
     @property
     def needs_ref_logprobs(self) -> bool:
