@@ -43,6 +43,7 @@ class FleetWatch:
         self._failed_checks: dict[int, int] = {}
         self._syncing = False
         self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
+        self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
 
     # ---- what the loop calls
     async def run(self, training: asyncio.Future) -> Any:
@@ -69,7 +70,7 @@ class FleetWatch:
                 raise
         finally:
             watchdog.cancel()
-            await asyncio.gather(watchdog, return_exceptions=True)
+            await asyncio.gather(watchdog, *([self._repair] if self._repair else []), return_exceptions=True)
 
     def guarded_sync(self, sync: Callable[[], Any]) -> Any:
         """Run a weight sync (blocking, in a worker thread) while no repair runs; if it fails because an engine
@@ -137,8 +138,10 @@ class FleetWatch:
         self._failed_checks[index] = 0
         print(f"sluice: {why}; restarting it ({self.restarts} of at most {self.max_restarts} restarts)", flush=True)
         started = time.monotonic()
+        # shielded: a run that ends meanwhile waits for the repair (run's finally) instead of racing it with stop()
+        self._repair = asyncio.ensure_future(asyncio.to_thread(self._repair_locked, index))
         try:
-            await asyncio.to_thread(self._repair_locked, index)
+            await asyncio.shield(self._repair)
         except Exception as err:
             raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
         self.recovery_s.append(time.monotonic() - started)

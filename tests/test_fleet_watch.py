@@ -20,12 +20,12 @@ def fleet(tiny_model_dir, tmp_path):
         yield fleet
 
 
-async def generate_for(client: EngineClient, seconds: float, answers: list) -> None:
-    """Keep 8 requests in flight for `seconds`; every answer (or error) lands in `answers`."""
-    deadline = time.monotonic() + seconds
+async def generate_until(client: EngineClient, done, answers: list, limit_s: float = 180.0) -> None:
+    """Keep 8 requests in flight until `done()` (or `limit_s`); every answer lands in `answers`, an error raises."""
+    deadline = time.monotonic() + limit_s
 
     async def worker() -> None:
-        while time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             answer = await client.generate([0, 4, 5], {"max_new_tokens": 48, "temperature": 1.0})
             answers.append(len(answer["output_ids"]))
 
@@ -41,7 +41,14 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
     answers: list = []
 
     async def scenario() -> None:
-        training = asyncio.ensure_future(generate_for(client, 12.0, answers))
+        repaired_at: list[float] = []
+
+        def served_a_while_after_the_repair() -> bool:  # 2 s of requests with the new engine in the router
+            if watch.recovery_s and not repaired_at:
+                repaired_at.append(time.monotonic())
+            return bool(repaired_at) and time.monotonic() > repaired_at[0] + 2.0
+
+        training = asyncio.ensure_future(generate_until(client, served_a_while_after_the_repair, answers))
         await asyncio.sleep(2.0)
         os.kill(hung_pid, signal.SIGSTOP)  # alive, holding its requests, answering nothing
         await watch.run(training)
@@ -52,7 +59,7 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
     assert fleet.engine_urls[0] != hung_url and fleet.engine_urls[1] not in (hung_url,)
     assert not is_alive(hung_pid), "the hung engine was not killed"
     assert set(fleet.registered_workers()) == set(fleet.engine_urls)
-    assert answers and all(n >= 1 for n in answers)  # no request failed: generate_for would have raised
+    assert answers and all(n >= 1 for n in answers)  # no request failed: generate_until would have raised
     metrics = watch.metrics()
     assert metrics["fault/engine_restarts"] == 1.0
     assert metrics["fault/reissued_requests"] >= 1  # the requests held by the hung engine went to the other one

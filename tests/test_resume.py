@@ -114,10 +114,13 @@ def test_in_deterministic_mode_a_killed_and_resumed_run_equals_an_uninterrupted_
     the partial samples of the groups generating (an evaluation after each step's sync lets the next groups start
     before the checkpoint), which continue from their tokens after the resume."""
     mode_args = (["run.mode=sync", "sync.max_staleness=0"] if mode == "sync" else
+                 # rewards take 2-3 s, so the groups started after a sync are still in flight, with tokens, when
+                 # the checkpoint is taken after the (quick) evaluation: their samples are checkpointed part-way
                  ["eval.interval=1", "eval.num_prompts=2", "eval.task=rollout_fns.toy_tasks:EchoTask",
-                  "eval.sampling.max_new_tokens=1", "rollout.sampling.max_new_tokens=48"])
+                  "eval.sampling.max_new_tokens=4", "rollout.task_args.min_latency_s=2.0",
+                  "rollout.task_args.max_latency_s=3.0"])
     config = "examples/configs/demo_async.yaml"
-    steps = 4
+    steps = 4 if mode == "sync" else 5  # async: step 5's groups are the ones generating at checkpoint 2
     straight = subprocess.run(sluice(tmp_path / "straight", config, *mode_args, "run.deterministic=true", steps=steps),
                               cwd=REPO, capture_output=True, text=True, timeout=400,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
