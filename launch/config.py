@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -44,6 +45,16 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
+LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> the package it needs
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    project: str = "sluice"
+    entity: str | None = None  # W&B team or user; null: your default entity
+    mode: Literal["offline", "online", "disabled"] = "offline"  # offline needs no network; `wandb sync runs/<name>/wandb/offline-run-*` uploads later
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     name: str = "demo"  # run directory is <output_dir>/<name>
@@ -58,8 +69,16 @@ class RunConfig:
     save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # where step records go: jsonl (runs/<name>/metrics.jsonl, always), tensorboard (runs/<name>/tensorboard/), wandb (pip install wandb)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, when run.loggers has wandb
 
     def __post_init__(self) -> None:
+        for name in self.loggers:
+            if not isinstance(name, str) or name not in LOGGERS:
+                raise ValueError(f"run.loggers: unknown logger {name!r}; choose from {list(LOGGERS)}")
+            if LOGGERS[name] is not None and importlib.util.find_spec(LOGGERS[name]) is None:
+                raise ValueError(f"run.loggers has {name} but the {LOGGERS[name]} package is not installed: "
+                                 f"pip install {LOGGERS[name]} (or remove {name} from run.loggers)")
         if self.num_steps < 1:
             raise ValueError(f"run.num_steps must be >= 1, got {self.num_steps}")
         if self.save_interval < 0 or self.keep_checkpoints < 1:

@@ -65,6 +65,7 @@ def run(cfg: SluiceConfig) -> Path:
 
     latest = Checkpoints(run_dir / "checkpoints").latest()
     summary = f"{learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; metrics in {run_dir / 'metrics.jsonl'}"
+    summary += plot_run(run_dir)
     if stop.requested:
         print(f"sluice: stopped at step {last_step} of {cfg.run.num_steps} on {stop.requested}; every process it "
               f"started is stopped; checkpoint {latest}; the same command resumes it (run.resume=auto); {summary}",
@@ -75,6 +76,20 @@ def run(cfg: SluiceConfig) -> Path:
         shutil.copytree(latest / "hf", run_dir / "hf")
     print(f"sluice: run finished; {summary}; final policy in {run_dir / 'hf'}", flush=True)
     return run_dir
+
+
+def plot_run(run_dir: Path) -> str:
+    """Write the run's plots (glue.plots) and say where; a plot that fails costs one warning line, never the run."""
+    try:
+        from glue.plots import write_plots
+
+        written = write_plots(run_dir)
+    except Exception as err:  # plots are a view of metrics.jsonl, which is complete whatever happens here
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"sluice: warning: plots not written ({type(err).__name__}: {reason}); try `sluice plot {run_dir}`",
+              flush=True)
+        return ""
+    return f"; {len(written)} plots in {run_dir / 'plots'}" if written else ""
 
 
 def find_checkpoint(cfg: SluiceConfig) -> Path | None:
@@ -130,8 +145,9 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     from glue.buffer import RolloutBuffer
     from glue.checkpoint import Checkpoints
     from glue.controller import no_evaluation, run_loop
-    from glue.metrics import MetricsLogger
+    from glue.metrics import open_run_logger, run_info
     from glue.staleness import StalenessGate
+    from launch.config import to_dict
     from glue.stream import RolloutStream
 
     groups_per_step = cfg.rollout.prompts_per_step
@@ -152,6 +168,9 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
                       trained_groups=resume_state["step"] * groups_per_step)
         first_step = resume_state["step"] + 1
         progress.update(resume_state["step"])
+    resume_step = None if resume_state is None else resume_state["step"]
+    logger = open_run_logger(run_dir, loggers=cfg.run.loggers, info=run_info(to_dict(cfg), resume_step=resume_step),
+                             resume_step=resume_step, wandb=to_dict(cfg.run.wandb))
 
     def on_step(record: dict) -> None:
         progress.update(1)
@@ -160,13 +179,16 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
 
     training = asyncio.ensure_future(run_loop(
         num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client, phases=colocation,
-        loss_cfg=cfg.loss, logger=MetricsLogger(run_dir / "metrics.jsonl"), pause_mode=cfg.sync.pause_mode,
+        loss_cfg=cfg.loss, logger=logger, pause_mode=cfg.sync.pause_mode,
         on_step=on_step, stop=stop, first_step=first_step,
         checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
                                 interval=cfg.run.save_interval),
         sync_guard=watch.guarded_sync, extra_metrics=lambda: {**watch.metrics(), **task_metrics(manager.task)},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
-    return await watch.run(training)
+    try:
+        return await watch.run(training)
+    finally:
+        logger.close()
 
 
 def task_metrics(task) -> dict[str, float]:
