@@ -273,7 +273,9 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
         engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
                                     command=[*engine_command, "--model-path", model, "--host", HOST, "--port", PORT,
                                              *engine_args]))
-    router_args = to_argv(cfg.router, router_options())
+    # The router logs one INFO line per request (11 MB in one demo): warnings and errors only, unless router.log_level
+    router_args = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(cfg.router,
+                                                                                             router_options())
     router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
                       "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_args]
     notes = cfg.trainer.unsupported() + unused_by_trainer(cfg.trainer.megatron)

@@ -150,6 +150,10 @@ class EngineProcesses:
         _wait_healthy(url, proc, log_path, timeout_s)
         return url
 
+    def log_of(self, url: str) -> str:
+        """What the engine at `url` has written so far."""
+        return (self.log_dir / f"engine-{url.rsplit(':', 1)[1]}.log").read_text(errors="replace")
+
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

@@ -1,10 +1,12 @@
 """Wiring of one embedded engine: load the HF model, make the runner, the weight receiver and the HTTP server."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from glue.embedded_engine.model_runner import ModelRunner
 from glue.embedded_engine.server import EngineServer
@@ -54,8 +56,23 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                         api_key=api_key, admin_api_key=admin_api_key)
 
 
+class ProbeFilter(logging.Filter):
+    """sgl-router probes each worker with an HTTP/2 preface (`PRI * HTTP/2.0`) before it talks HTTP/1.1; aiohttp
+    answers 400 and logged a traceback per probe (one per worker per health check). Those records become one debug
+    line, not shown at the default level; every other error keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage) and "PRI" in str(error):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "answered an HTTP/2 probe (the router's) with 400: this engine speaks HTTP/1.1", (), None, None)
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
 def serve(server: EngineServer, *, host: str, port: int) -> None:
     """Run until SIGTERM / SIGINT; the model thread and weight groups are closed on the way out."""
+    logging.getLogger("aiohttp.server").addFilter(ProbeFilter())
     app = server.build_app()
 
     async def on_startup(_: web.Application) -> None:
