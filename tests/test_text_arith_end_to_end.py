@@ -10,20 +10,13 @@ from glue.metrics import read_metrics
 from launch.config import load_config
 from launch.runner import run
 from test_end_to_end import live_children
+from test_resume import expand
 
 
 def first_token_mod4(response_text, label, sample):
     """A reward a random policy gets right about a quarter of the time, so groups of 4 are sometimes all equal."""
     hit = float(bool(sample.response_tokens) and sample.response_tokens[0] % 4 == 0)
     return {"score": hit, "correct": hit}
-
-
-def ids_of(group_ids: str) -> list[int]:
-    out = []
-    for part in group_ids.split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
 
 
 @pytest.mark.slow
@@ -47,7 +40,7 @@ def test_text_arith_evaluates_at_the_start_and_every_interval_outside_the_buffer
         assert r["eval/num_samples"] == 12 and r["eval/failed_groups"] == 0
         assert 0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1 and r["eval/time_s"] > 0
     steps = records[1:]
-    trained = [i for r in steps for i in ids_of(r["rollout/group_ids"])]
+    trained = [i for r in steps for i in expand(r["rollout/group_ids"])]
     # eval never reached the buffer: 4 training groups of 4 samples per step, non-negative ids, none twice
     assert [r["rollout/num_samples"] for r in steps] == [16] * 4
     assert len(trained) == len(set(trained)) == 16 and min(trained) >= 0
