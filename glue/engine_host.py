@@ -22,14 +22,14 @@ class EngineHost:
         command line)."""
         import ray
 
-        from glue.fleet import _Managed, free_ports
+        from glue.processes import ManagedProcess, free_ports
 
         host = bind or ray.util.get_node_ip_address()
         port = free_ports(1, host)[0]
         cmd = [*command, "--model-path", model_path, "--host", host, "--port", str(port), *args]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         url = f"http://{host}:{port}"
-        self._engine = _Managed(f"{name} ({url})", cmd, Path(log_path), env, url=url,
+        self._engine = ManagedProcess(f"{name} ({url})", cmd, Path(log_path), env, url=url,
                                 cwd=cwd if os.path.isdir(cwd) else None)  # relative paths mean the driver's cwd
         return url, self._engine.pid, cmd
 

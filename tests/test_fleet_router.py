@@ -191,7 +191,7 @@ def test_the_client_sends_only_fields_sglang_defines():
 
 def test_a_chatty_process_log_rotates_instead_of_growing_without_bound(tmp_path):
     """The router writes a line per request; its log (like every process log the fleet keeps) stays bounded."""
-    from glue.fleet import RotatingLog
+    from glue.processes import RotatingLog
 
     log = RotatingLog(tmp_path / "router.log", max_bytes=10_000, backups=2)
     script = "import sys\nfor i in range(5000): print(f'request {i:05d} routed to worker', flush=True)"
