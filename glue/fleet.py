@@ -98,18 +98,23 @@ class RolloutFleet:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def start(self, on_phase: Callable[[str, str], None] | None = None) -> None:
         """Start the engines, wait until each serves /health, then start the router and wait until it has
-        registered every engine. On any failure everything started so far is stopped before the error rises."""
+        registered every engine; `on_phase(phase, detail)` hears when the engines, then the router, are ready.
+        On any failure everything started so far is stopped before the error rises."""
         if self._engines:
             raise RuntimeError("RolloutFleet.start() called twice; call stop() first")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
+        say = on_phase or (lambda phase, detail: None)
         try:
             self._start_engines()
             self._wait_engines_healthy()
+            say("engines", f"{self.num_engines} engines serve /health (logs: {self.log_dir}/engine_*.log)")
             self._start_router()
             self._wait_router_ready()
+            say("router", f"sgl-router at {self.router_url} routes to {self.num_engines} engines "
+                          f"(policy {self.router_policy})")
         except BaseException:
             self.stop()
             raise

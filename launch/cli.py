@@ -9,6 +9,7 @@ import sys
 from typing import Any, NoReturn
 
 from launch.config import ConfigError, load_config, merge, to_dict
+from launch.options import add_options
 
 USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
          "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
@@ -20,45 +21,82 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"sluice: error: {message} (see sluice --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full CLI: sluice's own flags, then the generated megatron / sglang / router groups."""
-    from launch.megatron_args import add_megatron_flags
-    from launch.options import add_options
-    from launch.router_args import router_options
-    from launch.sglang_args import sglang_options
+BACKENDS = ("megatron", "sglang", "router")
 
+
+def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True) -> argparse.ArgumentParser:
+    """sluice's own flags, then the generated groups of `backends` (all of them to parse; one alone, without
+    sluice's flags, for `--help <backend>`)."""
+    usage = USAGE if own_flags else "sluice --config RUN.yaml [{} ...]".format(
+        {"megatron": "--<megatron flag>"}.get(backends[0], f"--{backends[0]}-<option>"))
     parser = _Parser(
-        prog="sluice", usage=USAGE, allow_abbrev=False,
+        prog="sluice", usage=usage, allow_abbrev=False, add_help=False,
         description="RL post-training: SGLang rollout fleet behind sgl-router, megatron-core trainer, weight bridge.",
         epilog="Any config key can be overridden as section.key=value or --section.key value (CLI wins over YAML), "
                "e.g. `sluice --config examples/configs/demo.yaml run.num_steps=5 --trainer.lr 1e-3`.",
     )
-    own = parser.add_argument_group("sluice")
-    own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, cluster, "
-                                      "sglang, router)")
-    own.add_argument("--dry-run", action="store_true",
-                     help="resolve and validate, print the config and the placement plan (ranks, engine and router "
-                          "commands), and exit without starting anything")
-    add_megatron_flags(parser)
-    sglang = sglang_options()
-    group = parser.add_argument_group(
-        "sglang (generated from the installed sglang's ServerArgs; forwarded to every engine)",
-        "Any SGLang server option as --sglang-<option>; YAML: sglang.<option>." if sglang is not None else
-        "sglang is not installed: --sglang-<option> [VALUE] is forwarded verbatim, unchecked.")
-    if sglang is not None:
-        add_options(group, sglang, prefix="sglang", section="sglang")
-    router = router_options()
-    group = parser.add_argument_group("router (generated from sglang_router's RouterArgs; forwarded to sgl-router)",
-                                      "Any sgl-router option as --router-<option>; YAML: router.<option>.")
-    if router is not None:
-        add_options(group, router, prefix="router", section="router")
+    if own_flags:
+        own = parser.add_argument_group("sluice")
+        own.add_argument("-h", "--help", nargs="?", const="config", metavar="TOPIC",
+                         help="this help with every config key; TOPIC megatron, sglang or router lists that backend's "
+                              "pass-through options instead")
+        own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, eval, "
+                                          "cluster, sglang, router)")
+        own.add_argument("--dry-run", action="store_true",
+                         help="resolve and validate, check the model directory, plugins, ports and placement, print "
+                              "the config and the placement plan (ranks, engine and router commands), and exit "
+                              "without starting anything")
+    if "megatron" in backends:
+        from launch.megatron_args import add_megatron_flags
+
+        add_megatron_flags(parser)
+    if "sglang" in backends:
+        from launch.sglang_args import sglang_options
+
+        sglang = sglang_options()
+        group = parser.add_argument_group(
+            "sglang (generated from the installed sglang's ServerArgs; forwarded to every engine)",
+            "Any SGLang server option as --sglang-<option>; YAML: sglang.<option>." if sglang is not None else
+            "sglang is not installed: --sglang-<option> [VALUE] is forwarded verbatim, unchecked.")
+        if sglang is not None:
+            add_options(group, sglang, prefix="sglang", section="sglang")
+    if "router" in backends:
+        from launch.router_args import router_options
+
+        router = router_options()
+        group = parser.add_argument_group(
+            "router (generated from sglang_router's RouterArgs; forwarded to sgl-router)",
+            "Any sgl-router option as --router-<option>; YAML: router.<option>.")
+        if router is not None:
+            add_options(group, router, prefix="router", section="router")
     return parser
+
+
+def help_text(topic: str) -> str:
+    """`sluice --help`: usage, sluice's flags, every config key with its default and doc, and how to list the
+    backends' options; `sluice --help megatron|sglang|router`: that backend's group alone."""
+    if topic in BACKENDS:
+        return build_parser((topic,), own_flags=False).format_help()
+    from launch.help import config_reference
+
+    counts = {name: len(group._group_actions)  # argparse has no public view of its groups
+              for group in build_parser()._action_groups for name in BACKENDS
+              if (group.title or "").startswith(name)}
+    return "\n".join([build_parser(()).format_help().rstrip(), "", "config keys (YAML section.key, or "
+                      "section.key=value on the command line):", *config_reference(), "",
+                      "backend pass-through options: " + " | ".join(f"sluice --help {name} ({n} options)"
+                                                                     for name, n in counts.items()), ""])
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.help is not None:
+        if args.help not in ("config", *BACKENDS):
+            parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}")
+        print(help_text(args.help), end="")
+        parser.exit(0)
     rest, verbatim = _unparsed_sglang(rest)
     flags: dict[str, Any] = {"sglang": verbatim} if verbatim else {}
     megatron = {}
@@ -168,7 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         import yaml
 
-        print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict()}, sort_keys=False, width=1000), end="")
+        from launch.preflight import preflight
+
+        try:
+            checked = preflight(cfg, plan, here=False)
+        except ConfigError as err:
+            print(f"sluice: config error: {err}", file=sys.stderr)
+            return 2
+        print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict(), "checked": checked}, sort_keys=False,
+                             width=1000), end="")
         return 0
     from glue.fleet import ProcessDied
     from glue.stream import RolloutFailed

@@ -24,12 +24,12 @@ from loss import LossConfig
 @dataclass(kw_only=True)
 class TinyModelConfig:
     family: str = "qwen2"  # qwen2 or llama
-    vocab_size: int = 32
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
+    vocab_size: int = 32  # tokens of the tiny model (>= 260 with tokenizer: true)
+    hidden_size: int = 64  # model width
+    num_layers: int = 2  # transformer layers
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 128  # MLP width
     seed: int = 0  # initial weights' seed
     tokenizer: bool = False  # also train a byte-level BPE tokenizer with a chat template (glue.tiny_text_model), for text tasks; needs vocab_size >= 260
 
@@ -50,7 +50,7 @@ LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # log
 
 @dataclass(kw_only=True)
 class WandbConfig:
-    project: str = "sluice"
+    project: str = "sluice"  # W&B project
     entity: str | None = None  # W&B team or user; null: your default entity
     mode: Literal["offline", "online", "disabled"] = "offline"  # offline needs no network; `wandb sync runs/<name>/wandb/offline-run-*` uploads later
 
@@ -58,9 +58,9 @@ class WandbConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     name: str = "demo"  # run directory is <output_dir>/<name>
-    output_dir: str = "runs"
+    output_dir: str = "runs"  # parent folder of run directories
     num_steps: int = 30  # training steps (one rollout batch each)
-    seed: int = 0
+    seed: int = 0  # seeds the rollout side: prompt order and per-request sampling seeds
     mode: Literal["sync", "async"] = "sync"  # sync: every rollout comes from the latest weights
     ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null starts a local one
     ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)

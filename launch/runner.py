@@ -16,6 +16,8 @@ from pathlib import Path
 
 from launch.config import ConfigError, SluiceConfig, write_resolved
 from launch.plan import RunPlan, resolve
+from launch.preflight import preflight
+from launch.startup import StartupClock
 from launch.stopping import StopSignals
 
 
@@ -24,16 +26,18 @@ def run(cfg: SluiceConfig) -> Path:
     cfg, plan = resolve(cfg)
     if plan.notes:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
-    check_plugins(cfg)
-    check_eval(cfg, plan.placement)
+    preflight(cfg, plan)
     run_dir = cfg.run_dir
     resume_from = find_checkpoint(cfg)
+    clock = StartupClock()
     model_path = prepare_model(cfg, run_dir)
+    clock("model", f"{model_path}" + (" (a tiny random model)" if cfg.model.path is None else ""))
     with contextlib.ExitStack() as stack:
         placement = start_ray(cfg, plan, stack)
+        clock("ray", f"placement: {describe_placement(plan, placement)}")
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
-                                                                         stack)
+                                                                         stack, clock)
         from glue.colocation import make_colocation
 
         colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
@@ -43,6 +47,7 @@ def run(cfg: SluiceConfig) -> Path:
         # checkpoint this run continues from).
         resume_state = restore(cfg, resume_from, trainer=trainer, client=client, colocation=colocation)
         write_resolved(cfg, run_dir / "config.yaml")
+        clock.finished(f"training {cfg.run.num_steps} steps ({cfg.run.mode}), metrics in {run_dir / 'metrics.jsonl'}")
         progress = stack.enter_context(_progress_bar(cfg))
         watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client)
         evaluator = make_evaluator(cfg, fn=manager.fn, client=client, model_path=model_path)
@@ -267,42 +272,22 @@ def check_run_dir(cfg: SluiceConfig) -> None:
                       "once the new run has started)")
 
 
-def check_plugins(cfg: SluiceConfig) -> None:
-    """Import the rollout function and task and check their signatures before anything expensive starts."""
-    from glue.plugins import check_signature, load_object
-
-    fn = load_object(cfg.rollout.function, what="rollout.function")
-    check_signature(fn, ["ctx", "prompt", "num_samples"], what="rollout.function")
-    load_object(cfg.rollout.task, what="rollout.task")
-    if cfg.eval.enabled:
-        load_object(eval_task(cfg)[0], what="eval.task")
-
-
-def check_eval(cfg: SluiceConfig, placement: str) -> None:
-    """Evaluation runs after a step's sync; with colocated placement the engines hold no weights after a step
-    without one, so every eval step must be a sync step."""
-    e, interval = cfg.eval, cfg.sync.interval
-    if e.enabled and placement == "colocated" and e.interval % interval:
-        raise ConfigError(f"eval.interval={e.interval} must be a multiple of sync.interval={interval} with "
-                          "cluster.placement=colocated (the engines hold weights only after a sync)")
-
-
 def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
     """The HF checkpoint directory engines and trainer load, as an absolute path (engines and trainer ranks may run
     in other folders, or on other nodes that mount the same file system): the configured one, or a tiny random
     model written into the run directory."""
-    if cfg.model.path is not None:
-        if not (Path(cfg.model.path) / "config.json").exists():
-            raise ConfigError(f"model.path {cfg.model.path!r} has no config.json: point it at a local HF checkpoint "
-                              "directory")
+    if cfg.model.path is not None:  # checked by launch.preflight
         return str(Path(cfg.model.path).resolve())
     from dataclasses import asdict
+
+    from transformers.utils import logging as hf_logging
 
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.tiny_text_model import save_tiny_text_model
 
     tiny = asdict(cfg.model.tiny)
     save = save_tiny_text_model if tiny.pop("tokenizer") else save_tiny_model
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, for a few kilobytes
     return str(Path(save(str(run_dir / "init_model"), **tiny)).resolve())
 
 
@@ -315,9 +300,7 @@ def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
     if cfg.run.ray_address is not None and cfg.cluster.num_nodes > 1:
         nodes = cluster.wait_for_nodes(cfg.cluster.num_nodes, cfg.cluster.node_wait_s)
         print(f"sluice: {len(nodes)}/{cfg.cluster.num_nodes} nodes joined: {', '.join(nodes)}", flush=True)
-    placement = cluster.reserve(plan, stack)
-    print(f"sluice: placement: {describe_placement(plan, placement)}", flush=True)
-    return placement
+    return cluster.reserve(plan, stack)
 
 
 def describe_placement(plan: RunPlan, placement) -> str:
@@ -345,7 +328,7 @@ def engine_host_options(placement, engine) -> dict:
 
 
 def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
-                     stack: contextlib.ExitStack):
+                     stack: contextlib.ExitStack, clock=lambda phase, detail: None):
     from launch.cluster import check_paths
 
     check_paths(placement, {"the model directory": model_path})
@@ -368,10 +351,14 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                          api_key=api_key, admin_api_key=admin_api_key,
                          engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
     stack.callback(fleet.stop)
-    fleet.start()
+    fleet.start(on_phase=clock)
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
                            keep_versions=cfg.sync.max_staleness + 1)
     stack.callback(trainer.shutdown)
+    t = cfg.trainer
+    clock("trainer", f"{t.world_size} megatron-core ranks (TP {t.tensor_model_parallel_size} x PP "
+                     f"{t.pipeline_model_parallel_size} x EP {t.expert_model_parallel_size} x DP "
+                     f"{t.data_parallel_size}) hold the policy")
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
     client = EngineClient(fleet.router_url, fleet.engine_urls, api_key=api_key, admin_api_key=admin_api_key)
@@ -381,9 +368,9 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                                      engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
                                      api_key=api_key, admin_api_key=admin_api_key)
     stack.callback(bridge.close)
-    if getattr(bridge.transport, "address", None) is not None:
-        host, port = bridge.transport.address
-        print(f"sluice: weight group hosted by trainer rank 0 at {host}:{port}", flush=True)
+    where = "" if getattr(bridge.transport, "address", None) is None else \
+        ": weight group hosted by trainer rank 0 at {}:{}".format(*bridge.transport.address)
+    clock("weights", f"{cfg.sync.transport} bridge to {cfg.rollout.num_engines} engines{where}")
     manager = RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
                              task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
                              client=client,

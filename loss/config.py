@@ -54,7 +54,7 @@ class LossConfig:
     cispo_clip_low: float = 1.0  # cispo: IS weight lower bound 1 - cispo_clip_low (1.0: no lower bound)
     cispo_clip_high: float = 4.0  # cispo: IS weight upper bound 1 + cispo_clip_high
     mu_clip_low: float = 1.0  # mu_grpo: relaxed ratio interval [1 - mu_clip_low, 1 + mu_clip_high] (seed: [0, 5])
-    mu_clip_high: float = 4.0
+    mu_clip_high: float = 4.0  # mu_grpo: see mu_clip_low
     veto_ratio: float = 2.0  # mu_grpo: in a negative-advantage response, veto from the first token with ratio > this
     # --- off-policy: discrepancy factor old/rollout and where old logprobs come from ---
     correction: str = "none"  # name in CORRECTIONS: none, tis, mis, icepop, seq_tis, seq_mis, seq_*_arith, seq_*_geo

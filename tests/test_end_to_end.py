@@ -8,7 +8,7 @@ import pytest
 
 from conftest import live_processes
 from glue.metrics import read_metrics
-from launch.config import load_config
+from launch.config import ConfigError, load_config
 from launch.runner import run
 
 REQUIRED = ["step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/clipfrac",
@@ -55,13 +55,19 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     assert set(live_children(os.getpid())) <= before, "processes left running after the run"
     # the weight group is hosted at trainer rank 0's node address (Ray's), not a loopback default
     assert f"weight group hosted by trainer rank 0 at {ray.util.get_node_ip_address()}:" in captured.out
+    # start-up said what it waited for: one line per phase with its seconds, then the total
+    lines = [line for line in captured.out.splitlines() if line.startswith("sluice: ")]
+    assert [line.split()[1] for line in lines[:6]] == ["model", "ray", "engines", "router", "trainer", "weights"]
+    assert all(float(line.split()[2]) >= 0 and line.split()[3] == "s" for line in lines[:6]), lines
+    assert lines[6].startswith("sluice: started in "), lines
+    assert "Writing model shards" not in captured.out + captured.err
 
 
 def test_a_rollout_function_that_does_not_import_fails_before_anything_starts(tmp_path):
     before = set(live_children(os.getpid()))
     cfg = load_config("examples/configs/demo.yaml",
                       [f"run.output_dir={tmp_path}", "rollout.function=rollout_fns.no_such_module:generate_group"])
-    with pytest.raises(ImportError, match="no_such_module"):
+    with pytest.raises(ConfigError, match="no_such_module"):
         run(cfg)
     assert set(live_children(os.getpid())) <= before
     assert not (tmp_path / "demo" / "init_model").exists(), "the run got past validation before failing"

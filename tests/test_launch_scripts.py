@@ -95,7 +95,7 @@ def test_a_failed_start_into_a_folder_holding_a_previous_run_leaves_every_file_u
     # with overwrite, a start that fails (here: a model path without a checkpoint) still deletes nothing
     assert main(["--config", demo, f"run.output_dir={tmp_path}", "run.overwrite=true",
                  f"model.path={tmp_path / 'nothing'}"]) == 2
-    assert "has no config.json" in capsys.readouterr().err
+    assert "does not exist: point it at a local HF checkpoint" in capsys.readouterr().err
     assert {name: (run_dir / name).read_text() for name in files} == files
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == ["config.yaml", "logs",
                                                                                    "logs/router.log", "metrics.jsonl"]

@@ -105,11 +105,11 @@ def test_a_run_spans_a_head_and_a_worker_node_through_the_script_and_stops_by_pi
     assert head.proc.wait(timeout=420) == 0, head.output()[-4000:]
     out = head.output()
     assert f"sluice: 2/2 nodes joined: {WORKER_IP}, {HEAD_IP}" in out
-    placed = re.search(r"sluice: placement: (.*)", out).group(1)
+    placed = re.search(r"sluice: ray +[\d.]+ s +placement: (.*)", out).group(1)
     nodes = dict(part.split(": ", 1) for part in placed.split("; "))
     assert set(nodes) == {HEAD_IP, WORKER_IP}, placed  # CPU bundles spread over both nodes
     assert "trainer rank 0" in nodes[WORKER_IP], placed  # the driver's node sorts first; the trainer takes the last
-    host = re.search(r"sluice: weight group hosted by trainer rank 0 at ([\d.]+):\d+", out).group(1)
+    host = re.search(r"weight group hosted by trainer rank 0 at ([\d.]+):\d+", out).group(1)
     assert host == WORKER_IP  # rank 0's node address, not the driver's
     records = read_metrics(tmp_path / "runs/demo/metrics.jsonl")
     assert [r["weights/version"] for r in records] == [1, 2]

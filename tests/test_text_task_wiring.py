@@ -102,7 +102,7 @@ def test_a_tiny_model_with_a_tokenizer_is_written_into_the_run_folder_and_the_ar
 
 
 def test_with_colocated_placement_eval_steps_must_be_sync_steps():
-    from launch.runner import check_eval
+    from launch.preflight import check_eval
 
     cfg = load_config(None, ["eval.interval=3", "sync.interval=2", "sync.max_staleness=1"])
     check_eval(cfg, "disaggregated")  # engines keep their weights between syncs

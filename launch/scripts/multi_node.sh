@@ -17,7 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CONFIG=${CONFIG:-examples/configs/qwen3_30b_a3b.yaml}
-SLUICE=${SLUICE:-sluice}
+source launch/scripts/common.bash
+SLUICE=${SLUICE:-$(find_tool sluice)}            # PATH, else .venv/bin/sluice
 ROLE=${ROLE:-head}
 RAY_PORT=${RAY_PORT:-6379}
 NUM_NODES=${NUM_NODES:-2}
@@ -36,6 +37,7 @@ if [[ " $* " == *" --dry-run "* ]]; then       # validation only: no Ray, no pro
   exec "$SLUICE" --config "$CONFIG" "${cluster[@]}" "$@"
 fi
 
+RAY=${RAY:-$(find_tool ray)}
 node=(--num-gpus="$GPUS_PER_NODE")
 [[ -n "$NODE_IP" ]] && node+=(--node-ip-address="$NODE_IP")
 [[ -n "$NUM_CPUS" ]] && node+=(--num-cpus="$NUM_CPUS")
@@ -56,13 +58,13 @@ if [[ "$ROLE" == worker ]]; then
   : "${HEAD_IP:?set HEAD_IP to the address of the head node}"
   wait_for_port "$HEAD_IP" "$RAY_PORT" "no Ray head answered" \
     "check HEAD_IP and RAY_PORT, and start the head first"   # ray start alone would retry forever
-  exec ray start --address="$HEAD_IP:$RAY_PORT" "${node[@]}" --block
+  exec "$RAY" start --address="$HEAD_IP:$RAY_PORT" "${node[@]}" --block
 fi
 
 # The config is checked before anything starts: a bad key fails here in seconds, not after Ray is up.
 "$SLUICE" --config "$CONFIG" "${cluster[@]}" "$@" --dry-run >/dev/null
 
-ray start --head --port="$RAY_PORT" "${node[@]}" --disable-usage-stats --include-dashboard=false --block &
+"$RAY" start --head --port="$RAY_PORT" "${node[@]}" --disable-usage-stats --include-dashboard=false --block &
 ray_pid=$!
 stop_ray() { kill -TERM "$ray_pid" 2>/dev/null && wait "$ray_pid" 2>/dev/null || true; }
 trap stop_ray EXIT

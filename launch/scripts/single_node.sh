@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."                      # repository root, so relative config paths work
 
 CONFIG=${CONFIG:-examples/configs/demo.yaml}
-SLUICE=${SLUICE:-sluice}                         # e.g. SLUICE=.venv/bin/sluice
+source launch/scripts/common.bash
+SLUICE=${SLUICE:-$(find_tool sluice)}            # PATH, else .venv/bin/sluice
 
 # A local Ray cluster for one user: no token auth. Tokenizers must not fork thread pools into engine processes.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
