@@ -25,11 +25,19 @@ class OffloadableTrainer(Protocol):
     def onload(self) -> int: ...
 
 
+def sync_metrics(bridge: Any) -> dict[str, float]:
+    """The last sync's figures as `sync/*` record keys: bytes, buckets, GB/s, seconds in total and split into
+    stage / pack / wire / copy-in / verify (weight_sync.bridge.WeightBridge.last_sync)."""
+    last = getattr(bridge, "last_sync", None) or {}
+    return {f"sync/{key}": float(value) for key, value in last.items() if isinstance(value, (int, float))}
+
+
 class Disaggregated:
     """Separate devices: trainer and engines keep their memory; weights are synced right after training."""
 
     def __init__(self, bridge: Any):
         self.bridge = bridge
+        self._metrics: dict[str, float] = {}
 
     def before_rollout(self) -> None:
         pass
@@ -39,9 +47,12 @@ class Disaggregated:
 
     def sync(self, version: int) -> None:
         self.bridge.sync(version)
+        self._metrics = sync_metrics(self.bridge)
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        """This step's sync figures (none on a step without a sync)."""
+        out, self._metrics = self._metrics, {}
+        return out
 
 
 class Colocated:
@@ -64,6 +75,7 @@ class Colocated:
         if self._engines_released:
             self._engines("/resume_memory_occupation", [WEIGHTS])
             self.bridge.sync(self._version if self._version is not None else self.trainer.version)
+            self._metrics.update(sync_metrics(self.bridge))
         self._metrics["colocation/trainer_bytes_in_rollout"] = float(self.trainer.offload())
         if self._engines_released:
             self._engines("/resume_memory_occupation", [KV_CACHE])
@@ -80,7 +92,8 @@ class Colocated:
         self._version = version
 
     def metrics(self) -> dict[str, float]:
-        """Bytes each side held at the start of this step's phases (0 = released / offloaded)."""
+        """Bytes each side held at the start of this step's phases (0 = released / offloaded), and the figures of
+        the sync in this step's before_rollout."""
         out, self._metrics = self._metrics, {}
         return out
 

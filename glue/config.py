@@ -89,6 +89,7 @@ class SyncConfig:
     transport: Literal["broadcast", "ipc", "disk"] = "broadcast"  # broadcast (weight group), ipc (colocated, shared memory / CUDA IPC), disk (safetensors, the slow reference)
     backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU); nccl also makes ipc share CUDA buffers
     bucket_bytes: int = 512 * 1024**2  # weights travel in flat buckets of at most this many bytes
+    pipeline: bool | None = None  # pack bucket k+1 while bucket k is on the wire (two reused buffers, smaller buckets); null: on with nccl, off with gloo (on 2 CPU cores the packing thread competes with gloo: measured slower)
     verify: Literal["checksum", "full", "off"] = "checksum"  # checksum: per bucket, both sides; full: also every engine tensor vs the trainer's
     master_address: str | None = None  # address trainer rank 0 hosts the weight group on; null: its node's address as Ray reports it (set it on machines with several networks)
     disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory

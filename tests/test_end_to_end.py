@@ -48,6 +48,10 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     for record in records:
         assert not [key for key in REQUIRED if key not in record], record
     assert [r["weights/version"] for r in records] == [1, 2, 3]
+    # every step's sync reports its size, speed and where the time went
+    for record in records:
+        assert record["sync/bytes"] > 0 and record["sync/gb_per_s"] > 0, record
+        assert {"sync/pack_s", "sync/wire_s", "sync/copy_in_s", "sync/verify_s"} <= set(record), record
     # Step 1 is before any update; steps 2 and 3 sample from weights that arrived through the bridge.
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in records]
     assert max(diffs) < 1e-3, diffs

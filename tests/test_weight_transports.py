@@ -171,12 +171,12 @@ def test_five_hundred_ipc_syncs_leave_shared_memory_flat(engine_processes, engin
     model, _ = hf_model(tmp_path_factory, 7)
     engine_pids = [p.pid for p in engine_processes.procs[:2]]
     before_files, before_used = _sluice_segments(), _shm_used()
-    bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000), source=source_of(model),
+    bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000, pipeline=True), source=source_of(model),
                          engine_urls=engines)
     try:
         bridge.sync(1)
         after_first, used_first = _sluice_segments(), _shm_used()
-        assert len(after_first) == len(before_files) + 1  # one preallocated segment, the largest bucket's size
+        assert len(after_first) == len(before_files) + 2  # two preallocated segments (pipelined), the largest bucket's size
         for version in range(2, 501):
             bridge.sync(version)
         after_500, used_500 = _sluice_segments(), _shm_used()

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Mapping
 
 import torch
 
-from weight_sync.buckets import BucketLayout, checksum, dtype_to_str, pack_bucket
+from weight_sync.buckets import BucketLayout, check_bucket_tensors, checksum, dtype_to_str, pack_bucket
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -20,27 +22,41 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 
 class _Channel:
+    """One open channel. `pipeline` (the default) gives it two reusable buffers (shared segments for ipc), so one
+    bucket is packed while the other travels. Broadcast: a packing thread works ahead, packing and checksumming
+    bucket k+1 while bucket k is on the wire and while the engines check it. Ipc: the driver asks for bucket k+1
+    while the engines copy bucket k out of the other segment. Off: one buffer, packing and sending one after the
+    other (the reference the pipelined path is tested against)."""
+
     def __init__(self, spec: Mapping[str, Any]):
         self.kind = spec["kind"]
         self.layouts = [BucketLayout.from_json(i, m) for i, m in enumerate(spec["layouts"])]
         self.with_checksum = bool(spec.get("with_checksum", True))
         biggest = max((b.nbytes for b in self.layouts), default=0)
-        self.group = self.segment = self.writer = None
+        depth = 2 if spec.get("pipeline", True) and len(self.layouts) > 1 else 1
+        self.group = self.writer = None
+        self.segments: list[Any] = []
+        self.buffers: list[torch.Tensor] = []
+        self.ahead: dict[int, Future] = {}  # bucket index -> its packing (and checksum) on the packing thread
+        self._packer: ThreadPoolExecutor | None = None
         if self.kind == "broadcast":
             from weight_sync.process_group import create_process_group
 
             self.group = create_process_group(master_address=spec["master_address"], master_port=spec["master_port"],
                                               rank=0, world_size=spec["world_size"], group_name=spec["group_name"],
                                               backend=spec["backend"], timeout_s=spec.get("timeout_s", 300.0))
-            self.buffer = torch.empty(biggest, dtype=torch.uint8, device=self.group.device)
+            self.buffers = [torch.empty(biggest, dtype=torch.uint8, device=self.group.device) for _ in range(depth)]
+            if depth > 1:
+                self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-packer")
         elif self.kind == "ipc":
             if spec.get("device", "cpu") == "cuda":
-                self.buffer = torch.empty(biggest, dtype=torch.uint8, device="cuda")
+                self.buffers = [torch.empty(biggest, dtype=torch.uint8, device="cuda") for _ in range(depth)]
             else:
                 from weight_sync.ipc import SharedSegment
 
-                self.segment = SharedSegment(f"sluice-{os.getpid()}-{spec['name']}", biggest)
-                self.buffer = self.segment.buffer
+                self.segments = [SharedSegment(f"sluice-{os.getpid()}-{spec['name']}-{i}", biggest)
+                                 for i in range(depth)]
+                self.buffers = [s.buffer for s in self.segments]
         elif self.kind == "disk":
             from weight_sync.disk import CheckpointWriter
 
@@ -48,42 +64,97 @@ class _Channel:
         else:
             raise ValueError(f"unknown channel kind {self.kind!r}: use 'broadcast', 'ipc' or 'disk'")
 
+    def check_staged(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Every planned tensor is staged with its planned dtype and shape (checked when staging, so no bucket
+        fails to pack half-way through a transfer), and nothing packed ahead from an earlier staging is kept."""
+        for layout in self.layouts:
+            check_bucket_tensors(layout, tensors)
+        self.drop_ahead()
+
+    def drop_ahead(self) -> None:
+        wait(list(self.ahead.values()))
+        self.ahead.clear()
+
     def send(self, index: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        layout = self.layouts[index]
         if self.kind == "disk":
+            t0 = time.perf_counter()
             out: dict[str, Any] = {"checksum": self.writer.write_bucket(index, tensors)}
             if index == len(self.layouts) - 1:
                 out["path"] = self.writer.commit()
-            return out
-        flat = pack_bucket(layout, tensors, self.buffer)
-        if self.kind == "broadcast":  # checksum while the bucket is on the wire (both only read it)
-            from weight_sync.broadcast import broadcast_bucket
-
-            work = broadcast_bucket(self.group, flat, src=0, wait=False)
-            out = {"checksum": checksum(flat) if self.with_checksum else None}
-            work.wait()
-            return out
-        out = {"checksum": checksum(flat) if self.with_checksum else None}
-        if self.segment is not None:
+            return {**out, "pack_s": time.perf_counter() - t0}
+        if self.kind == "broadcast":
+            return self._broadcast(index, tensors)
+        slot = index % len(self.buffers)
+        out = self._pack(index, tensors, checksum_too=True)
+        if self.segments:
             from weight_sync.ipc import encode_shm_handle
 
-            out["handle"] = encode_shm_handle(self.segment, layout)
+            out["handle"] = encode_shm_handle(self.segments[slot], self.layouts[index])
         else:
             from weight_sync.ipc import encode_cuda_handle
 
-            out["handle"] = encode_cuda_handle(self.buffer, layout)
+            torch.cuda.current_stream().synchronize()  # the engine reads the bucket from another process
+            out["handle"] = encode_cuda_handle(self.buffers[slot], self.layouts[index])
         return out
 
+    def _broadcast(self, index: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Send bucket `index` (packed ahead, or now). Pipelined, the packing thread holds the next bucket before
+        this one goes on the wire and gets the one after it once this broadcast frees its buffer; this call waits
+        for the next bucket's packing before it returns, so a packing error surfaces here, after this bucket has
+        landed everywhere, and no engine is left waiting inside a collective for a bucket that never comes."""
+        from weight_sync.broadcast import broadcast_bucket
+
+        packing = self.ahead.pop(index, None)
+        out = packing.result() if packing is not None else self._pack(index, tensors, checksum_too=False)
+        self._pack_ahead(index + 1, tensors)
+        flat = self.buffers[index % len(self.buffers)][: self.layouts[index].nbytes]
+        t0 = time.perf_counter()
+        work = broadcast_bucket(self.group, flat, src=0, wait=False)
+        try:
+            if "checksum_s" not in out:  # packed here: checksum it while it is on the wire (both only read it)
+                out.update(self._checksum(flat))
+        finally:
+            work.wait()
+        out["wire_s"] = time.perf_counter() - t0
+        self._pack_ahead(index + 2, tensors)
+        following = self.ahead.get(index + 1)
+        if following is not None and following.exception() is not None:  # waits for the packing to end
+            del self.ahead[index + 1]
+            raise following.exception()
+        return {**out, "packed_ahead": packing is not None}
+
+    def _pack_ahead(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Queue bucket `index` on the packing thread; its buffer is free (the broadcast before last, which used
+        it, has ended)."""
+        if self._packer is not None and index < len(self.layouts) and index not in self.ahead:
+            self.ahead[index] = self._packer.submit(self._pack, index, tensors, True)
+
+    def _pack(self, index: int, tensors: Mapping[str, torch.Tensor], checksum_too: bool) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        flat = pack_bucket(self.layouts[index], tensors, self.buffers[index % len(self.buffers)])
+        out: dict[str, Any] = {"pack_s": time.perf_counter() - t0}
+        if checksum_too:
+            out.update(self._checksum(flat))
+        return out
+
+    def _checksum(self, flat: torch.Tensor) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        value = checksum(flat) if self.with_checksum else None
+        return {"checksum": value, "checksum_s": time.perf_counter() - t0}
+
     def close(self) -> None:
+        if self._packer is not None:
+            self.drop_ahead()
+            self._packer.shutdown(wait=True)
         if self.group is not None:
             from weight_sync.process_group import destroy_process_group
 
             destroy_process_group(self.group)
-        if self.segment is not None:
-            self.segment.close()
+        for segment in self.segments:
+            segment.close()
         if self.writer is not None:
             self.writer.close()
-        self.buffer = None
+        self.buffers, self.segments = [], []
 
 
 class BucketSource:
@@ -101,6 +172,8 @@ class BucketSource:
 
     def stage(self, tensors: Mapping[str, torch.Tensor], with_tensor_checksums: bool) -> dict[str, str] | None:
         """Hold `tensors` for the coming `send_bucket` calls; per-tensor checksums for a full verification."""
+        for channel in self.channels.values():
+            channel.check_staged(tensors)
         self.staged = tensors
         return {n: tensor_checksum(t) for n, t in tensors.items()} if with_tensor_checksums else None
 

@@ -33,10 +33,27 @@ class WeightSource(Protocol):
 
 @dataclass
 class Transfer:
-    """One transfer's checksums: the source's per bucket, and each engine's per bucket."""
+    """One transfer's checksums (the source's per bucket, each engine's per bucket) and where its time went:
+    seconds summed over buckets of the source's packing, checksums and wire (from a broadcast's start to its end),
+    and of the slowest engine's copy-in (its copy into the model and its checksums). Stages overlap when the
+    transfer is pipelined, so these add up to more than the transfer took."""
 
     source: list[str | None] = field(default_factory=list)
     engines: dict[str, list[str | None]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    engine_seconds: dict[str, float] = field(default_factory=dict, repr=False)  # copy-in + checksums, per engine
+
+    def add_source(self, sent: Mapping[str, Any]) -> None:
+        self.source.append(sent["checksum"])
+        for key, out in (("pack_s", "pack_s"), ("checksum_s", "source_checksum_s"), ("wire_s", "wire_s")):
+            self.timings[out] = self.timings.get(out, 0.0) + float(sent.get(key, 0.0))
+
+    def add_engines(self, urls: Sequence[str], answers: Sequence[Mapping[str, Any]], buckets: int) -> None:
+        for url, answer in zip(urls, answers):
+            self.engines[url] += _reported(answer, buckets, url)
+            spent = float(answer.get("copy_in_s", 0.0)) + float(answer.get("checksum_s", 0.0))
+            self.engine_seconds[url] = self.engine_seconds.get(url, 0.0) + spent
+        self.timings["copy_in_s"] = max(self.engine_seconds.values(), default=0.0)
 
 
 class Transport(Protocol):
@@ -54,9 +71,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class _Base:
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float,
-                 key: str | None = None):
+                 key: str | None = None, pipeline: bool = True):
         self.source, self.layouts = source, layouts
         self.with_checksum, self.timeout_s = with_checksum, timeout_s
+        self.pipeline = pipeline  # overlap bucket k+1's packing with bucket k's wire and the engines' copy-in
         self.key = key  # bearer key of the engines' weight routes (admin routes: `engine_calls.admin_key`)
         self._pool_size = 16
         self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
@@ -70,9 +88,10 @@ class _Base:
             self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
         return run_together(calls, self.timeout_s, self._pool)
 
+
     def _spec(self, kind: str, **extra: Any) -> dict[str, Any]:
         return {"kind": kind, "layouts": [b.to_json() for b in self.layouts], "with_checksum": self.with_checksum,
-                **extra}
+                "pipeline": self.pipeline, **extra}
 
     def _on_engines(self, urls: Sequence[str], route: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
         calls = [lambda url=url: call_update(url, route, payload, self.timeout_s, self.key) for url in urls]
@@ -106,8 +125,10 @@ class BroadcastTransport(_Base):
     and every member joins in the same call, so two groups never wait on each other."""
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str | None,
-                 with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1, key: str | None = None):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
+                 with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1, key: str | None = None,
+                 pipeline: bool = True):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
+                         pipeline=pipeline)
         self.backend, self.master_address = backend, master_address
         self.ranks_per_engine = ranks_per_engine
         self.address: tuple[str, int] | None = None  # (host, port) of the newest group, for logs and tests
@@ -144,6 +165,9 @@ class BroadcastTransport(_Base):
         return self.address
 
     def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
+        """Bucket by bucket, the source and every engine enter the bucket's broadcast together; the next bucket's
+        requests go out once every engine has answered, so each engine takes them in order (a request carries no
+        bucket index). The overlap is the source's: it packs ahead of the wire (`weight_sync.source`)."""
         name = self.groups.get(tuple(urls))
         if name is None:
             raise WeightSyncError(f"no weight group for engines {list(urls)}; call connect() with that list first")
@@ -156,9 +180,8 @@ class BroadcastTransport(_Base):
             calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s,
                                                   self.key) for url in urls]
             sent, *answers = self._together(calls)
-            result.source.append(sent["checksum"])
-            for url, answer in zip(urls, answers):
-                result.engines[url] += _reported(answer, 1, url)
+            result.add_source(sent)
+            result.add_engines(urls, answers, 1)
         return result
 
     def disconnect(self, urls: Sequence[str]) -> None:
@@ -184,8 +207,9 @@ class _PointToPoint(_Base):
     CHANNEL = ""
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float,
-                 key: str | None = None):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
+                 key: str | None = None, pipeline: bool = True):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
+                         pipeline=pipeline)
         self._open = False
 
     def _channel_spec(self) -> dict[str, Any]:
@@ -207,14 +231,17 @@ class _PointToPoint(_Base):
 
 
 class IpcTransport(_PointToPoint):
-    """One shared segment (CPU) or CUDA buffer on the source, reused for every bucket of every sync: the source packs
-    bucket i into it, every engine copies it out and unmaps it, and only then is bucket i+1 packed."""
+    """Shared segments (CPU) or CUDA buffers on the source, reused for every bucket of every sync: the source packs
+    a bucket into one, every engine copies it out and unmaps it. Pipelined there are two, and the source packs
+    bucket k+1 into the other one while the engines copy bucket k out; the one it packs into was released by every
+    engine's answer to bucket k-1."""
 
     CHANNEL = "ipc"
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, device: str, with_checksum: bool,
-                 timeout_s: float, key: str | None = None):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key)
+                 timeout_s: float, key: str | None = None, pipeline: bool = True):
+        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
+                         pipeline=pipeline)
         self.device = device
 
     def _channel_spec(self) -> dict[str, Any]:
@@ -222,13 +249,22 @@ class IpcTransport(_PointToPoint):
 
     def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
         result = Transfer(engines={url: [] for url in urls})
+        sent = self.source.send_weight_bucket(self.CHANNEL, 0) if self.layouts else {}
         for layout in self.layouts:
-            sent = self.source.send_weight_bucket(self.CHANNEL, layout.index)
+            result.add_source(sent)
             payload = {"serialized_named_tensors": [sent["handle"]], "load_format": "flattened_bucket",
                        **self._flags(layout.index, weight_version)}
-            result.source.append(sent["checksum"])
-            for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_tensor", payload)):
-                result.engines[url] += _reported(answer, 1, url)
+            reading = [lambda url=url: call_update(url, "/update_weights_from_tensor", payload, self.timeout_s,
+                                                   self.key) for url in urls]
+            has_next = layout.index + 1 < len(self.layouts)
+            if self.pipeline and has_next:
+                packing = [lambda index=layout.index + 1: self.source.send_weight_bucket(self.CHANNEL, index)]
+                sent, *answers = self._together(packing + reading)
+            else:
+                answers = self._together(reading)
+            result.add_engines(urls, answers, 1)
+            if not self.pipeline and has_next:
+                sent = self.source.send_weight_bucket(self.CHANNEL, layout.index + 1)
         return result
 
 
@@ -251,8 +287,8 @@ class DiskTransport(_PointToPoint):
         sent: dict[str, Any] = {}
         for layout in self.layouts:
             sent = self.source.send_weight_bucket(self.CHANNEL, layout.index)
-            result.source.append(sent["checksum"])
+            result.add_source(sent)
         payload = {"model_path": sent["path"], **self._flags(len(self.layouts) - 1, weight_version)}
-        for url, answer in zip(urls, self._on_engines(urls, "/update_weights_from_disk", payload)):
-            result.engines[url] = _reported(answer, len(self.layouts), url)
+        result.engines = {url: [] for url in urls}
+        result.add_engines(urls, self._on_engines(urls, "/update_weights_from_disk", payload), len(self.layouts))
         return result

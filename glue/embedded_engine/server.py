@@ -262,11 +262,11 @@ class EngineServer:
             return web.json_response({"success": False, "message": problem}, status=400)
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
-        ok, message, sums = await asyncio.to_thread(
+        ok, message, sums, timings = await asyncio.to_thread(
             self.receiver.update_from_distributed, names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
             group_name=body.get("group_name", "weight_update_group"), weight_version=body.get("weight_version"),
             load_format=body.get("load_format"))
-        return update_response(ok, message, sums)
+        return update_response(ok, message, sums, **timings)
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> web.Response:
         """SGLang's colocated route; here `serialized_named_tensors` holds shared-memory bucket handles."""
@@ -279,13 +279,13 @@ class EngineServer:
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
         try:
-            ok, message, sums = await asyncio.to_thread(self.receiver.update_from_tensor, handles=handles,
-                                                        weight_version=body.get("weight_version"))
+            ok, message, sums, timings = await asyncio.to_thread(self.receiver.update_from_tensor, handles=handles,
+                                                                 weight_version=body.get("weight_version"))
         except (ValueError, OSError) as e:  # a bad or stale handle: refused, nothing loaded
             return update_response(False, str(e), None)
         except (KeyError, TypeError) as e:  # a handle of the right kind missing or mistyping a field
             return update_response(False, f"serialized_named_tensors[0] is not a complete handle ({e!r})", None)
-        return update_response(ok, message, sums)
+        return update_response(ok, message, sums, **timings)
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> web.Response:
         if body.get("abort_all_requests"):

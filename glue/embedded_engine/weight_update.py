@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -112,19 +113,21 @@ class WeightReceiver:
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                                 weight_version: str | None, load_format: str | None = None
-                                ) -> tuple[bool, str, list[str] | None]:
+                                ) -> tuple[bool, str, list[str] | None, dict[str, float]]:
         """`/update_weights_from_distributed`: receive everything announced (so the trainer's broadcast always
         completes), then load it all or, if any name or shape does not fit the model, none. `flattened_bucket`
         receives one flat bucket in one collective, straight into the parameters when the bucket fits the model
-        (`ParameterBuckets`), and reports its checksum."""
+        (`ParameterBuckets`), and reports its checksum. Also answers where the time went (`receive_s`,
+        `copy_in_s`, `checksum_s`)."""
         with self._lock:
             group = self.groups.get(group_name)
             if group is None:
                 return False, (f"Group {group_name} not in {sorted(self.groups)}. "
-                               "Please call `init_weights_update_group` first."), None
+                               "Please call `init_weights_update_group` first."), None, {}
+            t0 = time.perf_counter()
             if load_format != "flattened_bucket":
                 named = receive_tensors(group, names, dtypes, shapes, src=0)
-                return (*self.runner.load_weights(named, weight_version), None)
+                return (*self.runner.load_weights(named, weight_version), None, {"receive_s": time.perf_counter() - t0})
             layout = BucketLayout.from_json(0, {"names": names, "dtypes": dtypes, "shapes": shapes})
             with self.runner.model_lock:  # no forward reads the parameters while they are overwritten
                 home = self._homes.home(layout)
@@ -135,35 +138,58 @@ class WeightReceiver:
                     if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
                         self.runner.weight_version = weight_version
             if home is not None:
-                return True, f"Succeeded to update {len(names)} parameter(s).", [checksum(home, CHECKSUM_THREADS)]
+                t1 = time.perf_counter()
+                sums = [checksum(home, CHECKSUM_THREADS)]
+                timings = {"receive_s": t1 - t0, "copy_in_s": 0.0, "checksum_s": time.perf_counter() - t1}
+                return True, f"Succeeded to update {len(names)} parameter(s).", sums, timings
             if self._receive_buffer.numel() < layout.nbytes:
                 self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
             flat = self._receive_buffer[: layout.nbytes]
             broadcast_bucket(group, flat, src=0)
-            return (*self._load_with_checksum(layout, flat, weight_version),)
+            received_s = time.perf_counter() - t0
+            ok, message, sums, timings = self._load_with_checksum(layout, flat, weight_version)
+            return ok, message, sums, {**timings, "receive_s": received_s}
 
-    def update_from_tensor(self, *, handles: list[str], weight_version: str | None) -> tuple[bool, str, list[str]]:
-        """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: map, checksum,
-        copy into the model, unmap — the mapping is gone before the answer, so the source may reuse the segment."""
+    def update_from_tensor(self, *, handles: list[str], weight_version: str | None
+                           ) -> tuple[bool, str, list[str], dict[str, float]]:
+        """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: map, copy into the
+        model while another thread checksums, unmap — the mapping is gone before the answer, so the source may
+        reuse the segment. A bucket that fits the model is copied in one piece into the parameters' flat home."""
         from weight_sync.ipc import open_shm_handle
 
         if len(handles) != 1:
             return False, (f"serialized_named_tensors has {len(handles)} entries; this engine is one TP rank, send "
-                           "exactly one handle"), []
+                           "exactly one handle"), [], {}
         with self._lock:
+            t0 = time.perf_counter()
             layout, flat = open_shm_handle(handles[0])
             try:
-                return self._load_with_checksum(layout, flat, weight_version)
+                with self.runner.model_lock:
+                    home = None if "weights" in self.runner.released else self._homes.home(layout)
+                    if home is not None:
+                        pending = self._hasher.submit(_timed_checksum, flat)
+                        home.copy_(flat)
+                        if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
+                            self.runner.weight_version = weight_version
+                if home is None:
+                    return self._load_with_checksum(layout, flat, weight_version)
+                copied_s = time.perf_counter() - t0
+                value, checksum_s = pending.result()
+                return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
+                    "copy_in_s": copied_s, "checksum_s": checksum_s}
             finally:
                 del flat  # unmap now, not when the garbage collector gets to it
 
     def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
-                            ) -> tuple[bool, str, list[str]]:
+                            ) -> tuple[bool, str, list[str], dict[str, float]]:
         """Copy a bucket into the model while another thread checksums it (both only read it; torch releases the
         GIL in both)."""
-        pending = self._hasher.submit(checksum, flat)
+        t0 = time.perf_counter()
+        pending = self._hasher.submit(_timed_checksum, flat)
         ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
-        return ok, message, [pending.result()]
+        copied_s = time.perf_counter() - t0
+        value, checksum_s = pending.result()
+        return ok, message, [value], {"copy_in_s": copied_s, "checksum_s": checksum_s}
 
     def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
@@ -200,6 +226,11 @@ class WeightReceiver:
     def close(self) -> None:
         for name in list(self.groups):
             self.destroy_group(name)
+
+
+def _timed_checksum(flat: torch.Tensor) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    return checksum(flat), time.perf_counter() - t0
 
 
 def check_update_payload(body: Any) -> str | None:

@@ -1,11 +1,14 @@
-"""`make bench`: weight-sync throughput for a ~220 MB Qwen2 into a real embedded engine, per transport, against a raw
-gloo broadcast of one flat buffer of the same bytes between the same two processes. Writes
-bench-results/weight_sync.json (bytes, seconds, GB/s, ratio_to_raw, and where the time goes)."""
+"""`make bench`: weight-sync throughput into a real embedded engine for a ~220 MB and a ~1.2 GB Qwen2, each sync
+paired with a raw gloo broadcast of one flat buffer of the same bytes between the same two processes, taken just
+before it (the machine's speed drifts between runs and other work shares its cores). The ipc row is paired with a
+`copy_` of the same bytes into preallocated memory instead. Writes bench-results/weight_sync.json: per row the 5
+paired ratios and their median, and the median sync's split into pack / wire / copy-in."""
 from __future__ import annotations
 
 import json
 import multiprocessing
 import statistics
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -17,47 +20,80 @@ from conftest import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.bench
 
-MODEL = dict(family="qwen2", vocab_size=16000, hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=2,
-             intermediate_size=2816)
+MODELS = {
+    "221MB": dict(family="qwen2", vocab_size=16000, hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=2,
+                  intermediate_size=2816),
+    "1.2GB": dict(family="qwen2", vocab_size=32000, hidden_size=2048, num_layers=4, num_heads=16, num_kv_heads=4,
+                  intermediate_size=5632),
+}
 REPEATS = 5
+PHASES = ("stage_s", "transfer_s", "verify_s", "pack_s", "wire_s", "source_checksum_s", "copy_in_s")
 
 
-def engine_host(model_dir: str, port: int, raw_port: int, nbytes: int, repeats: int) -> None:
-    """The engine's process: first the raw baseline's receiving side, then the embedded engine itself."""
-    torch.set_num_threads(1)
-    from glue.embedded_engine.engine import build_engine, serve
+def raw_receiver(raw_port: int, nbytes: int) -> None:
+    """The engine process's side of the raw baseline: receive a size, then that many bytes; size 0 ends it."""
     from weight_sync.broadcast import broadcast_bucket
     from weight_sync.process_group import create_process_group, destroy_process_group
 
     group = create_process_group(master_address="127.0.0.1", master_port=raw_port, rank=1, world_size=2,
-                                 group_name="raw", timeout_s=120)
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(repeats + 1):
-        broadcast_bucket(group, buffer, src=0)
+                                 group_name="raw", timeout_s=600)
+    size, buffer = torch.zeros(1, dtype=torch.int64), torch.empty(nbytes, dtype=torch.uint8)
+    while True:
+        broadcast_bucket(group, size.view(torch.uint8), src=0)
+        if int(size) == 0:
+            break
+        broadcast_bucket(group, buffer[: int(size)], src=0)
     destroy_process_group(group)
+
+
+def engine_host(model_dir: str, port: int, raw_port: int, nbytes: int) -> None:
+    """The engine's process: the embedded engine, and beside it a thread that receives the raw baseline."""
+    torch.set_num_threads(1)
+    from glue.embedded_engine.engine import build_engine, serve
+
+    threading.Thread(target=raw_receiver, args=(raw_port, nbytes), daemon=True).start()
     server = build_engine(model_path=model_dir, host="127.0.0.1", port=port, seed=0, max_running_requests=4,
-                          num_threads=1, weight_version="0", weight_sync_timeout_s=300)
+                          num_threads=1, weight_version="0", weight_sync_timeout_s=600)
     serve(server, host="127.0.0.1", port=port)
 
 
-def raw_broadcast_seconds(raw_port: int, nbytes: int, repeats: int) -> float:
-    """Median time of one broadcast of a preallocated flat buffer of `nbytes` (the first, warm-up, not counted)."""
-    from weight_sync.broadcast import broadcast_bucket
-    from weight_sync.process_group import create_process_group, destroy_process_group
+class RawLink:
+    """The sending side of the raw baseline: one broadcast of a preallocated flat buffer, timed."""
 
-    group = create_process_group(master_address="127.0.0.1", master_port=raw_port, rank=0, world_size=2,
-                                 group_name="raw", timeout_s=120)
-    flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    times = []
-    for _ in range(repeats + 1):
+    def __init__(self, raw_port: int, nbytes: int):
+        from weight_sync.process_group import create_process_group
+
+        self.group = create_process_group(master_address="127.0.0.1", master_port=raw_port, rank=0, world_size=2,
+                                          group_name="raw", timeout_s=600)
+        self.flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.seconds()  # warm-up
+
+    def seconds(self) -> float:
+        from weight_sync.broadcast import broadcast_bucket
+
         t0 = time.perf_counter()
-        broadcast_bucket(group, flat, src=0)
-        times.append(time.perf_counter() - t0)
-    destroy_process_group(group)
-    return statistics.median(times[1:])
+        broadcast_bucket(self.group, torch.tensor([self.flat.numel()], dtype=torch.int64).view(torch.uint8), src=0)
+        broadcast_bucket(self.group, self.flat, src=0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        from weight_sync.broadcast import broadcast_bucket
+        from weight_sync.process_group import destroy_process_group
+
+        broadcast_bucket(self.group, torch.zeros(1, dtype=torch.int64).view(torch.uint8), src=0)
+        destroy_process_group(self.group)
 
 
-def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:
+def copy_seconds(nbytes: int) -> float:
+    """One `copy_` of `nbytes` into preallocated memory (both buffers touched before)."""
+    src, dst = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def wait_healthy(url: str, proc, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.is_alive(), "the engine process exited during start-up"
@@ -70,24 +106,32 @@ def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:
     raise TimeoutError(f"engine at {url} not healthy after {timeout_s} s")
 
 
-def time_bridge(url: str, source, tmp_path: Path, **sync) -> dict:
+def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool = True, ratio: str = "ratio_to_raw",
+                **sync) -> dict:
+    """REPEATS syncs, each right after one baseline measurement; the ratios, their median and the median split."""
     from glue.config import SyncConfig
     from weight_sync.bridge import make_bridge
 
-    bridge = make_bridge(SyncConfig(disk_dir=str(tmp_path / "ckpt"), **sync), source=source, engine_urls=[url])
+    bridge = make_bridge(SyncConfig(disk_dir=str(tmp_path / "ckpt"), timeout_s=600, **sync), source=source,
+                         engine_urls=[url], pipeline=pipeline)
     try:
-        bridge.sync(1)  # warm-up: buffers and segments are allocated here, once
-        runs = [dict(bridge.sync(v)) for v in range(2, REPEATS + 2)]
+        bridge.sync(1)  # warm-up: buffers, segments and parameter homes are allocated here, once
+        runs = []
+        for version in range(2, REPEATS + 2):
+            base_s = baseline()
+            runs.append({"baseline_s": base_s, **bridge.sync(version)})
+        bucket_bytes = max(b.nbytes for b in bridge.layouts)
     finally:
         bridge.close()
-    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return median
-
-
-def summarize(t: dict, nbytes: int, raw_s: float, settings: dict) -> dict:
-    return {"bytes": nbytes, "seconds": round(t["total_s"], 4), "gb_per_s": round(nbytes / t["total_s"] / 1e9, 3),
-            "ratio_to_raw": round(raw_s / t["total_s"], 3), "buckets": int(t["buckets"]),
-            "breakdown_s": {k: round(t[k], 4) for k in ("stage_s", "transfer_s", "verify_s")}, "settings": settings}
+    ratios = [r["baseline_s"] / r["total_s"] for r in runs]
+    median = {k: statistics.median(r[k] for r in runs) for k in ("baseline_s", "total_s", "gb_per_s", *PHASES)}
+    return {ratio: round(statistics.median(ratios), 3), f"{ratio}_repeats": [round(x, 3) for x in ratios],
+            "seconds_repeats": [round(r["total_s"], 4) for r in runs],
+            "baseline_seconds_repeats": [round(r["baseline_s"], 4) for r in runs],
+            "seconds_median": round(median["total_s"], 4), "gb_per_s_median": round(median["gb_per_s"], 3),
+            "buckets": int(runs[0]["buckets"]), "largest_bucket_bytes": bucket_bytes,
+            "median_split_s": {k: round(median[k], 4) for k in PHASES},
+            "settings": {**sync, "pipeline": pipeline}}
 
 
 def start_trainer_rank(model_dir: str):
@@ -101,52 +145,62 @@ def start_trainer_rank(model_dir: str):
     return worker
 
 
-def test_weight_sync_throughput_per_transport_against_a_raw_gloo_broadcast(tmp_path):
+def bench_model(name: str, tmp_path: Path) -> dict:
     from safetensors.torch import load_file
 
     from glue.embedded_engine.tiny_model import save_tiny_model
     from weight_sync.source import LocalWeightSource
 
-    model_dir = save_tiny_model(tmp_path / "model", **MODEL)
+    model_dir = save_tiny_model(tmp_path / name, **MODELS[name])
     gen = torch.Generator().manual_seed(1)
-    tensors = {n: torch.randn(t.shape, generator=gen) * 0.02 for n, t in load_file(f"{model_dir}/model.safetensors").items()}
+    tensors = {n: torch.randn(t.shape, generator=gen) * 0.02
+               for n, t in load_file(f"{model_dir}/model.safetensors").items()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert nbytes >= 200e6
     port, raw_port = free_port(), free_port()
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=engine_host, args=(model_dir, port, raw_port, nbytes, REPEATS))
+    proc = multiprocessing.get_context("spawn").Process(target=engine_host, args=(model_dir, port, raw_port, nbytes))
     proc.start()
     try:
-        raw_s = raw_broadcast_seconds(raw_port, nbytes, REPEATS)
+        raw = RawLink(raw_port, nbytes)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
-        source = LocalWeightSource(tensors)
-        results = {}
-        for name, sync in [("broadcast", dict(transport="broadcast")),
-                           ("broadcast_verify_off", dict(transport="broadcast", verify="off")),
-                           ("broadcast_64MiB_buckets", dict(transport="broadcast", bucket_bytes=64 * 1024**2)),
-                           ("ipc", dict(transport="ipc")), ("disk", dict(transport="disk"))]:
-            results[name] = summarize(time_bridge(url, source, tmp_path, **sync), nbytes, raw_s, sync)
+        source, rows = LocalWeightSource(tensors), {}
+        rows["broadcast"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast")
+        rows["broadcast_serial_one_bucket"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast",
+                                                          pipeline=False)
+        rows["ipc"] = paired_runs(url, source, tmp_path, lambda: copy_seconds(nbytes), transport="ipc",
+                                  ratio="ratio_to_copy")
+        del source
         # The same broadcast from a real megatron-core trainer rank (TP=1): stage_s is then the gather of the
         # megatron parameters and their conversion to HF names and layouts (fused QKV / gate-up split).
         trainer = start_trainer_rank(model_dir)
         try:
-            results["broadcast_from_megatron_tp1"] = summarize(
-                time_bridge(url, trainer, tmp_path, transport="broadcast"), nbytes, raw_s,
-                {"transport": "broadcast", "source": "megatron-core TrainerWorker, TP=1"})
+            rows["broadcast_from_megatron_tp1"] = paired_runs(url, trainer, tmp_path, raw.seconds,
+                                                              transport="broadcast")
         finally:
             trainer.shutdown()
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()  # the next model's trainer rank lives in this process too
+        raw.close()
     finally:
         proc.terminate()
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    report = {"model": MODEL, "bytes": nbytes, "repeats": REPEATS, "threads": torch.get_num_threads(),
-              "raw_gloo_broadcast": {"seconds": round(raw_s, 4), "gb_per_s": round(nbytes / raw_s / 1e9, 3)},
-              "transports": results}
+    print(name, json.dumps({r: v.get("ratio_to_raw", v.get("ratio_to_copy")) for r, v in rows.items()}))
+    return {"model": MODELS[name], "bytes": nbytes, "rows": rows}
+
+
+def test_weight_sync_throughput_against_a_raw_gloo_broadcast_of_the_same_bytes(tmp_path):
+    report = {"repeats": REPEATS, "threads": torch.get_num_threads(),
+              "baseline": "raw gloo broadcast of one preallocated flat buffer of the same bytes, same two processes, "
+                          "taken just before each sync (ipc: one copy_ into preallocated memory)",
+              "models": {name: bench_model(name, tmp_path) for name in MODELS}}
     out = REPO_ROOT / "bench-results" / "weight_sync.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-    assert all(r["ratio_to_raw"] > 0 for r in results.values())
+    medians = {m: {r: v.get("ratio_to_raw", v.get("ratio_to_copy")) for r, v in d["rows"].items()}
+               for m, d in report["models"].items()}
+    print(json.dumps(medians, indent=2))
+    assert all(ratio > 0 for rows in medians.values() for ratio in rows.values())
