@@ -28,7 +28,8 @@ class TrainerConfig:
     adam_beta2: float = 0.999  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # max global gradient norm (0 turns clipping off)
-    micro_batch_size: int = 8  # rows per forward/backward; gradients accumulate over the batch
+    micro_batch_size: int = 8  # rows per forward/backward when not packing; gradients accumulate over the batch
+    max_tokens_per_micro_batch: int | None = None  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
     num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step (the policy version moves by 1 per train_step)
     num_epochs: int = 1  # passes over the batch per train_step
     seed: int = 0  # parameter-init / dropout RNG seed (weights come from the HF checkpoint)
@@ -42,6 +43,10 @@ class TrainerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"trainer.{name} must be an integer >= 1, got {value!r}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"trainer.max_tokens_per_micro_batch must be an integer >= 1 (or null / 0 for padded "
+                             f"micro-batches of micro_batch_size rows), got {budget!r}")
         if self.pipeline_model_parallel_size != 1:
             raise ValueError(f"trainer.pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not supported "
                              "by this first-form trainer; set it to 1 (use tensor_model_parallel_size to shard)")

@@ -6,9 +6,10 @@ Needs `torch.distributed` and megatron's `parallel_state` initialised (the worke
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -147,30 +148,88 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layo
             param.copy_(local[name].to(param.dtype))
 
 
-def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Megatron's boolean mask, True where attention is blocked: [1, 1, T, T], upper triangle."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu",
+                          seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Megatron's boolean mask, True where attention is blocked: [1, 1, T, T], upper triangle. With `seq_ids`
+    [B, T] (packed rows) also blocked between different ids: block-diagonal causal, [B, 1, T, T]."""
+    causal = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    if seq_ids is None:
+        return causal
+    return causal | (seq_ids[:, None, :, None] != seq_ids[:, None, None, :])
 
 
-def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless)."""
+def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless).
+
+    Packed rows pass `seq_ids` [B, T] (which sample each token belongs to; attention never crosses samples) and
+    `position_ids` [B, T] (restarting at 0 per sample)."""
     batch, seq_len = tokens.shape
     if model.config.sequence_parallel:  # the sequence is split over TP ranks: pad it to a multiple of TP
         tp = model.config.tensor_model_parallel_size
-        padded = -(-seq_len // tp) * tp
-        if padded != seq_len:  # padding sits after every real token, so causal attention never sees it
-            return forward_logits(model, F.pad(tokens, (0, padded - seq_len)))[:, :seq_len]
-    position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
-    return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device))
+        pad = -(-seq_len // tp) * tp - seq_len
+        if pad:  # padding sits after every real token (in a block of its own), so no real token sees it
+            return forward_logits(model, F.pad(tokens, (0, pad)),
+                                  None if position_ids is None else F.pad(position_ids, (0, pad)),
+                                  None if seq_ids is None else F.pad(seq_ids, (0, pad), value=-1))[:, :seq_len]
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
+    if seq_ids is None:
+        return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device))
+    if uses_te_attention(model):
+        return model(tokens, position_ids, None, packed_seq_params=thd_packed_seq_params(seq_ids))
+    with rope_at_positions(model, position_ids):
+        return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device, seq_ids))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) at position t from vocab-parallel logits; last column is 0. [B, T]."""
+@contextlib.contextmanager
+def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
+    """Rotate each token by its own position id in the forwards inside the block. megatron's RoPE in the [S, B]
+    layout ignores position_ids and rotates the token at s by angle s; the hook replaces its angle table
+    [S, 1, 1, D] (positions 0..S-1) by each token's row of it, [S, B, 1, D]. Position ids must be < S."""
+    def per_token(module: torch.nn.Module, args: Any, angles: torch.Tensor) -> torch.Tensor:
+        return angles[position_ids.t().to(angles.device)].squeeze(2)
+
+    handle = model.rotary_pos_emb.register_forward_hook(per_token)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def uses_te_attention(model: torch.nn.Module) -> bool:
+    """True when the model's core attention is Transformer Engine's (a GPU layer spec), which takes packed rows as
+    THD with cu_seqlens instead of a mask. The local spec this trainer builds today never is."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    return any(type(layer.self_attention.core_attention).__name__ == "TEDotProductAttention" for layer in layers[:1])
+
+
+def thd_packed_seq_params(seq_ids: torch.Tensor) -> Any:
+    """megatron's PackedSeqParams (format "thd") for one packed row [1, T]: a sequence starts wherever the id
+    changes. Untested on this CPU-only machine: it feeds the Transformer-Engine attention only."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if seq_ids.shape[0] != 1:
+        raise ValueError(f"THD packing takes one packed row per micro-batch, got {seq_ids.shape[0]} rows")
+    ids = seq_ids[0]
+    starts = (torch.nonzero(ids[1:] != ids[:-1])[:, 0] + 1).tolist()
+    cu_seqlens = torch.tensor([0, *starts, ids.numel()], dtype=torch.int32, device=seq_ids.device)
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                   seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) at position t from vocab-parallel logits; last column is 0, and with
+    `seq_ids` (packed rows) so is each sample's last token, whose next token belongs to another sample. [B, T]."""
     from megatron.core import tensor_parallel
 
     targets = tokens[:, 1:]
     scaled = logits[:, :-1].float() / temperature  # a fresh tensor: megatron's kernel edits its input in place
     logprobs = -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
+    if seq_ids is not None:
+        logprobs = torch.where(seq_ids[:, 1:] == seq_ids[:, :-1], logprobs, 0.0)
     return F.pad(logprobs, (0, 1))
 
 

@@ -1,12 +1,11 @@
 """Where one trainer rank sits in megatron-core's parallel layout (TP x EP x DP, experts folded into the dense
-ranks) and what that means for the data and the gradients: which rows of a batch it trains on, how its gradients
-meet the other ranks' before the optimizer step, and how its local shards become the full HF-named weights.
+ranks) and what that means for the data and the gradients: how its gradients and per-token results meet the other
+ranks' (which samples it runs is `glue.trainer.packing`'s), and how its local shards become the full HF-named weights.
 
 Every function here is a collective or depends on `parallel_state` being initialised; the worker calls them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,22 +68,6 @@ class RankPlace:
         whichever layout holds it, and max(TP, M) layouts cover both sets."""
         count = max(self.tp_size, len(self.expert_members))
         return [self.layout(i % self.tp_size, self.expert_members[i % len(self.expert_members)]) for i in range(count)]
-
-    # ---- data: which rows this data-parallel rank trains on ----
-    def micro_batches(self, rows: slice, micro_batch_size: int) -> list[tuple[slice, bool]]:
-        """(rows, is_real) micro-batches of this rank's share of `rows`, the same count on every DP rank: expert
-        parallelism makes every forward a collective across DP ranks, so a rank with fewer rows runs padding
-        micro-batches (one row, masked out) instead of skipping them."""
-        n = rows.stop - rows.start
-        largest = math.ceil(n / self.dp_size)
-        count = max(1, math.ceil(largest / micro_batch_size))
-        mine = row_share(rows, self.dp_rank, self.dp_size)
-        size = mine.stop - mine.start
-        out = []
-        for i in range(count):
-            lo, hi = mine.start + round(i * size / count), mine.start + round((i + 1) * size / count)
-            out.append((slice(lo, hi), True) if hi > lo else (slice(rows.start, rows.start + 1), False))
-        return out
 
 
 def finalize_gradients(model: torch.nn.Module, config: Any, place: RankPlace) -> None:
@@ -158,19 +141,15 @@ def _all_reduce_sum(grads: list[torch.Tensor], group: Any) -> None:
         offset += g.numel()
 
 
-def gather_dp(part: torch.Tensor, rows: int, place: RankPlace) -> torch.Tensor:
-    """Every DP rank's `part` ([its row_share of `rows`, ...]) concatenated in rank order: the full [rows, ...]."""
+def sum_tensor_over_dp(part: torch.Tensor, place: RankPlace) -> torch.Tensor:
+    """`part` summed over the DP ranks: each rank fills the entries of its own micro-batches and leaves the rest 0,
+    so the sum is every rank's entries, exactly (x + 0 is x)."""
     if place.dp_size == 1:
         return part
     from megatron.core import parallel_state as ps
 
-    largest = math.ceil(rows / place.dp_size)
-    padded = torch.zeros((largest, *part.shape[1:]), dtype=part.dtype, device=part.device)
-    padded[: part.shape[0]] = part
-    parts = [torch.empty_like(padded) for _ in range(place.dp_size)]
-    torch.distributed.all_gather(parts, padded, group=ps.get_data_parallel_group())
-    shares = [row_share(slice(0, rows), r, place.dp_size) for r in range(place.dp_size)]
-    return torch.cat([p[: s.stop - s.start] for p, s in zip(parts, shares)])
+    torch.distributed.all_reduce(part, group=ps.get_data_parallel_group())
+    return part
 
 
 def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace, *, keep: bool = True

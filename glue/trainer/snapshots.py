@@ -58,10 +58,10 @@ class PolicySnapshots:
                 p.data = live[name]
 
     def old_logprobs(self, batch: TrainBatch, module: torch.nn.Module, current_version: int,
-                     logprobs_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+                     logprobs_of: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Each trained token's logprob under its own version's weights, [B, T] (0 where logprob_mask is 0), and the
-        `old_logprobs/*` metrics. One forward (`logprobs_of(tokens)` under `module`'s present weights) per version
-        held, over the rows with tokens of that version; `module`'s live weights serve `current_version` and,
+        `old_logprobs/*` metrics. One pass (`logprobs_of(tokens, seq_lens=...)` under `module`'s present weights)
+        per version held, over the rows with tokens of that version; `module`'s live weights serve `current_version` and,
         counted as missing, versions no longer held (possible only after a fault or with admission control off)."""
         valid = batch.logprob_mask > 0
         versions = batch.versions.long()
@@ -74,10 +74,10 @@ class PolicySnapshots:
             if version != current_version and version in kept:
                 take = valid & (versions == version)
                 with self.load_into(version, module):
-                    _fill(old, take, batch.tokens, logprobs_of)
+                    _fill(old, take, batch, logprobs_of)
                 on_live &= ~take
         if on_live.any():
-            _fill(old, on_live, batch.tokens, logprobs_of)
+            _fill(old, on_live, batch, logprobs_of)
         return old, {
             "old_logprobs/missing_version_tokens": float((on_live & (versions != current_version)).sum()),
             "old_logprobs/versions_used": float(sum(v == current_version or v in kept for v in present)),
@@ -85,11 +85,11 @@ class PolicySnapshots:
         }
 
 
-def _fill(out: torch.Tensor, take: torch.Tensor, tokens: torch.Tensor,
-          logprobs_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """out[take] = logprobs_of(the rows holding a `take` token); the other rows do not run."""
+def _fill(out: torch.Tensor, take: torch.Tensor, batch: TrainBatch, logprobs_of: Callable[..., torch.Tensor]) -> None:
+    """out[take] = logprobs_of(the rows holding a `take` token, with their lengths); the other rows do not run."""
     rows = take.any(dim=1).nonzero()[:, 0]
-    out[rows] = torch.where(take[rows], logprobs_of(tokens[rows]), out[rows])
+    seq_lens = [batch.seq_lens[r] for r in rows.tolist()]
+    out[rows] = torch.where(take[rows], logprobs_of(batch.tokens[rows], seq_lens=seq_lens), out[rows])
 
 
 def _host_copy(param: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from glue.trainer.config import TrainerConfig
-from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gather_dp, gradient_norm,
-                                   hf_weight_specs, row_share, sum_over_dp)
+from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
+from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gradient_norm, hf_weight_specs,
+                                   sum_over_dp, sum_tensor_over_dp)
 from glue.trainer.snapshots import PolicySnapshots
 from glue.types import TrainBatch
 
@@ -90,36 +91,55 @@ class TrainerWorker:
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
 
-    def _forward(self, tokens: torch.Tensor, with_entropy: bool = False, module: torch.nn.Module | None = None
+    def _micro_batches(self, seq_lens: list[int], seq_len: int, rows: slice) -> list[MicroBatch]:
+        """This rank's micro-batches over `rows` of a [B, seq_len] batch (glue.trainer.packing): packed rows when
+        trainer.max_tokens_per_micro_batch is set, else padded rows; the same count on every DP rank, and the same
+        shapes where experts are spread over ranks."""
+        return plan_micro_batches(seq_lens, seq_len, rows, max_tokens=self.cfg.max_tokens_per_micro_batch,
+                                  micro_batch_size=self.cfg.micro_batch_size, dp_rank=self.place.dp_rank,
+                                  dp_size=self.place.dp_size, even_shapes=self.place.ep_size > 1)
+
+    def _forward(self, tokens: torch.Tensor, with_entropy: bool = False, module: torch.nn.Module | None = None,
+                 position_ids: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs [B, T], entropy [B, T] or None) of this micro-batch under `module` (default: the policy);
-        differentiable when grad is enabled."""
+        """(logprobs [R, L], entropy [R, L] or None) of one micro-batch's rows under `module` (default: the
+        policy); `position_ids` / `seq_ids` mark packed samples. Differentiable when grad is enabled."""
         from glue.trainer import model
 
-        logits = model.forward_logits(module or self.model, tokens.to(self.device))
+        tokens = tokens.to(self.device)
+        seq_ids = None if seq_ids is None else seq_ids.to(self.device)
+        logits = model.forward_logits(module or self.model, tokens,
+                                      None if position_ids is None else position_ids.to(self.device), seq_ids)
         entropy = model.token_entropy(logits, self.cfg.temperature) if with_entropy else None
-        return model.token_logprobs(logits, tokens.to(self.device), self.cfg.temperature), entropy
+        return model.token_logprobs(logits, tokens, self.cfg.temperature, seq_ids), entropy
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False,
-                         reference: bool = False) -> Any:
+                         reference: bool = False, seq_lens: list[int] | None = None) -> Any:
         """Logprob of tokens[:, t+1] at position t with the current weights (or the reference model's), [B, T] on
-        CPU (last column 0); each DP rank computes its share of the rows and every rank gets all of them.
+        CPU (0 at each sample's last token when packing, in the last column always); each DP rank computes its
+        micro-batches and every rank gets all of the rows, in the batch's order. A bare token tensor is taken with
+        `seq_lens` (default: every row is real to the end).
 
         With `with_entropy`, returns `(logprobs, entropy)`, both [B, T].
         """
         if reference and self.reference is None:
             raise RuntimeError("this trainer keeps no reference model: it is built only when loss.kl_loss_coef > 0")
         tokens = batch.tokens if isinstance(batch, TrainBatch) else batch
-        rows = tokens.shape[0]
+        if isinstance(batch, TrainBatch):
+            seq_lens = batch.seq_lens
+        rows, seq_len = tokens.shape
         module = self.reference if reference else self.model
-        parts = [(self._forward(tokens[s], with_entropy, module), is_real)
-                 for s, is_real in self.place.micro_batches(slice(0, rows), self.cfg.micro_batch_size)]
-        real = [p for p, is_real in parts if is_real]
-        logprobs = gather_dp(_cat_rows([p[0] for p in real], tokens, self.device), rows, self.place).cpu()
-        if not with_entropy:
-            return logprobs
-        return logprobs, gather_dp(_cat_rows([p[1] for p in real], tokens, self.device), rows, self.place).cpu()
+        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+        entropy = torch.zeros_like(logprobs) if with_entropy else None
+        for mb in self._micro_batches(seq_lens or [seq_len] * rows, seq_len, slice(0, rows)):
+            mb_logprobs, mb_entropy = self._forward(mb.take(tokens), with_entropy, module, mb.position_ids, mb.seq_ids)
+            if mb.is_real:
+                mb.put(mb_logprobs, logprobs)
+                if with_entropy:
+                    mb.put(mb_entropy, entropy)
+        logprobs = sum_tensor_over_dp(logprobs, self.place).cpu()
+        return (logprobs, sum_tensor_over_dp(entropy, self.place).cpu()) if with_entropy else logprobs
 
     @torch.no_grad()
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -148,7 +168,7 @@ class TrainerWorker:
         if self.loss_cfg.needs_old_logprobs:
             old_logprobs, entropy, metrics = self._old_logprobs(batch, with_entropy=True)
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
-        mini_batches = _split_rows(batch.tokens.shape[0], self.cfg.num_mini_batches)
+        mini_batches = split_mini_batches(batch.tokens.shape[0], self.cfg.num_mini_batches)
         totals: dict[str, float] = {}
         for _ in range(self.cfg.num_epochs):
             for rows in mini_batches:
@@ -165,29 +185,19 @@ class TrainerWorker:
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
                         rows: slice) -> dict[str, float]:
-        """One optimizer step over `rows` of the batch (this DP rank trains on its share, gradients are summed
-        over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over micro-batches
-        and DP ranks; `pg_loss` shares are summed)."""
-        from loss import compute_policy_loss, count_tokens_and_seqs
+        """One optimizer step over `rows` of the batch (this DP rank trains on its micro-batches, gradients are
+        summed over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over
+        micro-batches and DP ranks; `pg_loss` shares are summed)."""
+        from loss import count_tokens_and_seqs
 
         num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
-        needs_entropy = self.loss_cfg.entropy_coef > 0
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0}
-        for s, is_real in self.place.micro_batches(rows, self.cfg.micro_batch_size):
-            logprobs, entropy = self._forward(batch.tokens[s], with_entropy=needs_entropy)
-            mask = batch.logprob_mask[s].float().to(self.device) * float(is_real)
-            loss, loss_metrics = compute_policy_loss(
-                self.loss_cfg, logprobs=logprobs,
-                old_logprobs=None if old_logprobs is None else old_logprobs[s].to(self.device),
-                rollout_logprobs=batch.rollout_logprobs[s].float().to(self.device),
-                advantages=batch.advantages[s].float().to(self.device), mask=mask,
-                num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
-                versions=batch.versions[s].to(self.device), current_version=self.version,
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs[s].to(self.device))
+        for mb in self._micro_batches(batch.seq_lens, batch.tokens.shape[1], rows):
+            loss, loss_metrics, share = self._micro_batch_loss(batch, mb, old_logprobs, ref_logprobs,
+                                                               num_tokens, num_seqs)
             loss.backward()
             sums["loss"] += float(loss.detach())
-            share = float(mask.sum()) / max(num_tokens, 1)
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
         sums = sum_over_dp(sums, self.place, self.device)
@@ -195,6 +205,28 @@ class TrainerWorker:
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         return sums
+
+    def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, old_logprobs: torch.Tensor | None,
+                          ref_logprobs: torch.Tensor | None, num_tokens: int, num_seqs: int
+                          ) -> tuple[torch.Tensor, dict[str, Any], float]:
+        """One micro-batch's forward and loss (normalised by the mini-batch's global counts), its metrics and its
+        share of the mini-batch's trained tokens. A padding micro-batch's mask is all 0: its loss is 0 but its
+        forward and backward still meet the other ranks' collectives."""
+        from loss import compute_policy_loss
+
+        def take(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else mb.take(x).to(self.device)
+
+        logprobs, entropy = self._forward(mb.take(batch.tokens), with_entropy=self.loss_cfg.entropy_coef > 0,
+                                          position_ids=mb.position_ids, seq_ids=mb.seq_ids)
+        mask = take(batch.logprob_mask.float()) * float(mb.is_real)
+        loss, metrics = compute_policy_loss(
+            self.loss_cfg, logprobs=logprobs, old_logprobs=take(old_logprobs),
+            rollout_logprobs=take(batch.rollout_logprobs.float()), advantages=take(batch.advantages.float()),
+            mask=mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
+            seq_ids=None if mb.seq_ids is None else mb.seq_ids.to(self.device),
+            versions=take(batch.versions), current_version=self.version, ref_logprobs=take(ref_logprobs))
+        return loss, metrics, float(mask.sum()) / max(num_tokens, 1)
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (each shard counted once); clip to grad_clip."""
@@ -354,13 +386,6 @@ class TrainerWorker:
             torch.distributed.destroy_process_group()
 
 
-def _split_rows(batch_size: int, num_parts: int) -> list[slice]:
-    """`num_parts` contiguous row ranges of near-equal size (PPO mini-batches)."""
-    if num_parts > batch_size:
-        raise ValueError(f"trainer.num_mini_batches={num_parts} exceeds the batch size {batch_size}; lower it")
-    return [row_share(slice(0, batch_size), i, num_parts) for i in range(num_parts)]
-
-
 def _pre_update_metrics(batch: TrainBatch, old_logprobs: torch.Tensor | None, entropy: torch.Tensor | None
                         ) -> dict[str, float]:
     """Token means over the trained tokens of |old - rollout logprob| (the train-inference discrepancy, when old
@@ -374,8 +399,3 @@ def _pre_update_metrics(batch: TrainBatch, old_logprobs: torch.Tensor | None, en
     if entropy is not None:
         metrics["train/entropy"] = float((entropy * mask).sum() / num_tokens)
     return metrics
-
-
-def _cat_rows(parts: list[torch.Tensor], tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Concatenated micro-batch outputs, or an empty [0, T] tensor for a DP rank with no rows."""
-    return torch.cat(parts) if parts else torch.zeros((0, tokens.shape[1]), dtype=torch.float32, device=device)
