@@ -36,7 +36,8 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     before = set(live_children(os.getpid()))
     cfg = load_config("examples/configs/demo.yaml",
                       [f"run.output_dir={tmp_path}", "run.name=e2e", "run.num_steps=3", "rollout.prompts_per_step=4",
-                       "rollout.function=test_end_to_end:fails_one_group_in_eight"])
+                       "rollout.function=test_end_to_end:fails_one_group_in_eight",
+                       "trainer.max_tokens_per_micro_batch=64"])  # packed rows: several samples share one forward
     run_dir = run(cfg)
     records = read_metrics(run_dir / "metrics.jsonl")
     # group 5 failed, was counted and replaced (by group 12): every step still trained 4 groups x 8 samples
@@ -52,7 +53,8 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     for record in records:
         assert record["sync/bytes"] > 0 and record["sync/gb_per_s"] > 0, record
         assert {"sync/pack_s", "sync/wire_s", "sync/copy_in_s", "sync/verify_s"} <= set(record), record
-    # Step 1 is before any update; steps 2 and 3 sample from weights that arrived through the bridge.
+    # Step 1 is before any update; steps 2 and 3 sample from weights that arrived through the bridge. The trainer
+    # packs samples into shared rows, so this also checks that packing computes each sample's own logprobs.
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in records]
     assert max(diffs) < 1e-3, diffs
     assert (run_dir / "config.yaml").exists()
