@@ -53,6 +53,7 @@ class RolloutConfig:
     health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate)
     health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
     dynamic_sampling: bool = False  # DAPO: a group whose rewards are all equal (no advantage) is dropped when it finishes and another prompt drawn in its place
+    return_routed_experts: bool = False  # MoE routing replay (R3): the single-turn rollout asks engines for the experts every token was routed to (sent to engines directly: sgl-router drops the field) and samples carry them to the train batch; SGLang engines also need sglang.enable_return_routed_experts: true
     max_filtered_frac: float = 0.9  # with dynamic_sampling, the run stops when more than this share of the groups finished while collecting a step were dropped
 
     def __post_init__(self) -> None:
@@ -89,7 +90,7 @@ class SyncConfig:
     transport: Literal["broadcast", "ipc", "disk"] = "broadcast"  # broadcast (weight group), ipc (colocated, shared memory / CUDA IPC), disk (safetensors, the slow reference)
     backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU); nccl also makes ipc share CUDA buffers
     bucket_bytes: int = 512 * 1024**2  # weights travel in flat buckets of at most this many bytes
-    pipeline: bool | None = None  # pack bucket k+1 while bucket k is on the wire (two reused buffers, smaller buckets); null: on with nccl, off with gloo (on 2 CPU cores the packing thread competes with gloo: measured slower)
+    pipeline: bool | None = None  # pack bucket k+1 while bucket k is on the wire (two reused buffers, smaller buckets); null: on with nccl, off with gloo (on 2 shared CPU cores the packing thread competes with gloo; bench medians were 0.41-0.67 of a raw gloo broadcast either way, within the noise, and ipc was slower pipelined)
     verify: Literal["checksum", "full", "off"] = "checksum"  # checksum: per bucket, both sides; full: also every engine tensor vs the trainer's
     master_address: str | None = None  # address trainer rank 0 hosts the weight group on; null: its node's address as Ray reports it (set it on machines with several networks)
     disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory

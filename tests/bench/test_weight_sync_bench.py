@@ -106,9 +106,10 @@ def wait_healthy(url: str, proc, timeout_s: float = 300) -> None:
     raise TimeoutError(f"engine at {url} not healthy after {timeout_s} s")
 
 
-def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool = True, ratio: str = "ratio_to_raw",
-                **sync) -> dict:
-    """REPEATS syncs, each right after one baseline measurement; the ratios, their median and the median split."""
+def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool | None = None,
+                ratio: str = "ratio_to_raw", **sync) -> dict:
+    """REPEATS syncs, each right after one baseline measurement; the ratios, their median and the median split.
+    `pipeline` None: what a run gets (sync.pipeline's default for the backend)."""
     from glue.config import SyncConfig
     from weight_sync.bridge import make_bridge
 
@@ -121,6 +122,7 @@ def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool = 
             base_s = baseline()
             runs.append({"baseline_s": base_s, **bridge.sync(version)})
         bucket_bytes = max(b.nbytes for b in bridge.layouts)
+        pipeline = bridge.pipeline
     finally:
         bridge.close()
     ratios = [r["baseline_s"] / r["total_s"] for r in runs]
@@ -165,10 +167,12 @@ def bench_model(name: str, tmp_path: Path) -> dict:
         wait_healthy(url, proc)
         source, rows = LocalWeightSource(tensors), {}
         rows["broadcast"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast")
-        rows["broadcast_serial_one_bucket"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast",
-                                                          pipeline=False)
+        rows["broadcast_pipelined"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast",
+                                                  pipeline=True)
         rows["ipc"] = paired_runs(url, source, tmp_path, lambda: copy_seconds(nbytes), transport="ipc",
                                   ratio="ratio_to_copy")
+        rows["ipc_pipelined"] = paired_runs(url, source, tmp_path, lambda: copy_seconds(nbytes), transport="ipc",
+                                            ratio="ratio_to_copy", pipeline=True)
         del source
         # The same broadcast from a real megatron-core trainer rank (TP=1): stage_s is then the gather of the
         # megatron parameters and their conversion to HF names and layouts (fused QKV / gate-up split).
