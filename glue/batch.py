@@ -67,7 +67,17 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
         "rollout/num_samples": float(len(samples)),
         "rollout/group_ids": id_ranges(g.group_id for g in groups),  # which prompts this step trained
         **reward_key_means(scored, prefix="reward/"),
+        **routing_payload(samples),
     }
+
+
+def routing_payload(samples: list[Sample]) -> dict[str, float]:
+    """With MoE routing replay: the routing the step's samples hold (`moe/routing_bytes`) and per token."""
+    held = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not held:
+        return {}
+    nbytes, positions = sum(r.nbytes for r in held), sum(r.shape[0] for r in held)
+    return {"moe/routing_bytes": float(nbytes), "moe/routing_bytes_per_token": nbytes / max(positions, 1)}
 
 
 def reward_key_means(samples: list[Sample], prefix: str) -> dict[str, float]:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from weight_sync.engine_calls import admin_key, bearer
 
@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 class GenerateClient(Protocol):
     """What a rollout function depends on: one SGLang-style generate call."""
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True) -> dict:
-        """POST /generate; returns SGLang's JSON answer (`output_ids`, `meta_info`, ...)."""
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       routed_experts_start_len: int | None = None) -> dict:
+        """POST /generate; returns SGLang's JSON answer (`output_ids`, `meta_info`, ...). `routed_experts_start_len`
+        (routing replay only; doubles that never see it may leave it out) asks for `meta_info.routed_experts`."""
         ...
 
 
@@ -81,6 +83,8 @@ class EngineClient:
         self._calls_by_pause: dict[int, int] = {}  # generate calls in flight, by the pause count when they started
         self._session: "aiohttp.ClientSession | None" = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight_by_url: dict[str, int] = {}  # generate calls in flight by target (router or engine) URL
+        self._next_engine = -1  # where the next tie among engines starts (`_pick_engine`)
 
     # ---------------------------------------------------------------- generation (async, via the router)
     def _get_session(self) -> "aiohttp.ClientSession":
@@ -105,17 +109,38 @@ class EngineClient:
             if connector is not None:
                 connector._close()  # the synchronous part of close(): the old loop can no longer be awaited on
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True) -> dict:
-        """POST {router}/generate with SGLang's fields; returns the engine's JSON answer."""
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       routed_experts_start_len: int | None = None) -> dict:
+        """POST {router}/generate with SGLang's fields; returns the engine's JSON answer.
+
+        `routed_experts_start_len=n` asks for SGLang's `return_routed_experts` (MoE routing of positions n .. end,
+        for routing replay). sgl-router 0.3.2 re-serialises /generate through its own field list and drops that
+        field (tests/test_routed_experts.py shows it), and it cannot be asked which worker it would pick, so such
+        a request goes to one engine directly: the one with the fewest of this client's direct requests in
+        flight, ties taken in turn (`_pick_engine`). Other generates keep going through the router."""
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                    "return_logprob": return_logprob}
-        url = f"{self.router_url}/generate"
+        target = lambda: f"{self.router_url}/generate"  # noqa: E731
+        if routed_experts_start_len is not None:
+            payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
+            target = self._pick_engine
         pauses_before = self.pauses
         self._calls_by_pause[pauses_before] = self._calls_by_pause.get(pauses_before, 0) + 1
         try:
-            return await self._generate(url, payload, pauses_before)
+            return await self._generate(target, payload, pauses_before)
         finally:
             self._calls_by_pause[pauses_before] -= 1
+
+    def _pick_engine(self) -> str:
+        """The /generate URL of the engine with the fewest direct requests in flight from this client (the count
+        is `_in_flight_by_url`, kept by `_generate`); ties go round in turn so equal loads spread. A retry picks
+        again, so a request whose engine went away lands on another one (or on its restarted replacement)."""
+        if not self.engine_urls:
+            raise ConnectionError("generate: no engines to send a return_routed_experts request to")
+        n = len(self.engine_urls)
+        self._next_engine = (self._next_engine + 1) % n
+        order = [self.engine_urls[(self._next_engine + i) % n] for i in range(n)]
+        return f"{min(order, key=lambda url: self._in_flight_by_url.get(url, 0))}/generate"
 
     async def calls_settled(self, timeout_s: float = 60.0) -> bool:
         """Wait until every generate call that started before the last pause has returned (after a pause with
@@ -128,11 +153,14 @@ class EngineClient:
             await asyncio.sleep(0.01)
         return True
 
-    async def _generate(self, url: str, payload: dict, pauses_before: int) -> dict:
+    async def _generate(self, target: Callable[[], str], payload: dict, pauses_before: int) -> dict:
         import aiohttp
 
         attempt = 0
         while True:
+            url = target()
+            base = url.removesuffix("/generate")
+            self._in_flight_by_url[base] = self._in_flight_by_url.get(base, 0) + 1
             try:
                 async with self._get_session().post(url, json=payload) as resp:
                     body = await resp.text()
@@ -144,12 +172,14 @@ class EngineClient:
                     raise
                 if attempt >= self.max_connect_retries:
                     raise ConnectionError(
-                        f"generate: the router at {url} could not serve it after {attempt + 1} attempts ({err}); "
+                        f"generate: {url} could not serve it after {attempt + 1} attempts ({err}); "
                         "is the fleet running?"
                     ) from err
                 attempt += 1
                 self.connect_retries += 1
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            finally:
+                self._in_flight_by_url[base] -= 1
 
     def _checked_versions(self, answer: Any, pauses_before: int) -> Any:
         """Refuse an answer that a sync may have split without saying where: SGLang servers report one

@@ -11,6 +11,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from glue.engine_client import GenerateClient, weight_version_to_int
 from glue.plugins import check_signature, load_object
+from glue.routed_experts import RoutedExpertsLayout, append_routed_experts, start_len_for
 from glue.types import Group, Sample, SampleStatus
 
 ROLLOUT_FUNCTION_PARAMS = ["ctx", "prompt", "num_samples"]
@@ -29,6 +30,7 @@ class RolloutContext:
     seed: int | None = None  # set in deterministic mode (run.deterministic): the group's sampling seed
     error_masking: bool = False  # rollout.error_masking: a failed agent turn's tokens get loss_mask 0 (multi_turn)
     task: Any = None  # the task object, for rollout functions that need more than its reward (multi_turn's make_env)
+    routed_experts: RoutedExpertsLayout | None = None  # rollout.return_routed_experts: ask for MoE routing (R3)
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
 
@@ -48,6 +50,11 @@ class RolloutContext:
             params["sampling_seed"] = (self.seed * 1_000_003 + index) % (2**31 - 1)
         return params
 
+    def routing_request(self, sample: Sample) -> dict[str, int]:
+        """Extra keyword arguments for `client.generate` continuing `sample`: with routing replay on, the first
+        position whose MoE routing the answer must bring (`routed_experts_start_len`); none otherwise."""
+        return {} if self.routed_experts is None else {"routed_experts_start_len": start_len_for(sample)}
+
 
 async def score(ctx: RolloutContext, sample: Sample) -> None:
     """Set `sample.reward` from the task's reward function (sync or async)."""
@@ -57,10 +64,11 @@ async def score(ctx: RolloutContext, sample: Sample) -> None:
     sample.reward = reward
 
 
-def append_generation(sample: Sample, output: dict) -> None:
+def append_generation(sample: Sample, output: dict, routed_experts: RoutedExpertsLayout | None = None) -> None:
     """Append one /generate answer to `sample`: response tokens, their rollout logprobs, the weight version of
-    each token (SGLang's `meta_info.weight_versions` spans when present, else `meta_info.weight_version`), and
-    the status from `meta_info.finish_reason`."""
+    each token (SGLang's `meta_info.weight_versions` spans when present, else `meta_info.weight_version`), the
+    status from `meta_info.finish_reason`, and with a `routed_experts` layout the MoE routing of the positions the
+    answer ran (`meta_info.routed_experts`, asked for with `RolloutContext.routing_request`)."""
     tokens = list(output.get("output_ids") or [])
     meta = output.get("meta_info")
     if not isinstance(meta, dict):
@@ -75,6 +83,8 @@ def append_generation(sample: Sample, output: dict) -> None:
     logprobs = [float(e[0]) for e in entries]
     for version, start, end in _version_spans(meta, len(tokens)):
         sample.append_response(tokens[start:end], logprobs[start:end], version)
+    if routed_experts is not None:
+        append_routed_experts(sample, meta, routed_experts, new_tokens=len(tokens))
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
     if kind not in FINISH_REASON_STATUS:
@@ -103,7 +113,8 @@ class RolloutManager:
     def __init__(self, *, function_path: str, task_path: str, client: GenerateClient, sampling_params: dict,
                  prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None,
                  partial_rollouts: str = "resume", group_timeout_s: float | None = None,
-                 deterministic: bool = False, error_masking: bool = False):
+                 deterministic: bool = False, error_masking: bool = False,
+                 routed_experts: RoutedExpertsLayout | None = None):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
@@ -113,6 +124,7 @@ class RolloutManager:
         self.partial_rollouts, self.group_timeout_s = partial_rollouts, group_timeout_s
         self.seed, self.deterministic = seed, deterministic
         self.error_masking = error_masking
+        self.routed_experts = routed_experts  # rollout.return_routed_experts: the model's routing layout, or None
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
@@ -196,7 +208,7 @@ class RolloutManager:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
                              reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts,
                              seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
-                             error_masking=self.error_masking, task=self.task,
+                             error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
                              resumed=self._resumed.pop(group_id, {}))
         self._contexts[group_id] = ctx
         try:

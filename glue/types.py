@@ -2,6 +2,8 @@
 and a `TrainBatch` of padded tensors goes to the trainer."""
 from __future__ import annotations
 
+import base64
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -23,6 +25,13 @@ class Sample:
     `versions[i]` is the policy version that produced response token i (a partial rollout resumed after a
     sync carries more than one version); tokens the policy did not produce (tool output) still get the
     version current when they were appended, and loss_mask 0.
+
+    `routed_experts` (MoE routing replay, R3; None unless `rollout.return_routed_experts`): a numpy int8 array (int16
+    when the model has more than 127 experts) `[len(prompt_tokens) + len(response_tokens) - 1, num_layers, top_k]`:
+    row t holds the experts each decoder layer routed token t (prompt and response) to, in the engine forward that
+    ran it, i.e. the one that sampled token t + 1; -1 in layers without experts. The last token has no row: it was
+    never run. A partial rollout resumed after a sync concatenates the resumed request's rows (its own weights)
+    onto the ones it had (glue.routed_experts).
     """
 
     prompt_tokens: list[int]
@@ -35,6 +44,7 @@ class Sample:
     group_id: int = 0
     index: int = 0  # position within the group
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None  # np.ndarray int8/int16 [prompt + response - 1, layers, top_k], or None
 
     def append_response(self, tokens: list[int], logprobs: list[float], version: int, trainable: bool = True) -> None:
         """Append tokens produced (trainable) or injected (tool / env output) at one policy version."""
@@ -65,6 +75,12 @@ class Sample:
                     f"sample {self.group_id}/{self.index}: {name} has {len(getattr(self, name))} entries "
                     f"but there are {n} response tokens"
                 )
+        if self.routed_experts is not None:
+            rows = len(self.prompt_tokens) + n - 1
+            shape = getattr(self.routed_experts, "shape", ())
+            if len(shape) != 3 or shape[0] != rows or self.routed_experts.dtype.kind != "i":
+                raise ValueError(f"sample {self.group_id}/{self.index}: routed_experts must be an integer array "
+                                 f"[{rows}, layers, top_k] (prompt + response - 1 rows), got shape {shape}")
         if self.status is not SampleStatus.FAILED and not math.isfinite(self.scalar_reward):
             raise ValueError(
                 f"sample {self.group_id}/{self.index}: reward is {self.scalar_reward!r}; rewards must be finite numbers "
@@ -75,13 +91,24 @@ class Sample:
         """Plain JSON-able fields (for checkpoints); `Sample.from_dict` reverses it."""
         from dataclasses import asdict
 
-        return {**asdict(self), "status": self.status.value}
+        routing = self.routed_experts
+        plain = asdict(dataclasses.replace(self, routed_experts=None))
+        if routing is not None:  # compact in a JSON checkpoint: base64 of the array's bytes
+            plain["routed_experts"] = {"dtype": routing.dtype.str, "shape": list(routing.shape),
+                                       "data": base64.b64encode(routing.tobytes()).decode("ascii")}
+        return {**plain, "status": self.status.value}
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "Sample":
         import copy
 
         fields = copy.deepcopy(fields)  # the sample's lists grow as it is continued; the dict stays as it was
+        routing = fields.get("routed_experts")
+        if routing is not None:
+            import numpy as np
+
+            fields["routed_experts"] = np.frombuffer(base64.b64decode(routing["data"]), dtype=routing["dtype"]
+                                                     ).reshape(routing["shape"]).copy()
         return cls(**{**fields, "status": SampleStatus(fields["status"])})
 
     def staleness(self, current_version: int) -> int:
@@ -117,6 +144,17 @@ class TrainBatch:
 
     Position t of `logprob_mask` / `rollout_logprobs` / `advantages` refers to predicting token t+1
     from tokens <= t, so the trainer's logprob at position t lines up with `tokens[:, t + 1]`.
+
+    `routed_experts` (R3, None unless every sample carries routing): int8 / int16 `[B, T, L, K]` (L = the model's
+    num_hidden_layers, K = num_experts_per_tok), aligned with `tokens`: `[b, t, l]` are the K experts layer l routed
+    `tokens[b, t]` to when the engine ran it, i.e. in the forward that sampled `tokens[b, t + 1]` (prompt positions
+    included: the trainer's forward runs them too). -1 marks what has no routing: padding (t >= seq_lens[b]), each
+    row's last token (t = seq_lens[b] - 1, never run by the engine) and layers without experts. The -1 positions
+    never influence a trained logprob (a token's routing reaches only itself and later tokens, and the last token
+    predicts nothing), so a replay may fill them with any valid experts. For megatron-core's RouterReplay, the
+    target of MoE layer l in a `[S, B]` (sequence-first) forward is
+    `routed_experts[:, :, l].transpose(0, 1).reshape(-1, K).long()` with -1 entries replaced, split like the
+    hidden states under sequence parallelism, in the order of the routers' creation (the layers of this stage).
     """
 
     tokens: Any  # LongTensor [B, T]
@@ -126,6 +164,7 @@ class TrainBatch:
     versions: Any  # LongTensor [B, T]: policy version of token t+1 (-1 where masked)
     seq_lens: list[int]  # real (unpadded) length of each row
     rewards: list[float]
+    routed_experts: Any = None  # int8/int16 Tensor [B, T, L, K] of experts per token and layer (-1: none), or None
 
     @classmethod
     def from_samples(cls, samples: list[Sample], advantages: list[float] | Any) -> "TrainBatch":
@@ -150,6 +189,7 @@ class TrainBatch:
             adv[b, span] = torch.as_tensor(a, dtype=torch.float) if not isinstance(a, (int, float)) else float(a)
         versions[mask == 0] = -1
         return cls(
+            routed_experts=_routed_experts_tensor(samples, T),
             tokens=tokens,
             logprob_mask=mask,
             rollout_logprobs=rollout_lp,
@@ -158,3 +198,21 @@ class TrainBatch:
             seq_lens=seq_lens,
             rewards=[s.scalar_reward for s in samples],
         )
+
+
+def _routed_experts_tensor(samples: list[Sample], T: int) -> Any:
+    """`TrainBatch.routed_experts` for `samples` padded to `T` positions; None when no sample carries routing."""
+    import numpy as np
+    import torch
+
+    arrays = [s.routed_experts for s in samples]
+    if all(a is None for a in arrays):
+        return None
+    if any(a is None for a in arrays) or len({(a.shape[1:], a.dtype) for a in arrays}) != 1:
+        shapes = sorted({str(getattr(a, "shape", None)) for a in arrays})
+        raise ValueError("TrainBatch: routed_experts must be present on every sample or none, with one "
+                         f"[layers, top_k] shape and dtype; got shapes {shapes}")
+    out = np.full((len(samples), T, *arrays[0].shape[1:]), -1, dtype=arrays[0].dtype)
+    for b, a in enumerate(arrays):
+        out[b, : len(a)] = a
+    return torch.from_numpy(out)

@@ -60,8 +60,11 @@ def check_eval(cfg: SluiceConfig, placement: str) -> str:
 
 def check_model(cfg: SluiceConfig) -> str:
     """`model.path` is a local HF checkpoint of a family the trainer builds, with its weight files; null builds
-    a tiny random model at start-up."""
+    a tiny random model at start-up. `rollout.return_routed_experts` needs a model with routed experts."""
     if cfg.model.path is None:
+        if cfg.rollout.return_routed_experts and cfg.model.tiny.family != "qwen3_moe":
+            raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; model.tiny.family is "
+                              f"{cfg.model.tiny.family!r} (use qwen3_moe)")
         return "model: a tiny random model is built at start-up (model.path is null)"
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
@@ -75,6 +78,9 @@ def check_model(cfg: SluiceConfig) -> str:
     except Exception as err:  # transformers' own message says what is wrong with config.json
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"model.path {cfg.model.path!r}: its config.json does not load: {first}") from None
+    if cfg.rollout.return_routed_experts and not getattr(hf_config, "num_experts", None):
+        raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; {cfg.model.path!r} is a "
+                          f"dense {hf_config.model_type} checkpoint")
     weights = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not weights:
         raise ConfigError(f"model.path {cfg.model.path!r} holds no *.safetensors or *.bin weight files")

@@ -335,6 +335,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     from glue.engine_client import EngineClient
     from glue.fleet import RolloutFleet
     from glue.rollout import RolloutManager
+    from glue.routed_experts import RoutedExpertsLayout
     from glue.trainer.group import TrainerGroup
     import weight_sync
 
@@ -379,6 +380,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                              samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
                              partial_rollouts=cfg.sync.partial_rollouts,
                              group_timeout_s=cfg.rollout.group_timeout_s, deterministic=cfg.run.deterministic,
-                             error_masking=cfg.rollout.error_masking)
+                             error_masking=cfg.rollout.error_masking,
+                             routed_experts=RoutedExpertsLayout.from_model_dir(model_path)
+                             if cfg.rollout.return_routed_experts else None)
     return fleet, client, trainer, bridge, manager, loop
 

@@ -15,6 +15,10 @@ The contract (checked at start-up by `glue.plugins.check_signature`)::
   for tool / environment tokens (`trainable=False`), then set the reward (`await glue.rollout.score(ctx, sample)`).
   Rewards are computed here, in the rollout path, never in the trainer. A sample that could not be scored gets
   `status=SampleStatus.FAILED` rather than being dropped; the manager rejects a non-finite reward.
+- MoE routing replay (R3, `rollout.return_routed_experts`): `ctx.routed_experts` is the model's routing layout
+  (else None). Pass `**ctx.routing_request(sample)` to `generate` (it asks for the routing of the positions the
+  sample has none for; such requests go to an engine directly, as sgl-router drops the field) and
+  `ctx.routed_experts` to `append_generation`; the sample's `routed_experts` array then grows with its tokens.
 
 A task is a class (built with `rollout.task_args`) or an object with `prompts(seed) -> Iterator[dict]` (each dict
 has `prompt_tokens: list[int]` plus whatever the reward needs; single_turn copies the extra keys into

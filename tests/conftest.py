@@ -26,6 +26,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory) -> str:
+    """A random tiny Qwen3-MoE (vocab 32, 2 layers, hidden 64, 4 experts, top-2, seed 0) saved with save_pretrained."""
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), family="qwen3_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
 def text_model_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2 with a real tokenizer (byte-level BPE trained here, ChatML chat template, vocab 512)."""
     from glue.tiny_text_model import save_tiny_text_model

@@ -68,6 +68,13 @@ def test_dry_run_refuses_a_port_that_is_taken(capsys, setting):
     assert f"{key}={port}: the port is in use on this machine" in line
 
 
+def test_dry_run_refuses_routing_replay_on_a_dense_model(capsys):
+    line = one_line_error(capsys, ["rollout.return_routed_experts=true"])  # the demo's tiny model is a dense qwen2
+    assert "rollout.return_routed_experts needs a mixture-of-experts model" in line
+    assert main(["--dry-run", "--config", DEMO, "rollout.return_routed_experts=true",
+                 "model.tiny.family=qwen3_moe"]) == 0
+
+
 def test_dry_run_refuses_a_placement_group_the_local_cluster_cannot_hold(capsys):
     line = one_line_error(capsys, ["run.ray_num_cpus=2"])  # 2 engines + 1 trainer rank = 3 CPU bundles
     assert "needs 3 CPUs" in line and "run.ray_num_cpus=2" in line

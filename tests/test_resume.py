@@ -99,7 +99,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_without_losing_or_repeating_a_p
     assert sorted(p.name for p in (tmp_path / "r/checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
 
 
-TIMING = ("time/", "async/", "fault/", "staleness/in_flight", "staleness/in_queue", "weights/lag", "eval/time_s")
+TIMING = ("time/", "sync/", "async/", "fault/", "staleness/in_flight", "staleness/in_queue", "weights/lag", "eval/time_s")
 
 
 def learning_record(record: dict) -> dict:

@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="SGLang's flag: a token depends only on weights, context and sampling_seed (each token "
                              "from an uncached forward of its own request, sampled with a (seed, position) generator)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="SGLang's flag: record the MoE routing of every token so /generate answers "
+                             "return_routed_experts (MoE models only; routing replay, R3)")
     args = parser.parse_args(argv)
     if args.max_running_requests < 1 or args.num_threads < 1:
         parser.error("--max-running-requests and --num-threads must be >= 1")
@@ -39,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                               max_running_requests=args.max_running_requests, num_threads=args.num_threads,
                               weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,
-                              deterministic=args.enable_deterministic_inference)
-    except FileNotFoundError as e:
+                              deterministic=args.enable_deterministic_inference,
+                              enable_return_routed_experts=args.enable_return_routed_experts)
+    except (FileNotFoundError, ValueError) as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2
     serve(server, host=args.host, port=args.port)

@@ -9,6 +9,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from glue.embedded_engine.model_runner import ModelRunner
+from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.server import EngineServer
 from glue.embedded_engine.weight_update import WeightReceiver
 
@@ -36,12 +37,14 @@ def eos_token_ids(model) -> set[int]:
 
 def build_engine(*, model_path: str, host: str, port: int, seed: int, max_running_requests: int, num_threads: int,
                  weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
-                 admin_api_key: str | None = None, deterministic: bool = False) -> EngineServer:
+                 admin_api_key: str | None = None, deterministic: bool = False,
+                 enable_return_routed_experts: bool = False) -> EngineServer:
     torch.set_num_threads(num_threads)
     model = load_model(model_path)
     config = model.config
+    recorder = RoutingRecorder(model) if enable_return_routed_experts else None
     runner = ModelRunner(model, max_running_requests=max_running_requests, seed=seed, weight_version=weight_version,
-                         eos_token_ids=eos_token_ids(model), deterministic=deterministic)
+                         eos_token_ids=eos_token_ids(model), deterministic=deterministic, recorder=recorder)
     model_info = {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": None,
                   "is_generation": True, "preferred_sampling_params": None, "load_format": "auto",
                   "has_image_understanding": False, "has_audio_understanding": False,
@@ -49,6 +52,7 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
     server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": 1,
                    "dp_size": 1, "max_running_requests": max_running_requests, "num_threads": num_threads,
                    "enable_deterministic_inference": deterministic,
+                   "enable_return_routed_experts": enable_return_routed_experts,
                    "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
     return EngineServer(runner, WeightReceiver(runner, timeout_s=weight_sync_timeout_s), vocab_size=config.vocab_size,

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.kv_batch import KVBatch, cache_tensors
 from glue.embedded_engine.request_schema import GenerationRequest
+from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.sampling import sample_token
 
 ABORT_MESSAGE = "Aborted"
@@ -45,11 +46,18 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight version that produced each output token
+    routing: list[torch.Tensor] = field(default_factory=list)  # return_routed_experts: int32 [n, layers, top_k]
+    # chunks, the routed experts of positions 0, 1, ... in order (routed_experts.RoutingRecorder.record)
     finish_reason: dict[str, Any] | None = None
     final_version: str = ""  # the engine's weight version when the request finished
     abort_requested: bool = False
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
+
+    @property
+    def routed_len(self) -> int:
+        """Positions whose routed experts are recorded (0 unless the request asked for them)."""
+        return sum(chunk.shape[0] for chunk in self.routing)
 
     @property
     def context_ids(self) -> list[int]:
@@ -68,8 +76,9 @@ class ModelRunner:
     """Owns the model and the scheduling thread. Call `start()` once; `stop()` ends the thread."""
 
     def __init__(self, model: Any, *, max_running_requests: int, seed: int, weight_version: str, eos_token_ids: set[int],
-                 deterministic: bool = False):
+                 deterministic: bool = False, recorder: RoutingRecorder | None = None):
         self.model = model
+        self.recorder = recorder  # set with --enable-return-routed-experts: files each forward's MoE routing
         self.deterministic = deterministic  # see _deterministic_step
         self.model_lock = threading.Lock()
         self.weight_version = weight_version
@@ -308,10 +317,16 @@ class ModelRunner:
                 self._finish(seqs[i], reason)
         return [i for i, _ in going_on]
 
-    def _forward(self, use_cache: bool = True, **inputs: Any) -> tuple[Any, str]:
+    def _forward(self, seqs: list[Sequence], first_positions: list[int], use_cache: bool = True,
+                 **inputs: Any) -> tuple[Any, str]:
+        """One forward for `seqs` (row i's first input token sits at `first_positions[i]` of its sequence); the
+        routing it used is filed under the sequences that asked for it before any of them is finished."""
         with self.model_lock, torch.inference_mode():
             self.forward_count += 1
-            return self.model(**inputs, use_cache=use_cache), self.weight_version
+            out, version = self.model(**inputs, use_cache=use_cache), self.weight_version
+            if self.recorder is not None:
+                self.recorder.record(seqs, first_positions, inputs["input_ids"].shape[1])
+            return out, version
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run each context-length group's contexts together and move the survivors into the running batch."""
@@ -324,7 +339,7 @@ class ModelRunner:
             by_length.setdefault(len(seq.context_ids), []).append(seq)
         for length, group in by_length.items():
             ids = torch.tensor([s.context_ids for s in group], dtype=torch.long)
-            out, version = self._forward(input_ids=ids, past_key_values=DynamicCache())
+            out, version = self._forward(group, [0] * len(group), input_ids=ids, past_key_values=DynamicCache())
             going_on = self._take_tokens(group, out.logits[:, -1], version)
             if going_on:
                 index = torch.tensor(going_on, dtype=torch.long)
@@ -346,14 +361,16 @@ class ModelRunner:
                 self._running.append(seq)
         going_on = []
         for seq in self._running:
-            out, version = self._forward(use_cache=False, input_ids=torch.tensor([seq.context_ids], dtype=torch.long))
+            out, version = self._forward([seq], [0], use_cache=False,
+                                         input_ids=torch.tensor([seq.context_ids], dtype=torch.long))
             going_on.extend(seq for i in self._take_tokens([seq], out.logits[:, -1], version) if i == 0)
         self._running = going_on
 
     def _decode_step(self) -> None:
         tokens = torch.tensor([[s.output_ids[-1]] for s in self._running], dtype=torch.long)
         cache, mask, positions = self._batch.decode_inputs()
-        out, version = self._forward(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        out, version = self._forward(self._running, [len(s.context_ids) - 1 for s in self._running], input_ids=tokens,
+                                     attention_mask=mask, position_ids=positions, past_key_values=cache)
         self._batch.advance(out.past_key_values)
         going_on = self._take_tokens(self._running, out.logits[:, -1], version)
         self._running = [self._running[i] for i in going_on]

@@ -11,7 +11,8 @@ from typing import Any
 
 # Top-level `GenerateReqInput` fields the engine reads.
 GENERATE_FIELDS = ("input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
-                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "text")
+                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "text",
+                   "return_routed_experts", "routed_experts_start_len")
 # Accepted whatever their value: they only steer metrics or routing, which an embedded engine has no use for.
 GENERATE_FIELDS_IGNORED = ("log_metrics", "routed_dp_rank", "data_parallel_rank", "routing_key", "conversation_id",
                            "session_id", "custom_logit_processor", "lora_path")
@@ -71,6 +72,8 @@ class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingSettings
     return_logprob: bool
+    return_routed_experts: bool = False  # answer meta_info.routed_experts (MoE routing of positions [start, seqlen - 1))
+    routed_experts_start_len: int = 0  # the first absolute position whose routing is answered
 
 
 def _is_neutral(value: Any) -> bool:
@@ -95,8 +98,10 @@ def _check_token_ids(ids: Any, field: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: Any) -> tuple[list[GenerationRequest], bool]:
-    """Validate a `/generate` body; return the requests and whether the caller sent a batch (list of prompts)."""
+def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: Any,
+                   records_routing: bool = False) -> tuple[list[GenerationRequest], bool]:
+    """Validate a `/generate` body; return the requests and whether the caller sent a batch (list of prompts).
+    `records_routing`: the engine was started with --enable-return-routed-experts."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     _reject_unsupported_fields(body)
@@ -108,6 +113,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: An
     n = len(prompts)
     params = _per_item(body.get("sampling_params") or {}, n, "sampling_params", is_batch)
     logprob_flags = _per_item(body.get("return_logprob"), n, "return_logprob", is_batch)
+    routing, start_len = _routed_experts_fields(body, records_routing)
     rids = body.get("rid")
     rids = _per_item(rids, n, "rid", is_batch) if not (is_batch and isinstance(rids, str)) else [f"{rids}_{i}" for i in range(n)]
     requests = []
@@ -122,8 +128,27 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: An
         if not isinstance(rid, str):
             raise RequestError(f"rid{where}", f"must be a string, got {rid!r}")
         sampling = parse_sampling_params(params[i], f"sampling_params{where}", len(prompt), max_context)
-        requests.append(GenerationRequest(rid=rid, input_ids=prompt, sampling=sampling, return_logprob=bool(logprob_flags[i])))
+        if start_len > len(prompt):  # SGLang's scheduler refuses it the same way
+            raise RequestError("routed_experts_start_len", f"is {start_len}, more than the {len(prompt)} input "
+                                                           f"tokens of input_ids{where}; send a smaller one")
+        requests.append(GenerationRequest(rid=rid, input_ids=prompt, sampling=sampling,
+                                          return_logprob=bool(logprob_flags[i]), return_routed_experts=routing,
+                                          routed_experts_start_len=start_len))
     return requests, is_batch
+
+
+def _routed_experts_fields(body: dict, records_routing: bool) -> tuple[bool, int]:
+    """`return_routed_experts` and `routed_experts_start_len` (scalars in SGLang's GenerateReqInput)."""
+    asked, start_len = body.get("return_routed_experts") or False, body.get("routed_experts_start_len") or 0
+    if not isinstance(asked, bool):
+        raise RequestError("return_routed_experts", f"must be true or false, got {asked!r}")
+    if isinstance(start_len, bool) or not isinstance(start_len, int) or start_len < 0:
+        raise RequestError("routed_experts_start_len", f"must be an integer >= 0, got {start_len!r}")
+    if asked and not records_routing:
+        raise RequestError("return_routed_experts", "this engine does not record MoE routing; start it with "
+                                                    "--enable-return-routed-experts (config: sglang."
+                                                    "enable_return_routed_experts: true), which needs an MoE model")
+    return asked, start_len
 
 
 def _reject_unsupported_fields(body: dict) -> None:

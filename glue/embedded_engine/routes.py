@@ -26,7 +26,8 @@ class Route:
 GENERATE = {"input_ids": field(list), "sampling_params": field(dict, list), "return_logprob": field(bool, list),
             "rid": field(str, list), "stream": field(bool), "logprob_start_len": field(int, list),
             "top_logprobs_num": field(int, list), "token_ids_logprob": field(list),
-            "return_text_in_logprobs": field(bool), "text": field(str, list)}  # parse_generate checks the rest
+            "return_text_in_logprobs": field(bool), "text": field(str, list), "return_routed_experts": field(bool),
+            "routed_experts_start_len": field(int)}  # parse_generate checks the rest
 UPDATE_FLAGS = {"flush_cache": field(bool), "abort_all_requests": field(bool), "weight_version": field(str),
                 "load_format": field(str)}
 MEMORY = {"tags": field(list)}

@@ -19,6 +19,7 @@ from glue.embedded_engine.json_body import describe, read_body
 from glue.embedded_engine.model_runner import PAUSE_MODES, MemoryReleasedError, ModelRunner, Sequence
 from glue.embedded_engine.openai_chat import ChatFront
 from glue.embedded_engine.request_schema import RequestError, parse_generate
+from glue.embedded_engine.routed_experts import encode_routed_experts
 from glue.embedded_engine.routes import ADMIN_PATHS, ROUTES, Route
 from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload
 
@@ -72,6 +73,9 @@ def format_output(seq: Sequence) -> dict[str, Any]:
     if seq.request.return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
         meta["output_token_logprobs_length"] = len(seq.output_ids)
+    if seq.request.return_routed_experts:
+        meta["routed_experts"] = encode_routed_experts(seq.routing, seq.request.routed_experts_start_len,
+                                                       len(seq.request.input_ids) + len(seq.output_ids))
     return {"output_ids": list(seq.output_ids), "meta_info": meta}
 
 
@@ -171,7 +175,8 @@ class EngineServer:
 
     async def generate(self, body: dict[str, Any]) -> web.Response:
         requests, is_batch = parse_generate(body, vocab_size=self.vocab_size, max_context=self.max_context,
-                                            next_rid=lambda: f"embedded-{next(self._rids)}")
+                                            next_rid=lambda: f"embedded-{next(self._rids)}",
+                                            records_routing=self.runner.recorder is not None)
         outputs = [format_output(seq) for seq in await self.run_requests(requests)]
         return web.json_response(outputs if is_batch else outputs[0])
 

@@ -1,0 +1,86 @@
+"""MoE routing replay (R3), rollout side: which experts the engine routed each token to, from SGLang's
+`meta_info.routed_experts` into `Sample.routed_experts`, concatenated across the requests of a partial rollout.
+
+Wire format (SGLang; the embedded engine speaks the same, see glue/embedded_engine/routed_experts.py): base64 of
+int32 `[seqlen - 1 - routed_experts_start_len, num_hidden_layers, num_experts_per_tok]`, one row per token
+position from `routed_experts_start_len` on. The row count is implied; the layer and top-k sizes come from the
+model's config (`RoutedExpertsLayout.from_model_dir`).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedExpertsLayout:
+    """The model sizes that shape one token's routing: `[num_layers, top_k]` expert ids below `num_experts`."""
+
+    num_layers: int  # decoder layers (config num_hidden_layers); layers without experts hold -1
+    top_k: int  # experts per token (config num_experts_per_tok)
+    num_experts: int  # routed experts per layer (config num_experts)
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.top_k, self.num_experts) < 1 or self.num_experts > np.iinfo(np.int16).max:
+            raise ValueError(f"routed experts layout {self}: sizes must be >= 1 and num_experts <= 32767")
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The compact dtype a sample keeps routing in: int8 when every id (and the -1 filler) fits, else int16."""
+        return np.dtype(np.int8 if self.num_experts <= np.iinfo(np.int8).max else np.int16)
+
+    @classmethod
+    def from_model_dir(cls, model_path: str | os.PathLike) -> "RoutedExpertsLayout":
+        """Read the sizes from an HF model directory's config.json (Qwen3-MoE / Qwen2-MoE / Mixtral names)."""
+        with open(os.path.join(model_path, "config.json")) as handle:
+            config = json.load(handle)
+        config = config.get("text_config", config)
+        num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+        if not num_experts or not config.get("num_experts_per_tok"):
+            raise ValueError(f"rollout.return_routed_experts: the model at {model_path} is not an MoE model "
+                             f"(config.json has no num_experts / num_experts_per_tok); turn the key off")
+        return cls(num_layers=int(config["num_hidden_layers"]), top_k=int(config["num_experts_per_tok"]),
+                   num_experts=int(num_experts))
+
+
+def start_len_for(sample: Any) -> int:
+    """`routed_experts_start_len` for the next request of `sample` (sent prompt + response so far): the first
+    position it has no routing for. 0 for a fresh sample; after a partial answer, the sample's last token, which
+    the engine had not run yet."""
+    return 0 if sample.routed_experts is None else len(sample.routed_experts)
+
+
+def decode_routed_experts(text: Any, layout: RoutedExpertsLayout) -> np.ndarray:
+    """`meta_info.routed_experts` as `[rows, num_layers, top_k]` in `layout.dtype`; ValueError when it is not."""
+    if not isinstance(text, str):
+        raise ValueError("engine answer has no meta_info.routed_experts string although return_routed_experts was "
+                         "asked: start the engines with sglang.enable_return_routed_experts: true (SGLang answers "
+                         "without it silently), and send R3 requests to engines directly, not through sgl-router")
+    flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
+    per_row = layout.num_layers * layout.top_k
+    if flat.size % per_row:
+        raise ValueError(f"meta_info.routed_experts holds {flat.size} int32 values, not whole rows of "
+                         f"[num_layers={layout.num_layers}, top_k={layout.top_k}]: the layout does not fit the model")
+    if flat.size and (flat.min() < -1 or flat.max() >= layout.num_experts):
+        raise ValueError(f"meta_info.routed_experts has expert ids outside [-1, {layout.num_experts})")
+    return flat.reshape(-1, layout.num_layers, layout.top_k).astype(layout.dtype)
+
+
+def append_routed_experts(sample: Any, meta: dict, layout: RoutedExpertsLayout, new_tokens: int) -> None:
+    """Extend `sample.routed_experts` with the routing an answer brought for its `new_tokens` response tokens
+    (already appended to the sample): rows up to position `prompt + response - 2`, the sample's last token having
+    not been run. An answer that added no tokens adds no routing (an aborted request may not have run at all)."""
+    if new_tokens == 0:
+        return
+    have = start_len_for(sample)
+    want = len(sample.prompt_tokens) + len(sample.response_tokens) - 1 - have
+    rows = decode_routed_experts(meta.get("routed_experts"), layout)
+    if len(rows) != want:
+        raise ValueError(f"meta_info.routed_experts has {len(rows)} rows; expected {want} (positions {have} to "
+                         f"{have + want - 1}): was routed_experts_start_len={have} sent with the request?")
+    sample.routed_experts = rows if sample.routed_experts is None else np.concatenate([sample.routed_experts, rows])
