@@ -13,10 +13,10 @@ from loss import LossConfig
 from test_trainer_megatron import hf_teacher_forced_logprobs, make_batch, model_dir  # noqa: F401 (fixture)
 
 
-def _rank(rank, world, port, model_path, tp, script, results):
+def _rank(rank, world, port, model_path, tp, pp, script, results):
     from glue.trainer.worker import TrainerWorker
 
-    cfg = TrainerConfig(tensor_model_parallel_size=tp, micro_batch_size=4, lr=1e-2)
+    cfg = TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=4, lr=1e-2)
     worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(), rank=rank, world_size=world)
     worker.initialize("127.0.0.1", port)
     batch, out = make_batch(), []
@@ -35,16 +35,17 @@ def _rank(rank, world, port, model_path, tp, script, results):
     results.put(pickle.dumps((rank, out)))
 
 
-def run_ranks(model_path, script, tp=1):
-    """Run `script` ([("train"|"save"|"load", arg)]) on `tp` spawned ranks; rank 0's outputs."""
+def run_ranks(model_path, script, tp=1, pp=1):
+    """Run `script` ([("train"|"save"|"load", arg)]) on `tp` x `pp` spawned ranks; rank 0's outputs."""
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, model_path, tp, script, results)) for r in range(tp)]
+    results, port, world = ctx.Queue(), free_port(), tp * pp
+    procs = [ctx.Process(target=_rank, args=(r, world, port, model_path, tp, pp, script, results))
+             for r in range(world)]
     try:
         for p in procs:
             p.start()
         outs = {}
-        while len(outs) < tp:
+        while len(outs) < world:
             try:
                 rank, out = pickle.loads(results.get(timeout=5))
                 outs[rank] = out
@@ -114,3 +115,16 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(t
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
     assert [checkpoints.due(s, last=False) for s in (1, 2, 3, 4)] == [False, True, False, True]
     assert Checkpoints(tmp_path / "none", interval=0).due(3, last=True)
+
+
+@pytest.mark.slow
+def test_a_two_stage_pipeline_checkpoint_resumes_exactly_and_is_refused_at_tp2_of_the_same_world_size(model_dir,
+                                                                                                       tmp_path):
+    # rank 0 writes every stage's weights (gathered from stage 1) into hf/; each stage reloads its own layers
+    ckpt = str(tmp_path / "pp2")
+    straight = run_ranks(model_dir, [("train", None), ("save", ckpt), ("train", None)], pp=2)
+    resumed = run_ranks(model_dir, [("load", ckpt), ("train", None)], pp=2)
+    assert resumed[0] == 1 and resumed[1] == straight[1]
+    assert torch.equal(resumed[2], straight[2])
+    refused = run_ranks(model_dir, [("load", ckpt)], tp=2)[0]
+    assert isinstance(refused, ValueError) and "'tp': 1, 'pp': 2," in str(refused)

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import live_processes
 from glue.metrics import read_metrics
+from launch.cli import parse_args
 from launch.config import ConfigError, load_config
 from launch.runner import run
 
@@ -34,10 +35,14 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     import ray
 
     before = set(live_children(os.getpid()))
-    cfg = load_config("examples/configs/demo.yaml",
-                      [f"run.output_dir={tmp_path}", "run.name=e2e", "run.num_steps=3", "rollout.prompts_per_step=4",
-                       "rollout.function=test_end_to_end:fails_one_group_in_eight",
-                       "trainer.max_tokens_per_micro_batch=64"])  # packed rows: several samples share one forward
+    # the launcher's own flag parsing: the demo's two layers go one per pipeline stage (two trainer ranks), and
+    # packed rows put several samples in one forward
+    args, overrides = parse_args(["--config", "examples/configs/demo.yaml", "--pipeline-model-parallel-size", "2",
+                                  f"run.output_dir={tmp_path}", "run.name=e2e", "run.num_steps=3",
+                                  "rollout.prompts_per_step=4", "trainer.max_tokens_per_micro_batch=64",
+                                  "rollout.function=test_end_to_end:fails_one_group_in_eight"])
+    cfg = load_config(args.config, overrides, args.flags)
+    assert cfg.trainer.pipeline_model_parallel_size == 2
     run_dir = run(cfg)
     records = read_metrics(run_dir / "metrics.jsonl")
     # group 5 failed, was counted and replaced (by group 12): every step still trained 4 groups x 8 samples
@@ -53,8 +58,9 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     for record in records:
         assert record["sync/bytes"] > 0 and record["sync/gb_per_s"] > 0, record
         assert {"sync/pack_s", "sync/wire_s", "sync/copy_in_s", "sync/verify_s"} <= set(record), record
-    # Step 1 is before any update; steps 2 and 3 sample from weights that arrived through the bridge. The trainer
-    # packs samples into shared rows, so this also checks that packing computes each sample's own logprobs.
+    # Step 1 is before any update; steps 2 and 3 sample from weights that arrived through the bridge, gathered from
+    # both pipeline stages. The trainer packs samples into shared rows, so this also checks that packing computes
+    # each sample's own logprobs, and that the last stage's logprobs reach the loss.
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in records]
     assert max(diffs) < 1e-3, diffs
     assert (run_dir / "config.yaml").exists()
@@ -66,6 +72,7 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     assert [line.split()[1] for line in lines[:6]] == ["model", "ray", "engines", "router", "trainer", "weights"]
     assert all(float(line.split()[2]) >= 0 and line.split()[3] == "s" for line in lines[:6]), lines
     assert lines[6].startswith("sluice: started in "), lines
+    assert "2 megatron-core ranks (TP 1 x PP 2 x EP 1 x DP 1)" in lines[4], lines
     assert "Writing model shards" not in captured.out + captured.err
 
 

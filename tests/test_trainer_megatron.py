@@ -244,8 +244,8 @@ def receive_weights_as_engine_rank(group, specs) -> list:
 
 
 def test_trainer_config_names_the_field_and_the_fix():
-    with pytest.raises(ValueError, match="trainer.pipeline_model_parallel_size=2 is not supported.*set it to 1"):
-        TrainerConfig(pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="trainer.pipeline_model_parallel_size must be an integer >= 1"):
+        TrainerConfig(pipeline_model_parallel_size=0)
     with pytest.raises(ValueError, match="trainer.lr must be > 0"):
         TrainerConfig(lr=0.0)
     with pytest.raises(ValueError, match="trainer.micro_batch_size must be an integer >= 1"):

@@ -57,7 +57,8 @@ def rank_file(directory: str, rank: int) -> str:
 
 def layout_key(worker: Any) -> dict[str, int]:
     p = worker.place
-    return {"world_size": worker.world_size, "tp": p.tp_size, "dp": p.dp_size, "ep": p.ep_size, "etp": p.etp_size}
+    return {"world_size": worker.world_size, "tp": p.tp_size, "pp": p.pp_size, "dp": p.dp_size, "ep": p.ep_size,
+            "etp": p.etp_size}
 
 
 def _write_hf(initial_model: str, state: dict[str, torch.Tensor], hf: str) -> None:

@@ -9,6 +9,11 @@ from typing import Any, Literal
 
 # The parallel sizes the glue itself reads (placement, world size); every other megatron-core field travels in
 # `megatron` untouched. The launcher routes `--tensor-model-parallel-size` etc. here by their megatron names.
+CONTEXT_PARALLEL_NEEDS = (
+    "context parallelism is not run by this trainer: it needs Transformer-Engine's attention (the TE layer spec, "
+    "whose TEDotProductAttention exchanges K/V between CP ranks; transformer-engine installs only with CUDA), each "
+    "micro-batch split into 2 x CP load-balanced sequence chunks per rank, and the per-token logprobs gathered back "
+    "over the CP group; this local-spec trainer has none of these yet")
 PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                   "expert_model_parallel_size")
 
@@ -16,8 +21,8 @@ PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
 @dataclass(kw_only=True)
 class TrainerConfig:
     tensor_model_parallel_size: int = 1  # Megatron TP degree; the trainer starts TP x PP x CP x DP Ray actors
-    pipeline_model_parallel_size: int = 1  # Megatron PP degree (only 1 in this first form)
-    context_parallel_size: int = 1  # Megatron CP degree (sequence split across ranks; not run by this trainer yet)
+    pipeline_model_parallel_size: int = 1  # Megatron PP degree (layers split into stages, megatron's 1F1B schedule)
+    context_parallel_size: int = 1  # Megatron CP degree (sequence split across ranks; not run yet: needs TE attention)
     expert_model_parallel_size: int = 1  # Megatron EP degree (experts split across TP x CP x DP ranks)
     expert_tensor_parallel_size: int | None = None  # Megatron ETP degree of expert layers (null = TP)
     data_parallel_size: int = 1  # trainer replicas; world size = TP x PP x CP x DP
@@ -47,9 +52,6 @@ class TrainerConfig:
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"trainer.max_tokens_per_micro_batch must be an integer >= 1 (or null / 0 for padded "
                              f"micro-batches of micro_batch_size rows), got {budget!r}")
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(f"trainer.pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not supported "
-                             "by this first-form trainer; set it to 1 (use tensor_model_parallel_size to shard)")
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
@@ -113,6 +115,8 @@ class TrainerConfig:
         """
         notes = []
         if self.context_parallel_size != 1:
-            notes.append(f"CP = {self.context_parallel_size}: this trainer does not run context parallelism yet (it needs "
-                         "the Transformer-Engine attention); use --context-parallel-size 1")
+            notes.append(f"CP = {self.context_parallel_size}: {CONTEXT_PARALLEL_NEEDS}; use --context-parallel-size 1")
+        if self.megatron.get("virtual_pipeline_model_parallel_size"):
+            notes.append("virtual pipeline stages (--virtual-pipeline-model-parallel-size): this trainer builds one "
+                         "model chunk per pipeline rank and runs the non-interleaved 1F1B schedule; drop the flag")
         return notes

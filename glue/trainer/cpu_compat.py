@@ -32,6 +32,8 @@ def apply() -> None:
     _patch_moe_router()
     _patch_first_dim_collectives()
     _patch_parallel_linear_backward()
+    _patch_pipeline_schedules()
+    _patch_tied_embedding_sync()
     _applied = True
 
 
@@ -126,9 +128,14 @@ def _patch_moe_router() -> None:
 
 
 class _TorchOnCpu(types.ModuleType):
-    """`torch` as seen by a patched megatron function: the same module, except that the current device is the CPU."""
+    """`torch` as seen by a patched megatron function: the same module, except that the current device is the CPU
+    (there is nothing to synchronize), and a tensor `zeros` puts on "cuda" is put on the CPU."""
 
-    cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu", synchronize=lambda *args: None)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -155,3 +162,30 @@ def _patch_parallel_linear_backward() -> None:
     from megatron.core.tensor_parallel import layers
 
     layers.torch = _TorchOnCpu("torch")
+
+
+def _patch_pipeline_schedules() -> None:
+    # Why: the pipeline p2p code allocates shape and activation buffers on torch.cuda.current_device() and calls
+    # torch.cuda.synchronize() after batched send/recv; the schedules count tokens in a tensor made on "cuda".
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    p2p_communication.torch = _TorchOnCpu("torch")
+    schedules.torch = _TorchOnCpu("torch")
+
+
+def _patch_tied_embedding_sync() -> None:
+    # Why: with tied embeddings and PP > 1, the last stage's copy of the embedding is synced from the first stage
+    # by an all-reduce of `weight.data.cuda()`. On CPU the tensor stays where it is for the duration of that setup.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self) -> None:
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu

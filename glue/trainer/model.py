@@ -64,7 +64,10 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True, **family_config_kwargs(hf_config),
+        attention_softmax_in_fp32=True,
+        # glue.trainer.pipeline runs megatron's schedules; losses arrive normalised by the batch's global counts, so
+        # the schedule must backpropagate them as they are
+        calculate_per_token_loss=True, **family_config_kwargs(hf_config),
     )
 
 
@@ -102,8 +105,10 @@ def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
 
 
 def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None) -> torch.nn.Module:
-    """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard, random weights.
-    `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig fields."""
+    """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard of its pipeline stage
+    (the embedding on the first, the output layer on the last), random weights. `megatron_args`
+    (TrainerConfig.megatron_values()) are passed-through TransformerConfig fields."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     from glue.trainer.layer_spec import layer_spec
@@ -114,6 +119,7 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), parallel_output=True,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
     )
 
 
@@ -160,7 +166,8 @@ def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu",
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                    seq_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless).
+    """[B, T] token ids -> this rank's vocab shard of the logits, [B, T, V / TP] (right padding is harmless); on a
+    pipeline stage before the last, its output hidden states [T (/ TP with sequence parallelism), B, H].
 
     Packed rows pass `seq_ids` [B, T] (which sample each token belongs to; attention never crosses samples) and
     `position_ids` [B, T] (restarting at 0 per sample)."""
@@ -169,9 +176,10 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
         tp = model.config.tensor_model_parallel_size
         pad = -(-seq_len // tp) * tp - seq_len
         if pad:  # padding sits after every real token (in a block of its own), so no real token sees it
-            return forward_logits(model, F.pad(tokens, (0, pad)),
-                                  None if position_ids is None else F.pad(position_ids, (0, pad)),
-                                  None if seq_ids is None else F.pad(seq_ids, (0, pad), value=-1))[:, :seq_len]
+            out = forward_logits(model, F.pad(tokens, (0, pad)),
+                                 None if position_ids is None else F.pad(position_ids, (0, pad)),
+                                 None if seq_ids is None else F.pad(seq_ids, (0, pad), value=-1))
+            return out[:, :seq_len] if model.post_process else out
     if position_ids is None:
         position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
     if seq_ids is None:

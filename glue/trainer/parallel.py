@@ -1,4 +1,4 @@
-"""Where one trainer rank sits in megatron-core's parallel layout (TP x EP x DP, experts folded into the dense
+"""Where one trainer rank sits in megatron-core's parallel layout (TP x PP x EP x DP, experts folded into the dense
 ranks) and what that means for the data and the gradients: how its gradients and per-token results meet the other
 ranks' (which samples it runs is `glue.trainer.packing`'s), and how its local shards become the full HF-named weights.
 
@@ -26,7 +26,8 @@ def is_expert_param(name: str) -> bool:
 
 @dataclass(frozen=True)
 class RankPlace:
-    """This rank's coordinates, plus every member of its expert group (ETP x EP ranks) as (ep_rank, etp_rank)."""
+    """This rank's coordinates, plus every member of its expert group (ETP x EP ranks) as (ep_rank, etp_rank) and,
+    under pipeline parallelism, every stage of its pipeline (glue.trainer.pipeline.Stage)."""
 
     tp_rank: int
     tp_size: int
@@ -37,37 +38,55 @@ class RankPlace:
     ep_rank: int
     etp_rank: int
     expert_members: tuple[tuple[int, int], ...]
+    pp_rank: int = 0
+    pp_size: int = 1
+    stages: tuple[Any, ...] = ()  # one glue.trainer.pipeline.Stage per pipeline stage when pp_size > 1
 
     @classmethod
-    def from_parallel_state(cls) -> "RankPlace":
-        """Read the coordinates megatron assigned (collective over the expert group, once)."""
+    def from_parallel_state(cls, model: torch.nn.Module) -> "RankPlace":
+        """Read the coordinates megatron assigned and, with PP, the stages' layers and parameters of `model`
+        (collective over the expert group and the PP group, once)."""
         from megatron.core import parallel_state as ps
+
+        from glue.trainer.pipeline import describe_stages
 
         mine = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
         group = ps.get_expert_tensor_and_model_parallel_group()
         members: list[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(members, mine, group=group)
+        pp_size = ps.get_pipeline_model_parallel_world_size()
         return cls(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
                    dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                    ep_size=ps.get_expert_model_parallel_world_size(),
                    etp_size=ps.get_expert_tensor_parallel_world_size(), ep_rank=mine[0], etp_rank=mine[1],
-                   expert_members=tuple(tuple(m) for m in members))
+                   expert_members=tuple(tuple(m) for m in members), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   pp_size=pp_size, stages=describe_stages(model) if pp_size > 1 else ())
 
-    def layout(self, tp_rank: int | None = None, member: tuple[int, int] | None = None):
+    def layout(self, tp_rank: int | None = None, member: tuple[int, int] | None = None, stage: int | None = None):
         """The converter's ParallelLayout of this rank, or of the rank holding dense TP shard `tp_rank` and the
-        expert shard of expert-group `member`."""
+        expert shard of expert-group `member` in pipeline stage `stage`."""
         from weight_sync.convert import ParallelLayout
 
         ep_rank, etp_rank = member if member is not None else (self.ep_rank, self.etp_rank)
+        stage = self.pp_rank if stage is None else stage
+        layers = {} if self.pp_size == 1 else {"first_layer": self.stages[stage].first_layer,
+                                                "num_layers": self.stages[stage].num_layers}
         return ParallelLayout(tp_rank=self.tp_rank if tp_rank is None else tp_rank, tp_size=self.tp_size,
-                              ep_rank=ep_rank, ep_size=self.ep_size, etp_rank=etp_rank, etp_size=self.etp_size)
+                              ep_rank=ep_rank, ep_size=self.ep_size, etp_rank=etp_rank, etp_size=self.etp_size,
+                              pp_rank=stage, pp_size=self.pp_size, **layers)
 
-    def gather_layouts(self) -> list[Any]:
-        """Layouts that together cover every dense TP shard and every expert shard. Layout i pairs dense shard
-        i mod TP with expert member i mod M: any pairing works because the converter reads each shard once from
-        whichever layout holds it, and max(TP, M) layouts cover both sets."""
+    def gather_layouts(self, stage: int | None = None) -> list[Any]:
+        """Layouts that together cover every dense TP shard and every expert shard of a stage (default: this rank's).
+        Layout i pairs dense shard i mod TP with expert member i mod M: any pairing works because the converter
+        reads each shard once from whichever layout holds it, and max(TP, M) layouts cover both sets."""
         count = max(self.tp_size, len(self.expert_members))
-        return [self.layout(i % self.tp_size, self.expert_members[i % len(self.expert_members)]) for i in range(count)]
+        return [self.layout(i % self.tp_size, self.expert_members[i % len(self.expert_members)], stage)
+                for i in range(count)]
+
+    def shard_count(self, name: str) -> int:
+        """How many shards of parameter `name` its gather group holds: the expert group's size for routed experts,
+        TP for the rest."""
+        return len(self.expert_members) if is_expert_param(name) else self.tp_size
 
 
 def finalize_gradients(model: torch.nn.Module, config: Any, place: RankPlace) -> None:
@@ -94,15 +113,24 @@ def finalize_gradients(model: torch.nn.Module, config: Any, place: RankPlace) ->
         _all_reduce_sum(dense, ps.get_data_parallel_group())
     if torch.distributed.get_world_size(ps.get_expert_data_parallel_group()) > 1:
         _all_reduce_sum(expert, ps.get_expert_data_parallel_group())
+    if place.pp_size > 1:
+        from glue.trainer.pipeline import sum_tied_embedding_gradients
+
+        sum_tied_embedding_gradients(model)
 
 
 def gradient_norm(model: torch.nn.Module, place: RankPlace) -> float:
     """Global L2 norm of the (finalized) gradients, each shard counted once: dense shards over TP, expert shards
-    over ETP x EP. DP replicas hold equal gradients and are not counted again."""
+    over ETP x EP, stages over PP (a tied embedding's copy on the last stage not again). DP replicas hold equal
+    gradients and are not counted again."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    from glue.trainer.pipeline import is_duplicate
+
     def owned(name: str, p: torch.nn.Parameter) -> bool:
+        if is_duplicate(p):
+            return False
         if is_expert_param(name):
             return getattr(p, "tensor_model_parallel", False) or place.etp_rank == 0
         return tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
@@ -114,6 +142,8 @@ def gradient_norm(model: torch.nn.Module, place: RankPlace) -> float:
             sums[int(is_expert_param(name))] += p.grad.float().pow(2).sum()
     torch.distributed.all_reduce(sums[0:1], group=ps.get_tensor_model_parallel_group())
     torch.distributed.all_reduce(sums[1:2], group=ps.get_expert_tensor_and_model_parallel_group())
+    if place.pp_size > 1:
+        torch.distributed.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
     return float(sums.sum().sqrt())
 
 
@@ -155,37 +185,60 @@ def sum_tensor_over_dp(part: torch.Tensor, place: RankPlace) -> torch.Tensor:
 def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace, *, keep: bool = True
                   ) -> dict[str, torch.Tensor]:
     """Every weight as a full HF-named CPU tensor (collective: every rank calls it). Dense shards are gathered over
-    TP, expert shards over the ETP x EP group, then the converter assembles them. Ranks with `keep=False` only
-    take part in the gathers and return {}, so one host copy of the model is made, not one per rank.
-    Read it before the next optimizer step: unsharded tensors may be the parameters themselves."""
-    from megatron.core import parallel_state as ps
-
+    TP, expert shards over the ETP x EP group, the stages' shards to the keeping rank's stage, then the converter
+    assembles them. Ranks with `keep=False` only take part and return {}, so one host copy of the model is made,
+    not one per rank. Read it before the next optimizer step: unsharded tensors may be the parameters themselves."""
     from weight_sync.convert import megatron_to_hf
 
+    by_stage = {place.pp_rank: _stage_shards(model, place)}
+    if place.pp_size > 1:
+        from glue.trainer.pipeline import gather_stages
+
+        by_stage = gather_stages(by_stage[place.pp_rank], place, keep)
+    if not keep:
+        return {}
+    states: list[dict[str, torch.Tensor]] = []
+    layouts: list[Any] = []
+    for stage, shards in sorted(by_stage.items()):
+        shards = {name: [part.cpu() for part in parts] for name, parts in shards.items()}
+        stage_layouts = place.gather_layouts(stage)
+        states += [{name: parts[i % len(parts)] for name, parts in shards.items()} for i in range(len(stage_layouts))]
+        layouts += stage_layouts
+    return megatron_to_hf(states, hf_config, layouts)
+
+
+def _stage_shards(model: torch.nn.Module, place: RankPlace) -> dict[str, list[torch.Tensor]]:
+    """Parameter name -> every shard of it in this stage, in group-rank order (collective over TP and the expert
+    group): the dense TP shards, or the expert group's shards of a routed expert."""
+    from megatron.core import parallel_state as ps
+
     tp_group, expert_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_and_model_parallel_group()
-    layouts = place.gather_layouts()
-    states: list[dict[str, torch.Tensor]] = [{} for _ in layouts]
+    out = {}
     for name, param in model.named_parameters():
-        expert = is_expert_param(name)
-        size = len(place.expert_members) if expert else place.tp_size
+        size = place.shard_count(name)
         if size == 1:  # nothing to gather: no copy either (on CPU the state then aliases the parameters)
-            shards = [param.data]
-        else:
-            shards = [torch.empty_like(param.data) for _ in range(size)]
-            torch.distributed.all_gather(shards, param.data.contiguous(), group=expert_group if expert else tp_group)
-        if keep:
-            shards = [shard.cpu() for shard in shards]
-            for i, state in enumerate(states):
-                state[name] = shards[i % size]
-    return megatron_to_hf(states, hf_config, layouts) if keep else {}
+            out[name] = [param.data]
+            continue
+        out[name] = [torch.empty_like(param.data) for _ in range(size)]
+        group = expert_group if is_expert_param(name) else tp_group
+        torch.distributed.all_gather(out[name], param.data.contiguous(), group=group)
+    return out
 
 
 def hf_weight_specs(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> list[tuple[str, Any, tuple]]:
     """(HF name, dtype, full shape) of every tensor `full_hf_state` returns, in its order; no communication
-    (meta tensors: every rank's shard of a parameter has the same shape)."""
+    (meta tensors: every rank's shard of a parameter has the same shape, and every rank knows every stage's)."""
     from weight_sync.convert import megatron_to_hf
 
-    layouts = place.gather_layouts()
-    meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in model.named_parameters()}
-    full = megatron_to_hf([dict(meta) for _ in layouts], hf_config, layouts)
+    if place.pp_size == 1:
+        params = {0: [(n, p.shape, p.dtype) for n, p in model.named_parameters()]}
+    else:
+        params = {stage: info.params for stage, info in enumerate(place.stages)}
+    states, layouts = [], []
+    for stage, stage_params in params.items():
+        meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, shape, dtype in stage_params}
+        stage_layouts = place.gather_layouts(stage if place.pp_size > 1 else None)
+        states += [dict(meta) for _ in stage_layouts]
+        layouts += stage_layouts
+    full = megatron_to_hf(states, hf_config, layouts)
     return [(n, t.dtype, tuple(t.shape)) for n, t in full.items()]

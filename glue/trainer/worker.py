@@ -1,5 +1,6 @@
-"""One trainer rank: megatron-core model + AdamW on this rank's shard (TP shard, its experts under EP, its rows of
-the batch under DP; `glue.trainer.parallel` says which). `TrainerGroup` runs one per rank as a Ray actor; it turns a
+"""One trainer rank: megatron-core model + AdamW on this rank's shard (TP shard of its pipeline stage's layers, its
+experts under EP, its rows of the batch under DP; `glue.trainer.parallel` says which, `glue.trainer.pipeline` runs
+the micro-batches through megatron's schedules). `TrainerGroup` runs one per rank as a Ray actor; it turns a
 `TrainBatch` into a PPO update (old logprobs recomputed or from version snapshots, loss from `loss/`) and its weights
 into HF-named tensors for the weight bridge. A plain class, so tests can also drive it from spawned processes.
 """
@@ -13,10 +14,11 @@ from typing import Any
 
 import torch
 
-from glue.trainer.config import TrainerConfig
+from glue.trainer.config import CONTEXT_PARALLEL_NEEDS, TrainerConfig
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gradient_norm, hf_weight_specs,
                                    sum_over_dp, sum_tensor_over_dp)
+from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
 from glue.trainer.snapshots import PolicySnapshots
 from glue.types import TrainBatch
 
@@ -35,8 +37,8 @@ class TrainerWorker:
             raise ValueError(f"trainer world size {world_size} != TP x PP x CP x DP = {cfg.world_size}; start exactly "
                              "that many workers")
         if cfg.context_parallel_size != 1:
-            raise ValueError("context parallelism is not supported by this trainer yet (it needs the Transformer-Engine "
-                             "attention); set trainer.context_parallel_size: 1")
+            raise ValueError(f"trainer.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_NEEDS}; "
+                             "set trainer.context_parallel_size: 1")
         if getattr(loss_cfg, "kl_reward_coef", 0) > 0:
             raise ValueError("loss.kl_reward_coef > 0 needs reference logprobs before the advantages are computed, "
                              "which this trainer does not provide yet; use loss.kl_loss_coef (KL as a loss term)")
@@ -73,10 +75,10 @@ class TrainerWorker:
         self.device = torch.device("cpu") if cpu_compat.is_cpu_only() else torch.device("cuda", torch.cuda.current_device())
         parallel_state.initialize_model_parallel(**self.cfg.parallel_state_sizes())
         tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
-        self.place = RankPlace.from_parallel_state()
         self.hf_config = model.read_hf_config(self.model_path)
         self.model = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size,
                                        megatron_args=self.cfg.megatron_values())
+        self.place = RankPlace.from_parallel_state(self.model)
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
         self.reference = None  # the frozen initial policy, for the KL loss term
@@ -99,17 +101,15 @@ class TrainerWorker:
                                   micro_batch_size=self.cfg.micro_batch_size, dp_rank=self.place.dp_rank,
                                   dp_size=self.place.dp_size, even_shapes=self.place.ep_size > 1)
 
-    def _forward(self, tokens: torch.Tensor, with_entropy: bool = False, module: torch.nn.Module | None = None,
-                 position_ids: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs [R, L], entropy [R, L] or None) of one micro-batch's rows under `module` (default: the
-        policy); `position_ids` / `seq_ids` mark packed samples. Differentiable when grad is enabled."""
+    def _forward(self, tokens: torch.Tensor, logits: torch.Tensor, with_entropy: bool = False,
+                 seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The end of one micro-batch's forward, on the last pipeline stage: (logprobs [R, L], entropy [R, L] or
+        None) of its token rows `tokens` [R, L] from their logits; `seq_ids` marks packed samples. Differentiable
+        when grad is enabled."""
         from glue.trainer import model
 
         tokens = tokens.to(self.device)
         seq_ids = None if seq_ids is None else seq_ids.to(self.device)
-        logits = model.forward_logits(module or self.model, tokens,
-                                      None if position_ids is None else position_ids.to(self.device), seq_ids)
         entropy = model.token_entropy(logits, self.cfg.temperature) if with_entropy else None
         return model.token_logprobs(logits, tokens, self.cfg.temperature, seq_ids), entropy
 
@@ -132,14 +132,21 @@ class TrainerWorker:
         module = self.reference if reference else self.model
         logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
-        for mb in self._micro_batches(seq_lens or [seq_len] * rows, seq_len, slice(0, rows)):
-            mb_logprobs, mb_entropy = self._forward(mb.take(tokens), with_entropy, module, mb.position_ids, mb.seq_ids)
+
+        def head(mb: MicroBatch, logits: torch.Tensor) -> tuple[None, tuple]:
+            return None, self._forward(mb.take(tokens), logits, with_entropy, mb.seq_ids)
+
+        micro_batches = self._micro_batches(seq_lens or [seq_len] * rows, seq_len, slice(0, rows))
+        results = run_micro_batches(module, micro_batches, tokens, head, forward_only=True)
+        for mb, (mb_logprobs, mb_entropy) in zip(micro_batches, results):  # results: on the last stage only
             if mb.is_real:
                 mb.put(mb_logprobs, logprobs)
                 if with_entropy:
                     mb.put(mb_entropy, entropy)
-        logprobs = sum_tensor_over_dp(logprobs, self.place).cpu()
-        return (logprobs, sum_tensor_over_dp(entropy, self.place).cpu()) if with_entropy else logprobs
+        logprobs = sum_tensor_over_dp(share_tensor_from_last_stage(logprobs), self.place).cpu()
+        if not with_entropy:
+            return logprobs
+        return logprobs, sum_tensor_over_dp(share_tensor_from_last_stage(entropy), self.place).cpu()
 
     @torch.no_grad()
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -192,24 +199,29 @@ class TrainerWorker:
 
         num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
         self.optimizer.zero_grad(set_to_none=True)
+
+        def head(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+            loss, metrics, share = self._micro_batch_loss(batch, mb, logits, old_logprobs, ref_logprobs,
+                                                          num_tokens, num_seqs)
+            return loss, (float(loss.detach()), metrics, share)
+
         sums: dict[str, float] = {"loss": 0.0}
-        for mb in self._micro_batches(batch.seq_lens, batch.tokens.shape[1], rows):
-            loss, loss_metrics, share = self._micro_batch_loss(batch, mb, old_logprobs, ref_logprobs,
-                                                               num_tokens, num_seqs)
-            loss.backward()
-            sums["loss"] += float(loss.detach())
+        micro_batches = self._micro_batches(batch.seq_lens, batch.tokens.shape[1], rows)
+        for loss, loss_metrics, share in run_micro_batches(self.model, micro_batches, batch.tokens, head,
+                                                           forward_only=False):  # the backwards ran too
+            sums["loss"] += loss
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
-        sums = sum_over_dp(sums, self.place, self.device)
+        sums = sum_over_dp(share_from_last_stage(sums), self.place, self.device)
         finalize_gradients(self.model, self.model.config, self.place)
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         return sums
 
-    def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, old_logprobs: torch.Tensor | None,
-                          ref_logprobs: torch.Tensor | None, num_tokens: int, num_seqs: int
-                          ) -> tuple[torch.Tensor, dict[str, Any], float]:
-        """One micro-batch's forward and loss (normalised by the mini-batch's global counts), its metrics and its
+    def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, logits: torch.Tensor,
+                          old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, num_tokens: int,
+                          num_seqs: int) -> tuple[torch.Tensor, dict[str, Any], float]:
+        """One micro-batch's loss from its logits (normalised by the mini-batch's global counts), its metrics and its
         share of the mini-batch's trained tokens. A padding micro-batch's mask is all 0: its loss is 0 but its
         forward and backward still meet the other ranks' collectives."""
         from loss import compute_policy_loss
@@ -217,8 +229,7 @@ class TrainerWorker:
         def take(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else mb.take(x).to(self.device)
 
-        logprobs, entropy = self._forward(mb.take(batch.tokens), with_entropy=self.loss_cfg.entropy_coef > 0,
-                                          position_ids=mb.position_ids, seq_ids=mb.seq_ids)
+        logprobs, entropy = self._forward(mb.take(batch.tokens), logits, self.loss_cfg.entropy_coef > 0, mb.seq_ids)
         mask = take(batch.logprob_mask.float()) * float(mb.is_real)
         loss, metrics = compute_policy_loss(
             self.loss_cfg, logprobs=logprobs, old_logprobs=take(old_logprobs),

@@ -1,0 +1,168 @@
+"""Every forward and backward of the trainer runs through megatron-core's pipeline schedules
+(`get_forward_backward_func`): one stage per pipeline rank, activations passed between stages point to point.
+Without pipeline parallelism that is megatron's plain micro-batch loop. The last stage turns logits into logprobs
+and losses; this module also brings its results, the tied embedding's gradient and the stages' weights to the
+ranks that need them.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from glue.trainer.packing import MicroBatch
+
+# head(micro-batch, logits [R, L, V / TP]) -> (loss to backpropagate or None when forward-only, result to keep)
+Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor | None, Any]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage as every rank knows it: its global layer range and its parameters' (name, shard shape,
+    dtype), the same on each of the stage's TP / EP ranks."""
+
+    first_layer: int
+    num_layers: int
+    params: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+def describe_stages(model: torch.nn.Module) -> tuple[Stage, ...]:
+    """Every pipeline stage of this rank's pipeline, in stage order (collective over the PP group, once)."""
+    from megatron.core import parallel_state as ps
+
+    layers = model.decoder.layers
+    first = layers[0].layer_number - 1 if len(layers) else 0  # megatron numbers layers globally from 1
+    mine = Stage(first, len(layers), tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()))
+    group = ps.get_pipeline_model_parallel_group()
+    stages: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(stages, mine, group=group)
+    return tuple(stages)
+
+
+def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], tokens: torch.Tensor,
+                      head: Head, *, forward_only: bool) -> list[Any]:
+    """Run `micro_batches` of the [B, T] `tokens` through this rank's stage of `module` with megatron's schedule
+    (1F1B when PP > 1): forwards, and unless `forward_only` the backward of each head's loss, gradients accumulating
+    in the parameters. Returns the heads' results in micro-batch order on the last stage, [] on the others."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from glue.trainer import model as trainer_model
+
+    if not module.config.calculate_per_token_loss:
+        raise ValueError("the trainer's losses arrive normalised by the batch's global token counts, which megatron's "
+                         "schedules keep only with calculate_per_token_loss=true; do not turn it off")
+    device = next(module.parameters()).device
+
+    def forward_step(data_iterator: Any, stage_module: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        mb = next(data_iterator)
+        position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
+        seq_ids = None if mb.seq_ids is None else mb.seq_ids.to(device)
+        output = trainer_model.forward_logits(stage_module, mb.take(tokens).to(device), position_ids, seq_ids)
+
+        def last_stage(logits: torch.Tensor, non_loss_data: bool = False) -> Any:
+            loss, result = head(mb, logits)
+            if non_loss_data:
+                return result
+            # (loss, token count, kept result): with calculate_per_token_loss the schedule backpropagates the loss
+            # as it is; the token count only feeds megatron's own gradient finalisation, which is not used
+            return loss, torch.ones((), dtype=torch.int), result
+
+        return output, last_stage
+
+    groups, p2p = _communication(module.config)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=module,
+        num_microbatches=len(micro_batches), seq_length=tokens.shape[1], micro_batch_size=1,
+        forward_only=forward_only, collect_non_loss_data=forward_only, p2p_communicator=p2p, pg_collection=groups)
+
+
+def _communication(config: Any) -> tuple[Any, Any]:
+    """The process groups megatron's schedules use, and a point-to-point communicator whose stages exchange each
+    activation's shape before it (micro-batches differ in rows and width). The shape exchange is set on the
+    communicator's copy of the config only: on the model's config megatron refuses it next to the allgather MoE
+    dispatcher, whose EP ranks must see equal shapes (the trainer plans them so; glue.trainer.packing)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"])
+    p2p_config = copy.copy(config)
+    p2p_config.variable_seq_lengths = True
+    return groups, P2PCommunicator(pp_group=groups.pp, config=p2p_config)
+
+
+def share_tensor_from_last_stage(part: torch.Tensor) -> torch.Tensor:
+    """The last stage's `part` on every stage: the other stages hold zeros, so a sum over the PP group is exact."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(part, group=ps.get_pipeline_model_parallel_group())
+    return part
+
+
+def share_from_last_stage(obj: Any) -> Any:
+    """The last stage's `obj` (any picklable value) on every stage of the pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    group = ps.get_pipeline_model_parallel_group()
+    last = torch.distributed.get_process_group_ranks(group)[-1]
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=last, group=group)
+    return box[0]
+
+
+def sum_tied_embedding_gradients(model: torch.nn.Module) -> None:
+    """With tied embeddings, the first stage's embedding and the last stage's output layer are one weight held
+    twice: both copies get the sum of their gradients (as megatron's finalize_model_grads does), so they stay
+    equal through every optimizer step."""
+    from megatron.core import parallel_state as ps
+
+    if not model.share_embeddings_and_output_weights or not ps.is_rank_in_embedding_group():
+        return
+    group = ps.get_embedding_group()
+    if torch.distributed.get_world_size(group) > 1:
+        weight = model.shared_embedding_or_output_weight()
+        torch.distributed.all_reduce(weight.grad, group=group)
+
+
+def is_duplicate(param: torch.nn.Parameter) -> bool:
+    """The last stage's copy of a tied embedding: counted once (on the first stage) in the gradient norm."""
+    return bool(getattr(param, "shared", False))
+
+
+def gather_stages(shards: dict[str, list[torch.Tensor]], place: Any, keep: bool
+                  ) -> dict[int, dict[str, list[torch.Tensor]]]:
+    """Collective over the PP group. Each stage brings its parameters' shards (name -> the TP / expert group's
+    shards, gathered within the stage) to the member that passed `keep` (at most one per pipeline). Returns
+    {stage: shards} for every stage on that member, {} on the others."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    flags: list[Any] = [None] * place.pp_size
+    torch.distributed.all_gather_object(flags, keep, group=group)
+    if not any(flags):
+        return {}
+    keeper = flags.index(True)
+    ranks = torch.distributed.get_process_group_ranks(group)
+    if place.pp_rank != keeper:
+        requests = [torch.distributed.isend(part.contiguous(), dst=ranks[keeper], group=group)
+                    for parts in shards.values() for part in parts]
+        for request in requests:
+            request.wait()
+        return {}
+    out = {keeper: shards}
+    device = next(iter(shards.values()))[0].device
+    for stage in range(place.pp_size):
+        if stage == keeper:
+            continue
+        received, requests = {}, []
+        for name, shape, dtype in place.stages[stage].params:
+            received[name] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(place.shard_count(name))]
+            requests += [torch.distributed.irecv(part, src=ranks[stage], group=group) for part in received[name]]
+        for request in requests:
+            request.wait()
+        out[stage] = received
+    return out
