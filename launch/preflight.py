@@ -61,6 +61,9 @@ def check_eval(cfg: SluiceConfig, placement: str) -> str:
 def check_model(cfg: SluiceConfig) -> str:
     """`model.path` is a local HF checkpoint of a family the trainer builds, with its weight files; null builds
     a tiny random model at start-up. `rollout.return_routed_experts` needs a model with routed experts."""
+    if cfg.trainer.routing_replay and not cfg.rollout.return_routed_experts:
+        raise ConfigError("trainer.routing_replay replays the engines' MoE routing: set rollout.return_routed_experts: "
+                          "true too")
     if cfg.model.path is None:
         if cfg.rollout.return_routed_experts and cfg.model.tiny.family != "qwen3_moe":
             raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; model.tiny.family is "

@@ -73,6 +73,9 @@ def test_dry_run_refuses_routing_replay_on_a_dense_model(capsys):
     assert "rollout.return_routed_experts needs a mixture-of-experts model" in line
     assert main(["--dry-run", "--config", DEMO, "rollout.return_routed_experts=true",
                  "model.tiny.family=qwen3_moe"]) == 0
+    capsys.readouterr()
+    line = one_line_error(capsys, ["trainer.routing_replay=true", "model.tiny.family=qwen3_moe"])
+    assert "set rollout.return_routed_experts: true too" in line
 
 
 def test_dry_run_refuses_a_placement_group_the_local_cluster_cannot_hold(capsys):

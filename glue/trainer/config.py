@@ -35,6 +35,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global gradient norm (0 turns clipping off)
     micro_batch_size: int = 8  # rows per forward/backward when not packing; gradients accumulate over the batch
     max_tokens_per_micro_batch: int | None = None  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
+    routing_replay: bool = False  # MoE routing replay (R3): every MoE layer routes each token through the experts the engine chose (needs rollout.return_routed_experts); logs moe/routing_agreement and the logprob gap with and without it (two extra forward-only passes per step)
     num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step (the policy version moves by 1 per train_step)
     num_epochs: int = 1  # passes over the batch per train_step
     seed: int = 0  # parameter-init / dropout RNG seed (weights come from the HF checkpoint)
@@ -100,7 +101,8 @@ class TrainerConfig:
         parallel sizes the glue reads (those win: placement was computed from them)."""
         sizes = {name: getattr(self, name) for name in PARALLEL_SIZES}
         sizes["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        return {**self.megatron, **sizes}
+        replay = {"moe_enable_routing_replay": True} if self.routing_replay else {}
+        return {**self.megatron, **replay, **sizes}
 
     def parallel_state_sizes(self) -> dict[str, Any]:
         """Keyword arguments of megatron's `parallel_state.initialize_model_parallel` for this layout."""

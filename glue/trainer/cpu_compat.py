@@ -71,6 +71,10 @@ def _patch_rng_tracker() -> None:
     # initialize_rng_tracker() looks the class up by module global at call time.
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recompute (CheckpointFunction) saves and restores the CUDA generator next to the CPU one, which
+    # it saves itself: on CPU there is no CUDA generator to keep.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _patch_rotary_embedding() -> None:

@@ -42,10 +42,13 @@ def describe_stages(model: torch.nn.Module) -> tuple[Stage, ...]:
 
 
 def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], tokens: torch.Tensor,
-                      head: Head, *, forward_only: bool) -> list[Any]:
+                      head: Head, *, forward_only: bool, replay: Any = None,
+                      routed_experts: torch.Tensor | None = None) -> list[Any]:
     """Run `micro_batches` of the [B, T] `tokens` through this rank's stage of `module` with megatron's schedule
     (1F1B when PP > 1): forwards, and unless `forward_only` the backward of each head's loss, gradients accumulating
-    in the parameters. Returns the heads' results in micro-batch order on the last stage, [] on the others."""
+    in the parameters. Returns the heads' results in micro-batch order on the last stage, [] on the others.
+    With `replay` (glue.trainer.routing_replay.RoutingReplay) and the batch's `routed_experts` [B, T, layers, k],
+    every MoE layer routes each token through the engine's experts, in the forwards and in any recompute."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from glue.trainer import model as trainer_model
@@ -59,7 +62,11 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
         mb = next(data_iterator)
         position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
         seq_ids = None if mb.seq_ids is None else mb.seq_ids.to(device)
+        if replaying:
+            replay.load(routing_rows(mb, routed_experts), **sequence_split)
         output = trainer_model.forward_logits(stage_module, mb.take(tokens).to(device), position_ids, seq_ids)
+        if replaying and output.requires_grad:  # this micro-batch's backward begins: a recompute replays too
+            output.register_hook(lambda grad: replay.backward())
 
         def last_stage(logits: torch.Tensor, non_loss_data: bool = False) -> Any:
             loss, result = head(mb, logits)
@@ -71,11 +78,24 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
 
         return output, last_stage
 
+    replaying = replay is not None and routed_experts is not None
+    if replaying:
+        from megatron.core import parallel_state as ps
+
+        from glue.trainer.routing_replay import routing_rows
+
+        sequence_split = dict(sequence_parallel=module.config.sequence_parallel,
+                              tp_rank=ps.get_tensor_model_parallel_rank(),
+                              tp_size=ps.get_tensor_model_parallel_world_size())
     groups, p2p = _communication(module.config)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=module,
-        num_microbatches=len(micro_batches), seq_length=tokens.shape[1], micro_batch_size=1,
-        forward_only=forward_only, collect_non_loss_data=forward_only, p2p_communicator=p2p, pg_collection=groups)
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=module,
+            num_microbatches=len(micro_batches), seq_length=tokens.shape[1], micro_batch_size=1,
+            forward_only=forward_only, collect_non_loss_data=forward_only, p2p_communicator=p2p, pg_collection=groups)
+    finally:
+        if replaying:
+            replay.clear()
 
 
 def _communication(config: Any) -> tuple[Any, Any]:

@@ -19,6 +19,7 @@ from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batc
 from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gradient_norm, hf_weight_specs,
                                    sum_over_dp, sum_tensor_over_dp)
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
+from glue.trainer.routing_replay import RoutingReplay
 from glue.trainer.snapshots import PolicySnapshots
 from glue.types import TrainBatch
 
@@ -87,6 +88,7 @@ class TrainerWorker:
                                                megatron_args=self.cfg.megatron_values())
             model.load_hf_weights(self.reference, self.model_path, self.hf_config, self.place.layout())
             self.reference.requires_grad_(False).to(self.device)
+        self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
@@ -115,11 +117,12 @@ class TrainerWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False,
-                         reference: bool = False, seq_lens: list[int] | None = None) -> Any:
+                         reference: bool = False, seq_lens: list[int] | None = None, replay: bool = True) -> Any:
         """Logprob of tokens[:, t+1] at position t with the current weights (or the reference model's), [B, T] on
         CPU (0 at each sample's last token when packing, in the last column always); each DP rank computes its
         micro-batches and every rank gets all of the rows, in the batch's order. A bare token tensor is taken with
-        `seq_lens` (default: every row is real to the end).
+        `seq_lens` (default: every row is real to the end). With trainer.routing_replay the policy routes through
+        the batch's `routed_experts` unless `replay` is False.
 
         With `with_entropy`, returns `(logprobs, entropy)`, both [B, T].
         """
@@ -137,7 +140,9 @@ class TrainerWorker:
             return None, self._forward(mb.take(tokens), logits, with_entropy, mb.seq_ids)
 
         micro_batches = self._micro_batches(seq_lens or [seq_len] * rows, seq_len, slice(0, rows))
-        results = run_micro_batches(module, micro_batches, tokens, head, forward_only=True)
+        replaying = replay and not reference and isinstance(batch, TrainBatch)
+        results = run_micro_batches(module, micro_batches, tokens, head, forward_only=True,
+                                    **(self._replay_args(batch) if replaying else {}))
         for mb, (mb_logprobs, mb_entropy) in zip(micro_batches, results):  # results: on the last stage only
             if mb.is_real:
                 mb.put(mb_logprobs, logprobs)
@@ -175,6 +180,7 @@ class TrainerWorker:
         if self.loss_cfg.needs_old_logprobs:
             old_logprobs, entropy, metrics = self._old_logprobs(batch, with_entropy=True)
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
+        replay_gaps = self._replay_gaps(batch) if self.replay is not None else {}
         mini_batches = split_mini_batches(batch.tokens.shape[0], self.cfg.num_mini_batches)
         totals: dict[str, float] = {}
         for _ in range(self.cfg.num_epochs):
@@ -184,6 +190,8 @@ class TrainerWorker:
         num_steps = self.cfg.num_epochs * len(mini_batches)
         metrics.update({f"train/{name}": value / num_steps for name, value in totals.items()})
         metrics.update(_pre_update_metrics(batch, old_logprobs, entropy))
+        if self.replay is not None:
+            metrics.update(replay_gaps, **self._routing_agreement())
         self.version += 1
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
@@ -208,7 +216,8 @@ class TrainerWorker:
         sums: dict[str, float] = {"loss": 0.0}
         micro_batches = self._micro_batches(batch.seq_lens, batch.tokens.shape[1], rows)
         for loss, loss_metrics, share in run_micro_batches(self.model, micro_batches, batch.tokens, head,
-                                                           forward_only=False):  # the backwards ran too
+                                                           forward_only=False,  # the backwards ran too
+                                                           **self._replay_args(batch)):
             sums["loss"] += loss
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
@@ -217,6 +226,32 @@ class TrainerWorker:
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         return sums
+
+    def _replay_args(self, batch: TrainBatch) -> dict[str, Any]:
+        """run_micro_batches' routing replay arguments for `batch` (none without trainer.routing_replay)."""
+        if self.replay is None:
+            return {}
+        if batch.routed_experts is None:
+            raise ValueError("trainer.routing_replay is on but the batch carries no routed experts: set "
+                             "rollout.return_routed_experts: true")
+        return {"replay": self.replay, "routed_experts": batch.routed_experts}
+
+    def _replay_gaps(self, batch: TrainBatch) -> dict[str, float]:
+        """The train-rollout logprob gap (token mean of |trainer - rollout logprob|) before the update, with and
+        without routing replay: two extra forward-only passes."""
+        mask = batch.logprob_mask.float()
+        gaps = {}
+        for name, replay in (("with", True), ("without", False)):
+            diff = (self.compute_logprobs(batch, replay=replay) - batch.rollout_logprobs.float()).abs()
+            gaps[f"moe/logprob_gap_{name}_replay"] = float((diff * mask).sum() / mask.sum().clamp(min=1))
+        return gaps
+
+    def _routing_agreement(self) -> dict[str, float]:
+        """moe/routing_agreement over every rank's replayed forwards since the last step."""
+        counts = torch.tensor([self.replay.agree, self.replay.total], dtype=torch.float64)
+        self.replay.metrics()  # starts the next step's count
+        torch.distributed.all_reduce(counts)
+        return {"moe/routing_agreement": float(counts[0] / counts[1].clamp(min=1))}
 
     def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, logits: torch.Tensor,
                           old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, num_tokens: int,

@@ -1,0 +1,118 @@
+"""MoE routing replay (R3) in the trainer: an engine whose router differs from the trainer's (a perturbed gate, as
+different kernels or precision would) picks other experts for some tokens. Without replay the trainer routes by
+itself and its logprobs drift from the engine's; with replay every MoE layer routes each token through the engine's
+experts, forward and backward, and the gap drops."""
+import numpy as np
+import pytest
+import torch
+
+from test_trainer_old_logprobs import run_in_trainer_process, start_worker, stop_worker
+
+NOISE = 0.6  # the engine's gate weights differ by this much noise (x their std): a few % of routings change
+
+
+def engine_rollouts(model_dir: str) -> tuple[list, float]:
+    """Samples as the engine would return them: an HF Qwen3-MoE with a perturbed router generates nothing new but
+    scores fixed responses (teacher-forced logprobs) and reports its own top-k per token and layer."""
+    from transformers import AutoModelForCausalLM
+
+    from glue.types import Sample
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * NOISE)
+    samples, k = [], model.config.num_experts_per_tok
+    for i in range(6):
+        tokens = torch.randint(1, model.config.vocab_size, (10 + 3 * i,), generator=gen).tolist()
+        prompt, response = tokens[:4], tokens[4:]
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
+        logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None])
+        routing = torch.stack([torch.topk(torch.softmax(layer.float(), -1), k, dim=-1).indices
+                               for layer in out.router_logits], dim=1)[:-1]
+        samples.append(Sample(prompt_tokens=prompt, response_tokens=response, loss_mask=[1] * len(response),
+                              rollout_logprobs=logprobs[len(prompt) - 1:, 0].tolist(), versions=[0] * len(response),
+                              reward=float(i % 2), group_id=i // 2, index=i % 2,
+                              routed_experts=routing.numpy().astype(np.int8)))
+    return samples, NOISE
+
+
+RUNS = {"plain": {}, "replay": {"routing_replay": True},
+        # full recompute: every MoE layer runs again in backward, where it must replay the same experts
+        "replay_recompute": {"routing_replay": True, "megatron": {"recompute_granularity": "full",
+                                                                  "recompute_method": "uniform",
+                                                                  "recompute_num_layers": 1}}}
+
+
+def _scenario(model_dir: str) -> dict:
+    from glue.types import TrainBatch
+    from loss import LossConfig
+
+    samples, _ = engine_rollouts(model_dir)
+    batch = TrainBatch.from_samples(samples, [1.0, -1.0] * 3)
+    out = {}
+    for name, fields in RUNS.items():
+        worker = start_worker(model_dir, LossConfig(), max_tokens_per_micro_batch=40, **fields)
+        try:
+            dispatches = record_dispatches(worker)
+            out[name] = {"metrics": worker.train_step(batch), "dispatches": dispatches}
+        finally:
+            stop_worker(worker)
+    return out
+
+
+def record_dispatches(worker) -> list:
+    """For every MoE router call of the worker's model: (replay action, whether the experts it dispatched each
+    token to are exactly the replayed ones, number of tokens)."""
+    seen = []
+
+    def check(router, args, out):
+        replay = router.router_replay
+        action = getattr(replay.router_replay_action, "value", None) if replay is not None else None
+        target = None if replay is None or action is None else (
+            replay.target_topk_idx if action == "replay_forward" else None)
+        dispatched = out[1].nonzero()[:, 1].reshape(out[1].shape[0], -1).sort(1).values
+        same = None if target is None else bool((dispatched == target.sort(1).values).all())
+        seen.append((action, same, out[1].shape[0], torch.is_grad_enabled()))
+
+    for module in worker.model.modules():
+        if type(module).__name__ == "TopKRouter":
+            module.register_forward_hook(check)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_moe_model_dir) -> dict:
+    return run_in_trainer_process(_scenario, tiny_moe_model_dir)
+
+
+def test_without_replay_the_trainer_routes_differently_and_with_replay_the_logprob_gap_drops(runs):
+    plain, replayed = runs["plain"]["metrics"], runs["replay"]["metrics"]
+    agreement = replayed["moe/routing_agreement"]
+    print(f"routing agreement {agreement:.3f}; logprob gap without replay {replayed['moe/logprob_gap_without_replay']:.5f}"
+          f", with replay {replayed['moe/logprob_gap_with_replay']:.5f}; pre-update |old - rollout| "
+          f"{plain['train/train_rollout_logprob_abs_diff']:.5f} without, "
+          f"{replayed['train/train_rollout_logprob_abs_diff']:.5f} with")
+    assert 0.5 < agreement < 0.99, agreement  # the perturbed engine disagrees on some, not all, token-layers
+    assert "moe/routing_agreement" not in plain
+    # the gap the engine/trainer disagreement causes, measured both ways on the same weights: replay shrinks it
+    assert replayed["moe/logprob_gap_with_replay"] < 0.5 * replayed["moe/logprob_gap_without_replay"]
+    assert replayed["train/train_rollout_logprob_abs_diff"] < 0.5 * plain["train/train_rollout_logprob_abs_diff"]
+    # recompute changes nothing in what is computed
+    assert runs["replay_recompute"]["metrics"]["train/loss"] == pytest.approx(replayed["train/loss"], abs=1e-6)
+
+
+def test_with_replay_every_token_goes_to_the_replayed_experts_in_forward_and_in_recompute(runs):
+    assert all(action is None for action, *_ in runs["plain"]["dispatches"])
+    for name in ("replay", "replay_recompute"):
+        dispatches = runs[name]["dispatches"]
+        actions = {action for action, *_ in dispatches}
+        assert all(same for action, same, *_ in dispatches if action == "replay_forward"), name
+        assert "replay_forward" in actions and None in actions  # None: the gap's forward without replay
+    # in recompute the routers run again during backward, under replay_backward, fed from the queued targets
+    backward = [d for d in runs["replay_recompute"]["dispatches"] if d[0] == "replay_backward"]
+    assert backward, "no router ran in backward: recompute did not happen"
+    assert not [d for d in runs["replay"]["dispatches"] if d[0] == "replay_backward"]
