@@ -61,12 +61,12 @@ class RoutingReplay:
             router.router_replay.clear_router_replay_action()
             router.router_replay.valid = None
 
-    def metrics(self) -> dict[str, float]:
-        """`moe/routing_agreement` since the last call: the fraction of (token, layer) top-k sets the trainer's own
-        router would have chosen the same as the engine did (sets: order within the top-k does not matter)."""
-        out = {"moe/routing_agreement": self.agree / self.total} if self.total else {}
+    def agreement_over_ranks(self) -> dict[str, float]:
+        """`moe/routing_agreement` over every rank's replayed forwards since the last call (a collective)."""
+        counts = torch.tensor([self.agree, self.total], dtype=torch.float64)
         self.agree = self.total = 0
-        return out
+        torch.distributed.all_reduce(counts)
+        return {"moe/routing_agreement": float(counts[0] / counts[1].clamp(min=1))}
 
     def _replay_topk(self, replay: Any, original, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
                      default_compute_topk=None):
@@ -89,3 +89,24 @@ def routing_rows(micro_batch: Any, routed_experts: torch.Tensor) -> torch.Tensor
     index = micro_batch.index
     rows = flat[index.clamp(min=0)]
     return torch.where((index >= 0)[..., None, None], rows, torch.full((), -1, dtype=rows.dtype))
+
+
+def replay_args(replay: RoutingReplay | None, batch: Any) -> dict[str, Any]:
+    """glue.trainer.pipeline.run_micro_batches' replay arguments for a TrainBatch (none without a replay)."""
+    if replay is None:
+        return {}
+    if batch.routed_experts is None:
+        raise ValueError("trainer.routing_replay is on but the batch carries no routed experts: set "
+                         "rollout.return_routed_experts: true")
+    return {"replay": replay, "routed_experts": batch.routed_experts}
+
+
+def logprob_gaps(batch: Any, compute_logprobs) -> dict[str, float]:
+    """The train-rollout logprob gap (token mean of |trainer - rollout logprob| over trained tokens) with and
+    without routing replay, from `compute_logprobs(batch, replay=...)`: two forward-only passes."""
+    mask = batch.logprob_mask.float()
+    gaps = {}
+    for name, replay in (("with", True), ("without", False)):
+        diff = (compute_logprobs(batch, replay=replay) - batch.rollout_logprobs.float()).abs()
+        gaps[f"moe/logprob_gap_{name}_replay"] = float((diff * mask).sum() / mask.sum().clamp(min=1))
+    return gaps

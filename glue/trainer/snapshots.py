@@ -98,3 +98,18 @@ def _host_copy(param: torch.Tensor) -> torch.Tensor:
     host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda)
     host.copy_(param.detach())
     return host
+
+
+def pre_update_metrics(batch: TrainBatch, old_logprobs: torch.Tensor | None, entropy: torch.Tensor | None
+                       ) -> dict[str, float]:
+    """Token means over the trained tokens of |old - rollout logprob| (the train-inference discrepancy, when old
+    logprobs were computed) and of the current weights' entropy before the update (when it was computed)."""
+    mask = batch.logprob_mask.float()
+    num_tokens = mask.sum().clamp(min=1)
+    metrics = {}
+    if old_logprobs is not None:
+        diff = (old_logprobs - batch.rollout_logprobs.float()).abs()
+        metrics["train/train_rollout_logprob_abs_diff"] = float((diff * mask).sum() / num_tokens)
+    if entropy is not None:
+        metrics["train/entropy"] = float((entropy * mask).sum() / num_tokens)
+    return metrics

@@ -19,8 +19,8 @@ from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batc
 from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gradient_norm, hf_weight_specs,
                                    sum_over_dp, sum_tensor_over_dp)
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
-from glue.trainer.routing_replay import RoutingReplay
-from glue.trainer.snapshots import PolicySnapshots
+from glue.trainer.routing_replay import RoutingReplay, logprob_gaps, replay_args
+from glue.trainer.snapshots import PolicySnapshots, pre_update_metrics
 from glue.types import TrainBatch
 
 
@@ -142,7 +142,7 @@ class TrainerWorker:
         micro_batches = self._micro_batches(seq_lens or [seq_len] * rows, seq_len, slice(0, rows))
         replaying = replay and not reference and isinstance(batch, TrainBatch)
         results = run_micro_batches(module, micro_batches, tokens, head, forward_only=True,
-                                    **(self._replay_args(batch) if replaying else {}))
+                                    **(replay_args(self.replay, batch) if replaying else {}))
         for mb, (mb_logprobs, mb_entropy) in zip(micro_batches, results):  # results: on the last stage only
             if mb.is_real:
                 mb.put(mb_logprobs, logprobs)
@@ -180,7 +180,7 @@ class TrainerWorker:
         if self.loss_cfg.needs_old_logprobs:
             old_logprobs, entropy, metrics = self._old_logprobs(batch, with_entropy=True)
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
-        replay_gaps = self._replay_gaps(batch) if self.replay is not None else {}
+        replay_gaps = logprob_gaps(batch, self.compute_logprobs) if self.replay is not None else {}
         mini_batches = split_mini_batches(batch.tokens.shape[0], self.cfg.num_mini_batches)
         totals: dict[str, float] = {}
         for _ in range(self.cfg.num_epochs):
@@ -189,9 +189,9 @@ class TrainerWorker:
                     totals[name] = totals.get(name, 0.0) + value
         num_steps = self.cfg.num_epochs * len(mini_batches)
         metrics.update({f"train/{name}": value / num_steps for name, value in totals.items()})
-        metrics.update(_pre_update_metrics(batch, old_logprobs, entropy))
+        metrics.update(pre_update_metrics(batch, old_logprobs, entropy))
         if self.replay is not None:
-            metrics.update(replay_gaps, **self._routing_agreement())
+            metrics.update(replay_gaps, **self.replay.agreement_over_ranks())
         self.version += 1
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
@@ -217,7 +217,7 @@ class TrainerWorker:
         micro_batches = self._micro_batches(batch.seq_lens, batch.tokens.shape[1], rows)
         for loss, loss_metrics, share in run_micro_batches(self.model, micro_batches, batch.tokens, head,
                                                            forward_only=False,  # the backwards ran too
-                                                           **self._replay_args(batch)):
+                                                           **replay_args(self.replay, batch)):
             sums["loss"] += loss
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
@@ -226,32 +226,6 @@ class TrainerWorker:
         sums["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         return sums
-
-    def _replay_args(self, batch: TrainBatch) -> dict[str, Any]:
-        """run_micro_batches' routing replay arguments for `batch` (none without trainer.routing_replay)."""
-        if self.replay is None:
-            return {}
-        if batch.routed_experts is None:
-            raise ValueError("trainer.routing_replay is on but the batch carries no routed experts: set "
-                             "rollout.return_routed_experts: true")
-        return {"replay": self.replay, "routed_experts": batch.routed_experts}
-
-    def _replay_gaps(self, batch: TrainBatch) -> dict[str, float]:
-        """The train-rollout logprob gap (token mean of |trainer - rollout logprob|) before the update, with and
-        without routing replay: two extra forward-only passes."""
-        mask = batch.logprob_mask.float()
-        gaps = {}
-        for name, replay in (("with", True), ("without", False)):
-            diff = (self.compute_logprobs(batch, replay=replay) - batch.rollout_logprobs.float()).abs()
-            gaps[f"moe/logprob_gap_{name}_replay"] = float((diff * mask).sum() / mask.sum().clamp(min=1))
-        return gaps
-
-    def _routing_agreement(self) -> dict[str, float]:
-        """moe/routing_agreement over every rank's replayed forwards since the last step."""
-        counts = torch.tensor([self.replay.agree, self.replay.total], dtype=torch.float64)
-        self.replay.metrics()  # starts the next step's count
-        torch.distributed.all_reduce(counts)
-        return {"moe/routing_agreement": float(counts[0] / counts[1].clamp(min=1))}
 
     def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, logits: torch.Tensor,
                           old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, num_tokens: int,
@@ -430,18 +404,3 @@ class TrainerWorker:
         self._weight_groups.clear()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def _pre_update_metrics(batch: TrainBatch, old_logprobs: torch.Tensor | None, entropy: torch.Tensor | None
-                        ) -> dict[str, float]:
-    """Token means over the trained tokens of |old - rollout logprob| (the train-inference discrepancy, when old
-    logprobs were computed) and of the current weights' entropy before the update (when it was computed)."""
-    mask = batch.logprob_mask.float()
-    num_tokens = mask.sum().clamp(min=1)
-    metrics = {}
-    if old_logprobs is not None:
-        diff = (old_logprobs - batch.rollout_logprobs.float()).abs()
-        metrics["train/train_rollout_logprob_abs_diff"] = float((diff * mask).sum() / num_tokens)
-    if entropy is not None:
-        metrics["train/entropy"] = float((entropy * mask).sum() / num_tokens)
-    return metrics
