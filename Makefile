@@ -48,7 +48,7 @@ demo-async: install
 	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml run.overwrite=true
 
 test: install
-	$(PY) -m pytest tests -m "not gpu and not bench and not learning" -q
+	$(PY) -m pytest tests -m "not gpu and not bench and not learning" -q --durations=25
 
 bench: install
 	$(PY) -m pytest tests -m bench -q
