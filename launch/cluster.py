@@ -96,9 +96,12 @@ def reserve(plan: RunPlan, stack: contextlib.ExitStack, timeout_s: float = 120) 
                            f"{plan.bundles[0]}) within {timeout_s:g} s; cluster resources: "
                            f"{ray.available_resources()}; check cluster.num_nodes / gpus_per_node against the nodes "
                            "that joined (`ray status`)")
-    probe = ray.remote(_probe_fn)
-    found = ray.get([probe.options(**_probe_options(group, b, plan)).remote() for b in range(len(plan.bundles))])
     here = ray.util.get_node_ip_address()  # the driver's node sorts first: the router's engines are near it
+    if plan.num_nodes == 1 and plan.device == "cpu":  # STRICT_PACK on one node, no GPU ids: nothing to ask
+        found = [(here, None)] * len(plan.bundles)  # (a probe task per bundle costs a worker process start each)
+    else:
+        probe = ray.remote(_probe_fn)
+        found = ray.get([probe.options(**_probe_options(group, b, plan)).remote() for b in range(len(plan.bundles))])
     order = sorted(range(len(found)), key=lambda b: (found[b][0] != here, found[b][0],
                                                      found[b][1] if found[b][1] is not None else b, b))
     return Placement(group=group, ray_bundle=order, node_ip=[found[b][0] for b in order],
