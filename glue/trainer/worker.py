@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from glue.trainer import offload
 from glue.trainer.config import CONTEXT_PARALLEL_NEEDS, TrainerConfig
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gradient_norm, hf_weight_specs,
@@ -260,11 +261,6 @@ class TrainerWorker:
         return norm
 
     # ---- colocated placement: give the device to the engines during rollout ----
-    def _optimizer_tensors(self) -> list[tuple[dict[str, Any], str]]:
-        """(state dict, key) of every optimizer state tensor with data (AdamW's exp_avg, exp_avg_sq)."""
-        return [(state, k) for state in self.optimizer.state.values() for k, v in state.items()
-                if torch.is_tensor(v) and v.dim() > 0]
-
     def _held_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters this rank holds on its device: the policy's and, with a KL term, the reference model's."""
         params = list(self.model.parameters())
@@ -273,28 +269,17 @@ class TrainerWorker:
     def training_state_bytes(self) -> int:
         """Bytes the model's (and reference model's) parameters, gradients and optimizer state hold right now (0 while
         offloaded)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for p in self._held_parameters() for t in (p.data, p.grad) if t is not None and t.numel()}
-        storages.update({state[k].untyped_storage().data_ptr(): state[k].untyped_storage().nbytes()
-                         for state, k in self._optimizer_tensors()})
-        return sum(storages.values())
+        return offload.state_bytes(self._held_parameters(), self.optimizer)
 
     def offload(self) -> int:
-        """Copy parameters and optimizer state to host memory (a separate storage, also when the device is the
-        CPU), free the device copies and drop gradients; returns `training_state_bytes()` (0). Idempotent."""
+        """Copy parameters and optimizer state to host memory (glue.trainer.offload), free the device copies and
+        drop gradients; returns `training_state_bytes()` (0). Idempotent."""
         if self._offloaded is None:
             self.optimizer.zero_grad(set_to_none=True)
             if self._bucket_source is not None:
                 self._bucket_source.staged = {}  # the last sync's full tensors: re-gathered at the next one
             self._staged_version = None
-            self._offloaded = {}
-            with torch.no_grad():
-                for p in self._held_parameters():
-                    self._offloaded[p] = p.data.to("cpu", copy=True)
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                for state, k in self._optimizer_tensors():
-                    self._offloaded[(id(state), k)] = state[k].to("cpu", copy=True)
-                    state[k] = torch.empty(0, dtype=state[k].dtype, device=state[k].device)
+            self._offloaded = offload.to_host(self._held_parameters(), self.optimizer)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
         return self.training_state_bytes()
@@ -303,13 +288,7 @@ class TrainerWorker:
         """Bring parameters and optimizer state back to the device; returns `training_state_bytes()`."""
         if self._offloaded is not None:
             saved, self._offloaded = self._offloaded, None
-            with torch.no_grad():
-                for p in self._held_parameters():
-                    p.data = saved[p].to(self.device)
-                for state in self.optimizer.state.values():
-                    for k in list(state):
-                        if (id(state), k) in saved:
-                            state[k] = saved[(id(state), k)].to(self.device)
+            offload.to_device(saved, self._held_parameters(), self.optimizer, self.device)
         return self.training_state_bytes()
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -398,7 +377,6 @@ class TrainerWorker:
 
         if self._bucket_source is not None:
             self._bucket_source.close()
-
         for group in self._weight_groups.values():
             destroy_process_group(group)
         self._weight_groups.clear()
