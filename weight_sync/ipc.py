@@ -1,6 +1,6 @@
 """The ipc transport's handles: a bucket shared by name instead of copied through a socket, for colocated engines.
-CPU: a POSIX shared-memory file (/dev/shm) the source creates once and reuses every sync; the engine maps it, copies
-the weights out and unmaps it before it answers. GPU: a CUDA IPC handle in SGLang's `flattened_bucket` payload.
+CPU: a POSIX shared-memory file (/dev/shm) the source creates once and reuses every sync; the engine keeps it mapped
+(`MappedSegments`) and copies the weights out before it answers. GPU: a CUDA IPC handle in SGLang's `flattened_bucket` payload.
 Handles travel as base64 strings in `UpdateWeightsFromTensorReqInput.serialized_named_tensors`.
 """
 from __future__ import annotations
@@ -48,9 +48,9 @@ def encode_shm_handle(segment: SharedSegment, layout: BucketLayout) -> str:
     return base64.b64encode(json.dumps(payload).encode()).decode()
 
 
-def open_shm_handle(handle: str, index: int = 0) -> tuple[BucketLayout, torch.Tensor]:
-    """Engine side: the bucket's layout and a mapping of its bytes. Drop the tensor (and every view of it) to
-    unmap; the file itself belongs to the source. Refuses paths outside /dev/shm."""
+def decode_shm_handle(handle: str, index: int = 0) -> tuple[BucketLayout, str]:
+    """Engine side: the bucket's layout and its segment's path, checked (a path outside /dev/shm, or a segment
+    smaller than its bucket, is refused)."""
     try:
         payload = json.loads(base64.b64decode(handle, validate=True))
     except ValueError as e:
@@ -64,9 +64,60 @@ def open_shm_handle(handle: str, index: int = 0) -> tuple[BucketLayout, torch.Te
     layout = BucketLayout.from_json(index, payload["metadata"])
     if int(payload.get("nbytes", -1)) != layout.nbytes or os.path.getsize(path) < layout.nbytes:
         raise ValueError(f"serialized_named_tensors[{index}]: segment {path} is smaller than its {layout.nbytes}-byte bucket")
+    return layout, path
+
+
+def open_shm_handle(handle: str, index: int = 0) -> tuple[BucketLayout, torch.Tensor]:
+    """Engine side: the bucket's layout and a fresh mapping of its bytes. Drop the tensor (and every view of it) to
+    unmap; the file itself belongs to the source."""
+    layout, path = decode_shm_handle(handle, index)
     if layout.nbytes == 0:
         return layout, torch.empty(0, dtype=torch.uint8)
     return layout, torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8)
+
+
+class MappedSegments:
+    """Engine side: the source's segments kept mapped across buckets and syncs. A fresh mapping faults every page
+    in again on first touch: here, copying 221 MB out of a fresh mapping took 27 ms against 16 ms through a kept
+    one. A mapping is dropped once its file is gone or replaced (the source closed or reopened its channel; an
+    unlinked file's memory lives as long as someone maps it), when more than `keep` are held, and on `clear()`."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self.maps: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}  # path -> ((dev, inode, size), mapping)
+
+    def open(self, handle: str, index: int = 0) -> tuple[BucketLayout, torch.Tensor]:
+        """The bucket's layout and a view of its bytes through a kept mapping (mapped now if need be)."""
+        layout, path = decode_shm_handle(handle, index)
+        self.prune()
+        if layout.nbytes == 0:
+            return layout, torch.empty(0, dtype=torch.uint8)
+        identity = _identity(path)
+        kept = self.maps.pop(path, None)
+        if kept is None or kept[0] != identity or kept[1].numel() < layout.nbytes:
+            kept = (identity, torch.from_file(path, shared=True, size=identity[2], dtype=torch.uint8))
+        self.maps[path] = kept  # newest last
+        while len(self.maps) > self.keep:
+            del self.maps[next(iter(self.maps))]
+        return layout, kept[1][: layout.nbytes]
+
+    def prune(self) -> None:
+        """Unmap every segment whose file is gone or is another file now."""
+        for path, (identity, _) in list(self.maps.items()):
+            try:
+                same = _identity(path) == identity
+            except FileNotFoundError:
+                same = False
+            if not same:
+                del self.maps[path]
+
+    def clear(self) -> None:
+        self.maps.clear()
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size
 
 
 def encode_cuda_handle(flat: torch.Tensor, layout: BucketLayout) -> str:

@@ -1,6 +1,7 @@
 """Wiring of one embedded engine: load the HF model, make the runner, the weight receiver and the HTTP server."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -12,6 +13,8 @@ from glue.embedded_engine.model_runner import ModelRunner
 from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.server import EngineServer
 from glue.embedded_engine.weight_update import WeightReceiver
+
+SEGMENT_PRUNE_S = 2.0  # how often the engine unmaps shared segments whose ipc source has closed them
 
 
 def load_model(model_path: str):
@@ -79,10 +82,21 @@ def serve(server: EngineServer, *, host: str, port: int) -> None:
     logging.getLogger("aiohttp.server").addFilter(ProbeFilter())
     app = server.build_app()
 
+    housekeeping: list[asyncio.Task] = []
+
+    async def unmap_closed_segments() -> None:
+        """A closed ipc channel's segments stay mapped until the next bucket; this unmaps them within seconds."""
+        while True:
+            await asyncio.sleep(SEGMENT_PRUNE_S)
+            await asyncio.to_thread(server.receiver.prune_segments)
+
     async def on_startup(_: web.Application) -> None:
         server.runner.start()
+        housekeeping.append(asyncio.create_task(unmap_closed_segments()))
 
     async def on_cleanup(_: web.Application) -> None:
+        for task in housekeeping:
+            task.cancel()
         server.runner.stop()
         server.receiver.close()
 

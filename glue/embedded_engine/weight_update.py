@@ -1,5 +1,5 @@
 """The engine's side of SGLang's weight routes: broadcast (join the trainer's group, receive a flat bucket or
-named tensors), tensor handles (map a shared-memory bucket, copy it in, unmap), disk (load a safetensors checkpoint),
+named tensors), tensor handles (a shared-memory bucket, kept mapped, copied in), disk (load a safetensors checkpoint),
 and the weights checker. Each update answers with the checksum of every bucket it received, computed here.
 
 Blocking calls (they wait on the trainer); the server runs them in worker threads so the HTTP loop keeps serving.
@@ -18,6 +18,7 @@ from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.model_runner import ModelRunner
 from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
 from weight_sync.buckets import BucketLayout, checksum, dtype_to_str, unpack_bucket
+from weight_sync.ipc import MappedSegments
 from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
 
 # SGLang request structs (io_struct.py) and the fields of each that the weight routes read, for the schema test.
@@ -80,6 +81,7 @@ class WeightReceiver:
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # for buckets that do not fit the model
         self._homes = ParameterBuckets(runner.model)
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-checksum")
+        self._segments = MappedSegments()  # the ipc source's shared segments, kept mapped between buckets
 
     def drop_parameter_homes(self) -> None:
         """Forget the flat buffers parameters were re-homed into, so released weights free their memory (a
@@ -87,6 +89,15 @@ class WeightReceiver:
         with self._lock:
             self._homes.homes.clear()
             self._receive_buffer = torch.empty(0, dtype=torch.uint8)
+            self._segments.clear()
+
+    def prune_segments(self) -> None:
+        """Unmap shared segments whose source closed them (skipped while an update holds the lock)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._segments.prune()
+            finally:
+                self._lock.release()
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> tuple[bool, str]:
@@ -152,33 +163,29 @@ class WeightReceiver:
 
     def update_from_tensor(self, *, handles: list[str], weight_version: str | None
                            ) -> tuple[bool, str, list[str], dict[str, float]]:
-        """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: map, copy into the
-        model while another thread checksums, unmap — the mapping is gone before the answer, so the source may
-        reuse the segment. A bucket that fits the model is copied in one piece into the parameters' flat home."""
-        from weight_sync.ipc import open_shm_handle
-
+        """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: copy into the model
+        while another thread checksums, through a mapping kept from earlier buckets (`MappedSegments`); the source
+        may reuse the segment once this answers. A bucket that fits the model is copied in one piece into the
+        parameters' flat home."""
         if len(handles) != 1:
             return False, (f"serialized_named_tensors has {len(handles)} entries; this engine is one TP rank, send "
                            "exactly one handle"), [], {}
         with self._lock:
             t0 = time.perf_counter()
-            layout, flat = open_shm_handle(handles[0])
-            try:
-                with self.runner.model_lock:
-                    home = None if "weights" in self.runner.released else self._homes.home(layout)
-                    if home is not None:
-                        pending = self._hasher.submit(_timed_checksum, flat)
-                        home.copy_(flat)
-                        if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
-                            self.runner.weight_version = weight_version
-                if home is None:
-                    return self._load_with_checksum(layout, flat, weight_version)
-                copied_s = time.perf_counter() - t0
-                value, checksum_s = pending.result()
-                return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
-                    "copy_in_s": copied_s, "checksum_s": checksum_s}
-            finally:
-                del flat  # unmap now, not when the garbage collector gets to it
+            layout, flat = self._segments.open(handles[0])
+            with self.runner.model_lock:
+                home = None if "weights" in self.runner.released else self._homes.home(layout)
+                if home is not None:
+                    pending = self._hasher.submit(_timed_checksum, flat)
+                    home.copy_(flat)
+                    if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
+                        self.runner.weight_version = weight_version
+            if home is None:
+                return self._load_with_checksum(layout, flat, weight_version)
+            copied_s = time.perf_counter() - t0
+            value, checksum_s = pending.result()
+            return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
+                "copy_in_s": copied_s, "checksum_s": checksum_s}
 
     def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
                             ) -> tuple[bool, str, list[str], dict[str, float]]:
@@ -226,6 +233,7 @@ class WeightReceiver:
     def close(self) -> None:
         for name in list(self.groups):
             self.destroy_group(name)
+        self._segments.clear()
 
 
 def _timed_checksum(flat: torch.Tensor) -> tuple[str, float]:
