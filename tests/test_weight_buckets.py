@@ -38,6 +38,22 @@ def test_pack_then_unpack_gives_every_tensor_back_bit_exactly_with_mixed_dtypes(
         assert view.dtype == tensors[name].dtype and torch.equal(view, tensors[name]), name
 
 
+def test_strided_views_pack_like_their_contiguous_copies():
+    """Splits of fused weights (one head group's q rows, a transposed matrix) are strided views; they pack in
+    place, bit-exactly as their contiguous copies do."""
+    fused = torch.randn(4, 3, 8)
+    views = {"q": fused[:, :2].reshape(-1, 8)[::2], "t": torch.randn(6, 5).t(), "k": fused[:, 2],
+             "h": torch.randn(4, 4).to(torch.bfloat16)[:, 1:3]}
+    assert not any(v.is_contiguous() for v in views.values())
+    specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in views.items()]
+    (layout,) = plan_buckets(specs, bucket_bytes=1 << 20)
+    packed = pack_bucket(layout, views, torch.empty(layout.nbytes, dtype=torch.uint8))
+    reference = pack_bucket(layout, {n: v.contiguous() for n, v in views.items()},
+                            torch.empty(layout.nbytes, dtype=torch.uint8))
+    assert torch.equal(packed, reference)
+    assert checksum(packed) == checksum_tensors([v.contiguous() for v in views.values()])
+
+
 def test_layout_json_round_trips_and_wrong_offsets_are_refused():
     (layout,) = plan_buckets([("a", "float32", (2, 2)), ("b", "int64", (1,))], bucket_bytes=100)
     meta = layout.to_json()

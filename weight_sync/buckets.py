@@ -151,7 +151,11 @@ def pack_bucket(layout: BucketLayout, tensors: Mapping[str, torch.Tensor], out: 
         raise ValueError(f"pack_bucket needs a flat uint8 buffer of >= {layout.nbytes} bytes, got "
                          f"{out.dtype} {tuple(out.shape)}")
     for slot, tensor in zip(layout.slots, check_bucket_tensors(layout, tensors)):
-        out[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(tensor))
+        place = out[slot.offset: slot.offset + slot.nbytes]
+        if tensor.is_contiguous():
+            place.copy_(as_bytes(tensor))
+        else:  # a strided view (a split of a fused weight): copied in place, no contiguous temporary
+            place.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
     return out[: layout.nbytes]
 
 

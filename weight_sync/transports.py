@@ -35,13 +35,14 @@ class WeightSource(Protocol):
 class Transfer:
     """One transfer's checksums (the source's per bucket, each engine's per bucket) and where its time went:
     seconds summed over buckets of the source's packing, checksums and wire (from a broadcast's start to its end),
-    and of the slowest engine's copy-in (its copy into the model and its checksums). Stages overlap when the
+    and of the slowest engine's copy-in (its work once the bytes arrived: the copy into the model and the checksum,
+    side by side where they overlap). Stages overlap when the
     transfer is pipelined, so these add up to more than the transfer took."""
 
     source: list[str | None] = field(default_factory=list)
     engines: dict[str, list[str | None]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    engine_seconds: dict[str, float] = field(default_factory=dict, repr=False)  # copy-in + checksums, per engine
+    engine_seconds: dict[str, float] = field(default_factory=dict, repr=False)  # copy-in (with checksums), per engine
 
     def add_source(self, sent: Mapping[str, Any]) -> None:
         self.source.append(sent["checksum"])
@@ -51,7 +52,7 @@ class Transfer:
     def add_engines(self, urls: Sequence[str], answers: Sequence[Mapping[str, Any]], buckets: int) -> None:
         for url, answer in zip(urls, answers):
             self.engines[url] += _reported(answer, buckets, url)
-            spent = float(answer.get("copy_in_s", 0.0)) + float(answer.get("checksum_s", 0.0))
+            spent = float(answer.get("copy_in_s", 0.0))  # copy and checksum together (they may overlap)
             self.engine_seconds[url] = self.engine_seconds.get(url, 0.0) + spent
         self.timings["copy_in_s"] = max(self.engine_seconds.values(), default=0.0)
 

@@ -129,7 +129,8 @@ class WeightReceiver:
         completes), then load it all or, if any name or shape does not fit the model, none. `flattened_bucket`
         receives one flat bucket in one collective, straight into the parameters when the bucket fits the model
         (`ParameterBuckets`), and reports its checksum. Also answers where the time went (`receive_s`,
-        `copy_in_s`, `checksum_s`)."""
+        `copy_in_s`: everything after the bytes arrived, copy and checksum together; `checksum_s`: the checksum's own
+        share of it)."""
         with self._lock:
             group = self.groups.get(group_name)
             if group is None:
@@ -151,7 +152,8 @@ class WeightReceiver:
             if home is not None:
                 t1 = time.perf_counter()
                 sums = [checksum(home, CHECKSUM_THREADS)]
-                timings = {"receive_s": t1 - t0, "copy_in_s": 0.0, "checksum_s": time.perf_counter() - t1}
+                checked_s = time.perf_counter() - t1
+                timings = {"receive_s": t1 - t0, "copy_in_s": checked_s, "checksum_s": checked_s}
                 return True, f"Succeeded to update {len(names)} parameter(s).", sums, timings
             if self._receive_buffer.numel() < layout.nbytes:
                 self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -182,10 +184,9 @@ class WeightReceiver:
                         self.runner.weight_version = weight_version
             if home is None:
                 return self._load_with_checksum(layout, flat, weight_version)
-            copied_s = time.perf_counter() - t0
             value, checksum_s = pending.result()
             return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
-                "copy_in_s": copied_s, "checksum_s": checksum_s}
+                "copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
 
     def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
                             ) -> tuple[bool, str, list[str], dict[str, float]]:
@@ -194,9 +195,8 @@ class WeightReceiver:
         t0 = time.perf_counter()
         pending = self._hasher.submit(_timed_checksum, flat)
         ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
-        copied_s = time.perf_counter() - t0
         value, checksum_s = pending.result()
-        return ok, message, [value], {"copy_in_s": copied_s, "checksum_s": checksum_s}
+        return ok, message, [value], {"copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
 
     def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
