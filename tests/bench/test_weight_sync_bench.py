@@ -1,8 +1,10 @@
 """`make bench`: weight-sync throughput into a real embedded engine for a ~220 MB and a ~1.2 GB Qwen2, each sync
 paired with a raw gloo broadcast of one flat buffer of the same bytes between the same two processes, taken just
-before it (the machine's speed drifts between runs and other work shares its cores). The ipc row is paired with a
+before and just after it (their mean: the machine's speed drifts between runs and other work shares its cores). The ipc row is paired with a
 `copy_` of the same bytes into preallocated memory instead. Writes bench-results/weight_sync.json: per row the 5
-paired ratios and their median, and the median sync's split into pack / wire / copy-in."""
+paired ratios and their median, the median sync's split into pack / wire / copy-in, and what the bridge's own work
+costs on this machine when done alone (`machine`: a pack of every tensor, a bucket checksum, a copy), against the
+time a 0.8 ratio leaves for it."""
 from __future__ import annotations
 
 import json
@@ -31,18 +33,24 @@ PHASES = ("stage_s", "transfer_s", "verify_s", "pack_s", "wire_s", "source_check
 
 
 def raw_receiver(raw_port: int, nbytes: int) -> None:
-    """The engine process's side of the raw baseline: receive a size, then that many bytes; size 0 ends it."""
+    """The engine process's side of the raw baseline: receive a header (size, check), then that many bytes; with
+    check set, checksum them as the engine does (two threads) and answer with one byte. Size 0 ends it."""
     from weight_sync.broadcast import broadcast_bucket
+    from weight_sync.buckets import checksum
     from weight_sync.process_group import create_process_group, destroy_process_group
 
     group = create_process_group(master_address="127.0.0.1", master_port=raw_port, rank=1, world_size=2,
                                  group_name="raw", timeout_s=600)
-    size, buffer = torch.zeros(1, dtype=torch.int64), torch.empty(nbytes, dtype=torch.uint8)
+    header, buffer = torch.zeros(2, dtype=torch.int64), torch.empty(nbytes, dtype=torch.uint8)
     while True:
-        broadcast_bucket(group, size.view(torch.uint8), src=0)
-        if int(size) == 0:
+        broadcast_bucket(group, header.view(torch.uint8), src=0)
+        size, check = (int(x) for x in header)
+        if size == 0:
             break
-        broadcast_bucket(group, buffer[: int(size)], src=0)
+        broadcast_bucket(group, buffer[:size], src=0)
+        if check:
+            checksum(buffer[:size], 2)
+            broadcast_bucket(group, torch.ones(1, dtype=torch.uint8), src=1)
     destroy_process_group(group)
 
 
@@ -68,19 +76,26 @@ class RawLink:
         self.flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         self.seconds()  # warm-up
 
-    def seconds(self) -> float:
+    def seconds(self, *, check: bool = False, beside=None) -> float:
+        """One raw broadcast of the flat buffer; `check`: until the receiver has also checksummed it, as an engine
+        does; `beside`: a callable run on another thread meanwhile (packing the next bucket)."""
         from weight_sync.broadcast import broadcast_bucket
 
         t0 = time.perf_counter()
-        broadcast_bucket(self.group, torch.tensor([self.flat.numel()], dtype=torch.int64).view(torch.uint8), src=0)
-        broadcast_bucket(self.group, self.flat, src=0)
+        broadcast_bucket(self.group, torch.tensor([self.flat.numel(), int(check)]).view(torch.uint8), src=0)
+        work = broadcast_bucket(self.group, self.flat, src=0, wait=False)
+        if beside is not None:
+            beside()
+        work.wait()
+        if check:
+            broadcast_bucket(self.group, torch.zeros(1, dtype=torch.uint8), src=1)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         from weight_sync.broadcast import broadcast_bucket
         from weight_sync.process_group import destroy_process_group
 
-        broadcast_bucket(self.group, torch.zeros(1, dtype=torch.int64).view(torch.uint8), src=0)
+        broadcast_bucket(self.group, torch.zeros(2, dtype=torch.int64).view(torch.uint8), src=0)
         destroy_process_group(self.group)
 
 
@@ -119,8 +134,9 @@ def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool | 
         bridge.sync(1)  # warm-up: buffers, segments and parameter homes are allocated here, once
         runs = []
         for version in range(2, REPEATS + 2):
-            base_s = baseline()
-            runs.append({"baseline_s": base_s, **bridge.sync(version)})
+            before = baseline()
+            synced = bridge.sync(version)
+            runs.append({"baseline_s": (before + baseline()) / 2, **synced})
         bucket_bytes = max(b.nbytes for b in bridge.layouts)
         pipeline = bridge.pipeline
     finally:
@@ -134,6 +150,53 @@ def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool | 
             "buckets": int(runs[0]["buckets"]), "largest_bucket_bytes": bucket_bytes,
             "median_split_s": {k: round(median[k], 4) for k in PHASES},
             "settings": {**sync, "pipeline": pipeline}}
+
+
+def median_seconds(work, repeats: int = REPEATS) -> float:
+    work()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine_costs(tensors: dict[str, torch.Tensor], raw: RawLink) -> dict:
+    """What the bridge's own work costs here, measured in the same two processes: packing every tensor into one
+    preallocated flat bucket, a bucket checksum (one thread), a `copy_`, and the raw broadcast alone, followed by the
+    receiver's checksum (what a verified sync of already packed bytes cannot go below), preceded by the pack as well
+    (the same, from tensors), and with a pack of the same bytes running beside it on the sender (what overlapping
+    the next bucket's packing with the wire costs the wire on these cores). A bridge at ratio 0.8 may spend
+    0.25 x the raw broadcast on all of its own work together; the `*_floor_ratio`s are the ratios those lower
+    bounds give."""
+    from weight_sync.buckets import checksum, dtype_to_str, pack_bucket, plan_buckets
+
+    specs = [(n, dtype_to_str(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    (layout,) = plan_buckets(specs, nbytes)
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+
+    def pack() -> None:
+        pack_bucket(layout, tensors, flat)
+
+    def pack_then_send_checked() -> None:
+        pack()
+        raw.seconds(check=True)
+
+    costs = {"raw_broadcast_s": median_seconds(raw.seconds),
+             "raw_then_receiver_checksum_s": median_seconds(lambda: raw.seconds(check=True)),
+             "pack_then_raw_then_receiver_checksum_s": median_seconds(pack_then_send_checked),
+             "raw_with_a_pack_beside_s": median_seconds(lambda: raw.seconds(beside=pack)),
+             "pack_s": median_seconds(pack),
+             "checksum_1_thread_s": median_seconds(lambda: checksum(flat)),
+             "copy_s": statistics.median(copy_seconds(nbytes) for _ in range(REPEATS))}
+    raw_s = costs["raw_broadcast_s"]
+    costs["allowed_extra_at_0.8_s"] = 0.25 * raw_s
+    costs["verified_floor_ratio"] = raw_s / costs["raw_then_receiver_checksum_s"]
+    costs["verified_from_tensors_floor_ratio"] = raw_s / costs["pack_then_raw_then_receiver_checksum_s"]
+    costs["overlapped_pack_floor_ratio"] = raw_s / costs["raw_with_a_pack_beside_s"]
+    return {k: round(v, 4) for k, v in costs.items()}
 
 
 def start_trainer_rank(model_dir: str):
@@ -166,6 +229,7 @@ def bench_model(name: str, tmp_path: Path) -> dict:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
         source, rows = LocalWeightSource(tensors), {}
+        machine = machine_costs(tensors, raw)
         rows["broadcast"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast")
         rows["broadcast_pipelined"] = paired_runs(url, source, tmp_path, raw.seconds, transport="broadcast",
                                                   pipeline=True)
@@ -193,13 +257,13 @@ def bench_model(name: str, tmp_path: Path) -> dict:
             proc.kill()
             proc.join()
     print(name, json.dumps({r: v.get("ratio_to_raw", v.get("ratio_to_copy")) for r, v in rows.items()}))
-    return {"model": MODELS[name], "bytes": nbytes, "rows": rows}
+    return {"model": MODELS[name], "bytes": nbytes, "machine": machine, "rows": rows}
 
 
 def test_weight_sync_throughput_against_a_raw_gloo_broadcast_of_the_same_bytes(tmp_path):
     report = {"repeats": REPEATS, "threads": torch.get_num_threads(),
               "baseline": "raw gloo broadcast of one preallocated flat buffer of the same bytes, same two processes, "
-                          "taken just before each sync (ipc: one copy_ into preallocated memory)",
+                          "taken just before and just after each sync, their mean (ipc: one copy_ into preallocated memory)",
               "models": {name: bench_model(name, tmp_path) for name in MODELS}}
     out = REPO_ROOT / "bench-results" / "weight_sync.json"
     out.parent.mkdir(exist_ok=True)
