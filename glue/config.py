@@ -53,7 +53,7 @@ class RolloutConfig:
     health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate)
     health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
     dynamic_sampling: bool = False  # DAPO: a group whose rewards are all equal (no advantage) is dropped when it finishes and another prompt drawn in its place
-    return_routed_experts: bool = False  # MoE routing replay (R3): the single-turn rollout asks engines for the experts every token was routed to (sent to engines directly: sgl-router drops the field) and samples carry them to the train batch; SGLang engines also need sglang.enable_return_routed_experts: true
+    return_routed_experts: bool = False  # MoE routing replay (R3): the single-turn and multi-turn rollouts ask engines for the experts every token was routed to (sent to engines directly: sgl-router drops the field; the OpenAI-agent path refuses the key) and samples carry them to the train batch; SGLang engines also need sglang.enable_return_routed_experts: true
     max_filtered_frac: float = 0.9  # with dynamic_sampling, the run stops when more than this share of the groups finished while collecting a step were dropped
 
     def __post_init__(self) -> None:

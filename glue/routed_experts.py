@@ -84,3 +84,16 @@ def append_routed_experts(sample: Any, meta: dict, layout: RoutedExpertsLayout, 
         raise ValueError(f"meta_info.routed_experts has {len(rows)} rows; expected {want} (positions {have} to "
                          f"{have + want - 1}): was routed_experts_start_len={have} sent with the request?")
     sample.routed_experts = rows if sample.routed_experts is None else np.concatenate([sample.routed_experts, rows])
+
+
+def fill_unrun_positions(sample: Any, layout: RoutedExpertsLayout) -> None:
+    """Give the positions of `sample` that no request ran rows of -1 (as the train batch pads), so its routing
+    covers prompt + response - 1 positions. Only an agent episode has them: one that ended after appending tool
+    output that no later request prefilled (the next turn timed out, or was aborted before it ran). Every token
+    after the first such position is that untrained tool output, so no trained logprob depends on their routing."""
+    have, want = start_len_for(sample), len(sample.prompt_tokens) + len(sample.response_tokens) - 1
+    assert have <= want, f"sample holds routing for {have} positions, more than its {want}"
+    if have == want:
+        return
+    filler = np.full((want - have, layout.num_layers, layout.top_k), -1, dtype=layout.dtype)
+    sample.routed_experts = filler if sample.routed_experts is None else np.concatenate([sample.routed_experts, filler])

@@ -20,7 +20,8 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
 
 
 def check_plugins(cfg: SluiceConfig) -> str:
-    """Import the rollout function, the task and the eval task, and check the function's signature."""
+    """Import the rollout function, the task and the eval task, and check the function's signature (and that it
+    can record MoE routing when `rollout.return_routed_experts` asks for it)."""
     from glue.plugins import check_signature
 
     fn = _load(cfg.rollout.function, "rollout.function")
@@ -28,6 +29,10 @@ def check_plugins(cfg: SluiceConfig) -> str:
         check_signature(fn, ["ctx", "prompt", "num_samples"], what="rollout.function")
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
+    if cfg.rollout.return_routed_experts and getattr(fn, "__module__", None) == "rollout_fns.openai_agent":
+        from rollout_fns.openai_agent import NO_ROUTING
+
+        raise ConfigError(NO_ROUTING)
     _load(cfg.rollout.task, "rollout.task")
     if cfg.eval.enabled:
         from launch.runner import eval_task

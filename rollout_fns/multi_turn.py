@@ -1,7 +1,8 @@
 """The built-in multi-turn rollout function: one environment per sample, driven turn by turn through the router.
 Token-in, token-out: the engine's output ids are appended as generated and never re-encoded; only the environment's
 observations are tokenized (as chat turns, loss_mask 0). Turns are spans over `response_tokens` in
-`sample.metadata["turns"]`."""
+`sample.metadata["turns"]`. With MoE routing replay on, each request also brings the routing of the positions the
+sample has none for yet: the previous turn's last token, the observation after it and the new turn."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from typing import Any, Callable, Literal, Protocol
 
 from glue.plugins import load_object
 from glue.rollout import RolloutContext, append_generation, score
+from glue.routed_experts import fill_unrun_positions
 from glue.types import Sample, SampleStatus
 from rollout_fns.envs import Action, Environment, StepResult, as_step_result
 from rollout_fns.text_data import TextDataTask
@@ -160,14 +162,16 @@ class Episode:
 
     async def generate_turn(self, start: int) -> None:
         """Generate one assistant turn from prompt + response so far, continuing it after an abort (or, with
-        partial_rollouts "restart", generating the turn again)."""
+        partial_rollouts "restart", generating the turn again). With `ctx.routed_experts` each request asks for the
+        routing from the first position the sample has none for, so the observation tokens it prefills get theirs."""
         for _ in range(1 + MAX_RESUMES):
             params = self.ctx.sampling_for(self.sample.index)
             limit = self.turn_limit(start)
             if limit is not None:
                 params["max_new_tokens"] = limit
-            output = await self.ctx.client.generate(self.sample.prompt_tokens + self.sample.response_tokens, params)
-            append_generation(self.sample, output)
+            output = await self.ctx.client.generate(self.sample.prompt_tokens + self.sample.response_tokens, params,
+                                                    **self.ctx.routing_request(self.sample))
+            append_generation(self.sample, output, self.ctx.routed_experts)
             if self.sample.status is not SampleStatus.ABORTED:
                 return
             if self.ctx.partial_rollouts == "restart":
@@ -254,11 +258,17 @@ class Episode:
         return min(limits) if limits else None
 
     def truncate(self, start: int) -> None:
+        """Drop the response from `start` on, with the routing rows of the positions that go (the routing of the
+        tokens kept stays; the next request asks again from the first position without it)."""
         s = self.sample
         del s.response_tokens[start:], s.loss_mask[start:], s.rollout_logprobs[start:], s.versions[start:]
+        if s.routed_experts is not None:
+            s.routed_experts = s.routed_experts[:len(s.prompt_tokens) + start - 1]
 
     def finish(self, reason: str, status: SampleStatus) -> None:
         self.sample.status, self.meta["stop_reason"] = status, reason
+        if self.ctx.routed_experts is not None:  # an episode may end before a request ran its last observation
+            fill_unrun_positions(self.sample, self.ctx.routed_experts)
 
 
 def env_return(response_text: str, label: Any, sample: Sample, *, how: str = "sum") -> float:

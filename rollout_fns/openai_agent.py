@@ -7,7 +7,8 @@ The agent is named by import path in the prompt, `prompt["agent"] = "pkg.module:
     async def agent(client: openai.AsyncOpenAI, prompt: dict) -> float | dict   # the reward of this run
 
 (checked when first loaded). A run whose calls all extend one conversation gives one sample; a run that starts over
-or branches gives more, so a group may hold more than `num_samples` samples.
+or branches gives more, so a group may hold more than `num_samples` samples. Agents' calls carry no MoE routing, so
+this function refuses `rollout.return_routed_experts` (at start-up, launch/preflight.py, and here).
 """
 from __future__ import annotations
 
@@ -22,10 +23,15 @@ from glue.rollout import RolloutContext
 from glue.types import Sample
 
 AGENT_PARAMS = ["client", "prompt"]
+NO_ROUTING = ("rollout.return_routed_experts: rollout_fns.openai_agent cannot record MoE routing (agents call "
+              "/v1/chat/completions through sgl-router, which drops return_routed_experts); turn the key off or use "
+              "rollout_fns.single_turn or rollout_fns.multi_turn")
 
 
 async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) -> list[Sample]:
     """Run the prompt's agent `num_samples` times concurrently; the samples of all runs, run by run."""
+    if ctx.routed_experts is not None:
+        raise ValueError(NO_ROUTING)
     agent = load_agent(prompt.get("agent"))
     base_url, api_key = chat_endpoint(ctx.client)
     tasks = [asyncio.ensure_future(run_agent(agent, prompt, base_url=base_url, api_key=api_key, run=i))
