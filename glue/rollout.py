@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator
 
@@ -16,6 +18,9 @@ from glue.types import Group, Sample, SampleStatus
 
 ROLLOUT_FUNCTION_PARAMS = ["ctx", "prompt", "num_samples"]
 FINISH_REASON_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+REWARD_THREADS = 8  # plain (non-async) reward functions scored at once, off the event loop
+_reward_threads: ThreadPoolExecutor | None = None
+_reward_threads_lock = threading.Lock()
 
 
 @dataclass(kw_only=True)
@@ -57,11 +62,25 @@ class RolloutContext:
 
 
 async def score(ctx: RolloutContext, sample: Sample) -> None:
-    """Set `sample.reward` from the task's reward function (sync or async)."""
-    reward = ctx.reward_fn(sample)
-    if inspect.isawaitable(reward):
-        reward = await reward
+    """Set `sample.reward` from the task's reward function. An async one runs on the event loop; a plain function
+    runs on one of `REWARD_THREADS` threads, so a slow verifier (Math-Verify, a sandbox call) never stalls the
+    other groups' generation, and must therefore be safe to call from several threads at once."""
+    if inspect.iscoroutinefunction(ctx.reward_fn):
+        reward = await ctx.reward_fn(sample)
+    else:
+        reward = await asyncio.get_running_loop().run_in_executor(reward_threads(), ctx.reward_fn, sample)
+        if inspect.isawaitable(reward):
+            reward = await reward
     sample.reward = reward
+
+
+def reward_threads() -> ThreadPoolExecutor:
+    """The threads plain reward functions run on (started on first use, shared by every loop of the process)."""
+    global _reward_threads
+    with _reward_threads_lock:
+        if _reward_threads is None:
+            _reward_threads = ThreadPoolExecutor(max_workers=REWARD_THREADS, thread_name_prefix="reward")
+        return _reward_threads
 
 
 def append_generation(sample: Sample, output: dict, routed_experts: RoutedExpertsLayout | None = None) -> None:

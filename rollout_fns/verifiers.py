@@ -4,17 +4,24 @@
 Each returns {"score", "correct", "format_ok", "too_long"} (floats): "score" is what GRPO sees, the other keys
 become metrics. The score is 1 for a correct answer, 0 otherwise, minus `format_penalty` when the format is off
 and `length_penalty` when the response is over a length limit; both penalties are 0 / off by default.
+`math_reward` adds "timed_out" (1 when Math-Verify's judgement ran past its limit and was killed).
 """
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 from typing import Any
 
+from glue.isolated import DeadlineExceeded, IsolatedPool
 from glue.types import Sample
 
 BOXED = "\\boxed{"
+JUDGE_PROCESSES = max(1, min(4, os.cpu_count() or 1))  # math_reward's worker processes (judgements at once)
+JUDGE_DEADLINE_FACTOR = 4  # the answer's parse, the label's two tries and the comparison, each up to timeout_s
+_JUDGES: IsolatedPool | None = None
+_JUDGES_LOCK = threading.Lock()
 
 
 def math_reward(response_text: str, label: Any, sample: Sample | None = None, *, require_boxed: bool = False,
@@ -27,21 +34,47 @@ def math_reward(response_text: str, label: Any, sample: Sample | None = None, *,
 
     require_boxed: only an answer inside `\\boxed{}` counts (otherwise the last number or expression does).
     format_penalty: subtracted when the response has no complete `\\boxed{...}` ("format_ok" is 0).
-    timeout_s: Math-Verify's per-parse and per-comparison limit. It works by SIGALRM, which Python allows only
-    in the main thread; elsewhere (a worker thread, an event loop off the main thread) the limit is switched off,
-    because Math-Verify would otherwise raise on every call there.
+    timeout_s: Math-Verify's limit per parse and per comparison. The judgement then runs in a worker process
+    (`glue.isolated`), where Math-Verify's own SIGALRM limits work on any calling thread, and the worker is killed
+    when the whole judgement passes `JUDGE_DEADLINE_FACTOR` x timeout_s: some answers (towers of powers) keep sympy
+    inside one C call that no signal interrupts, holding the GIL of whatever process runs it. Such an answer scores
+    0 with "timed_out" 1. None: judged in this process with no limit at all.
     """
+    boxed = last_boxed(response_text)
+    answer = response_text if not require_boxed else (f"{BOXED}{boxed}}}" if boxed is not None else "")
+    is_timed_out = False
+    if timeout_s is None:
+        is_correct = judge_math(answer, str(label), None)
+    else:
+        try:
+            is_correct = math_judges().call(judge_math, answer, str(label), timeout_s,
+                                            timeout_s=JUDGE_DEADLINE_FACTOR * timeout_s + 1.0)
+        except DeadlineExceeded:
+            is_correct, is_timed_out = False, True
+    scored = shape_score(is_correct=is_correct, is_format_ok=boxed is not None, response_text=response_text,
+                         sample=sample, format_penalty=format_penalty, max_response_chars=max_response_chars,
+                         max_response_tokens=max_response_tokens, length_penalty=length_penalty)
+    return {**scored, "timed_out": float(is_timed_out)}
+
+
+def judge_math(answer: str, label: str, timeout_s: int | None) -> bool:
+    """Math-Verify's verdict on `answer` against `label` (what `math_reward` runs in a worker process). Its SIGALRM
+    limits need the main thread: off it (timeout_s None, or a caller's thread) they are switched off."""
     from math_verify import parse, verify
 
     timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
-    boxed = last_boxed(response_text)
-    answer = response_text if not require_boxed else (f"{BOXED}{boxed}}}" if boxed is not None else "")
     predicted = parse(answer, parsing_timeout=timeout) if answer else []
-    gold = _parse_label(str(label), timeout)
-    is_correct = bool(predicted) and verify(gold, predicted, timeout_seconds=timeout)
-    return shape_score(is_correct=is_correct, is_format_ok=boxed is not None, response_text=response_text,
-                       sample=sample, format_penalty=format_penalty, max_response_chars=max_response_chars,
-                       max_response_tokens=max_response_tokens, length_penalty=length_penalty)
+    gold = _parse_label(label, timeout)
+    return bool(predicted) and bool(verify(gold, predicted, timeout_seconds=timeout))
+
+
+def math_judges() -> IsolatedPool:
+    """The worker processes `math_reward` judges in, started on first use (each imports Math-Verify first)."""
+    global _JUDGES
+    with _JUDGES_LOCK:
+        if _JUDGES is None:
+            _JUDGES = IsolatedPool(JUDGE_PROCESSES, preload=("math_verify",))
+        return _JUDGES
 
 
 @functools.lru_cache(maxsize=4096)

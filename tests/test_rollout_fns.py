@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from glue.engine_client import EngineClient
-from glue.rollout import RolloutContext, RolloutManager
+from glue.rollout import RolloutContext, RolloutManager, score
 from glue.types import Sample, SampleStatus
 from rollout_fns.single_turn import generate_group, generate_one
 from rollout_fns.toy_tasks import EchoTask
@@ -242,3 +243,38 @@ def test_rollout_modules_import_no_backend():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert out.strip() == "[]"
+
+
+def test_plain_reward_functions_run_off_the_event_loop_side_by_side():
+    """Two samples' plain rewards must run at the same time to pass a 2-party barrier; on the event loop the first
+    would block it, the second would never start, and the barrier would break after its timeout."""
+    barrier, threads = threading.Barrier(2, timeout=20), []
+
+    def slow_verifier(sample):
+        threads.append(threading.get_ident())
+        barrier.wait()
+        return float(sample.index)
+
+    samples = asyncio.run(score_all(slow_verifier, 2))
+    assert [s.reward for s in samples] == [0.0, 1.0]
+    assert threading.get_ident() not in threads  # asyncio.run's loop ran here
+
+
+def test_async_rewards_run_on_the_loop_and_a_returned_awaitable_is_awaited():
+    async def on_the_loop(sample):
+        return {"score": 1.0, "thread": float(threading.get_ident() == loop_thread)}
+
+    def returns_a_coroutine(sample):  # e.g. TextDataTask.reward over an async verifier
+        return on_the_loop(sample)
+
+    loop_thread = threading.get_ident()
+    for reward_fn in (on_the_loop, returns_a_coroutine):
+        (sample,) = asyncio.run(score_all(reward_fn, 1))
+        assert sample.reward == {"score": 1.0, "thread": 1.0}
+
+
+async def score_all(reward_fn, n: int) -> list[Sample]:
+    ctx = RolloutContext(client=None, sampling_params={}, reward_fn=reward_fn, group_id=0)
+    samples = [Sample(prompt_tokens=[1], index=i) for i in range(n)]
+    await asyncio.gather(*(score(ctx, s) for s in samples))
+    return samples

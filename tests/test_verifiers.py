@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 
 import pytest
 
 from glue.types import Sample
+from rollout_fns import verifiers
 from rollout_fns.verifiers import exact_match_reward, last_boxed, math_reward, normalize_answer, regex_reward
 
 
@@ -34,7 +36,7 @@ def test_math_reward_accepts_equal_answers_in_any_notation(label, response):
 ])
 def test_math_reward_scores_wrong_answers_zero(label, response):
     assert math_reward(response, label) == {"score": 0.0, "correct": 0.0, "format_ok": float("boxed" in response),
-                                            "too_long": 0.0}
+                                            "too_long": 0.0, "timed_out": 0.0}
 
 
 @pytest.mark.parametrize("response", ["", "}{ \\boxed{ ^^ $$ \\frac{", "no numbers here at all", "\x00\x01\ufffd"])
@@ -68,11 +70,51 @@ def test_math_reward_works_off_the_main_thread_and_in_an_event_loop_there():
     assert results["loop"]["correct"] == 0.0
 
 
-def test_math_reward_on_the_main_thread_leaves_the_alarm_handler_as_it_was():
-    before = signal.getsignal(signal.SIGALRM)
+TOWER = r"\boxed{9^{9^{9^{9}}}}"  # sympy evaluates it for minutes; off the main thread it held the GIL over 60 s
+
+
+def test_a_pathological_answer_scored_off_the_main_thread_ends_within_its_limit_and_never_freezes_the_caller():
+    """Before, a reward thread judged in-process with Math-Verify's limits off: this answer froze the whole driver
+    (its other threads too) for over a minute. Now the judgement runs in a worker process under Math-Verify's own
+    limit."""
+    results, ticks = {}, []
+    worker = threading.Thread(target=lambda: results.update(math_reward(TOWER, "1", timeout_s=1)))
+    t0 = time.monotonic()
+    worker.start()
+    while worker.is_alive() and time.monotonic() - t0 < 60:
+        ticks.append(time.monotonic())
+        time.sleep(0.05)
+    assert not worker.is_alive(), "math_reward did not come back within 60 s"
+    assert results["score"] == 0.0 and results["correct"] == 0.0
+    assert len(ticks) >= 10  # the caller's process kept running while the answer was judged
+
+
+def test_a_judgement_past_its_deadline_is_killed_and_scored_zero_as_timed_out(monkeypatch):
+    """The worker is killed when the whole judgement outlives JUDGE_DEADLINE_FACTOR x timeout_s + 1 s (for answers
+    stuck in one C call that no signal interrupts); with the factor at 0 the deadline (1 s) comes before
+    Math-Verify's own 3 s limit, so this answer takes the kill path."""
+    monkeypatch.setattr(verifiers, "JUDGE_DEADLINE_FACTOR", 0)
     assert math_reward(r"\boxed{4}", "4", timeout_s=3)["correct"] == 1.0
-    assert signal.getsignal(signal.SIGALRM) is before
-    assert signal.alarm(0) == 0  # no alarm left pending
+    pids = verifiers.math_judges().pids()
+    t0 = time.monotonic()
+    result = math_reward(TOWER, "1", timeout_s=3)
+    assert result == {"score": 0.0, "correct": 0.0, "format_ok": 1.0, "too_long": 0.0, "timed_out": 1.0}
+    assert time.monotonic() - t0 < 3
+    assert set(pids) - set(verifiers.math_judges().pids())  # the stuck worker is gone
+    assert math_reward(r"\boxed{5}", "5", timeout_s=3)["correct"] == 1.0  # a fresh worker judges the next one
+
+
+def test_math_reward_on_the_main_thread_leaves_the_callers_alarm_as_it_was():
+    """Judged in a worker process, Math-Verify's SIGALRM never touches this process: the handler stays, and an
+    alarm the caller had set stays pending (in-process, Math-Verify's `alarm(0)` used to cancel it)."""
+    before = signal.getsignal(signal.SIGALRM)
+    previous = signal.setitimer(signal.ITIMER_REAL, 100.0)
+    try:
+        assert math_reward(r"\boxed{4}", "4", timeout_s=3)["correct"] == 1.0
+        assert signal.getsignal(signal.SIGALRM) is before
+        assert 90.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, *previous)  # pytest-timeout's alarm, if it had one
 
 
 def test_require_boxed_ignores_answers_outside_the_box():
