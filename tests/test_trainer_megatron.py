@@ -221,25 +221,37 @@ def test_trainer_group_of_ray_actors_trains_one_step_and_bumps_the_version(model
 
 
 def receive_weights_as_engine_rank(group, specs) -> list:
-    """Join the trainer's weight group as rank 1 (what an engine does) and receive one `send_weights`."""
+    """What the weight bridge does with a trainer group as its source, the engine's side played here: open a
+    broadcast channel (this process joins as rank 1), stage the weights, and receive every bucket rank 0 sends
+    (16 KiB buckets, so there are several), checking each against the checksum the trainer reports."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from weight_sync.broadcast import receive_tensors
+    from weight_sync.broadcast import broadcast_bucket
+    from weight_sync.buckets import checksum, plan_buckets, unpack_bucket
     from weight_sync.process_group import create_process_group, destroy_process_group
 
-    port = _free_port()
+    port, layouts = _free_port(), plan_buckets(specs, 16 << 10)
+    assert len(layouts) > 1
+    spec = {"kind": "broadcast", "layouts": [b.to_json() for b in layouts], "with_checksum": True,
+            "pipeline": False, "master_address": "127.0.0.1", "master_port": port, "world_size": 2,
+            "group_name": "test_weights", "backend": "gloo", "timeout_s": 60}
+    received = []
     with ThreadPoolExecutor(max_workers=1) as pool:
-        joined = pool.submit(group.join_weight_group, "127.0.0.1", port, 2, "test_weights", "gloo")
+        opened = pool.submit(group.open_weight_channel, "test_weights", spec)
         engine_side = create_process_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
                                            group_name="test_weights", timeout_s=60)
-        joined.result(timeout=60)
+        opened.result(timeout=60)
         try:
-            sent = pool.submit(group.send_weights, "test_weights")
-            names, dtypes, shapes = zip(*specs)
-            received = receive_tensors(engine_side, names, dtypes, shapes, src=0)
-            sent.result(timeout=60)
+            group.stage_weights()
+            for layout in layouts:
+                sent = pool.submit(group.send_weight_bucket, "test_weights", layout.index)
+                flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+                broadcast_bucket(engine_side, flat, src=0)
+                assert sent.result(timeout=60)["checksum"] == checksum(flat)
+                received += [(name, view.clone()) for name, view in unpack_bucket(layout, flat)]
         finally:
             destroy_process_group(engine_side)
+            group.close_weight_channel("test_weights")
     return received
 
 

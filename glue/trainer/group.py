@@ -70,7 +70,7 @@ class TrainerGroup:
         return self.version
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(HF name, dtype name, shape) of every weight `send_weights` broadcasts, in that order."""
+        """(HF name, dtype name, shape) of every weight the weight bridge sends, in bucket order."""
         import ray
 
         return ray.get(self._actors[0].hf_weight_specs.remote())
@@ -81,17 +81,6 @@ class TrainerGroup:
         import ray
 
         return tuple(ray.get(self._actors[0].rendezvous_address.remote()))
-
-    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str = "gloo") -> None:
-        """Trainer rank 0 hosts the weight group as its rank 0; blocks until every engine has joined."""
-        import ray
-
-        ray.get(self._actors[0].join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
-
-    def send_weights(self, group_name: str) -> None:
-        """Gather full tensors over TP and broadcast them from rank 0 through the weight group."""
-        self._all("send_weights", group_name)
 
     def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
         """Rank 0 opens a weight-bridge channel (for broadcast: blocks until every engine has joined)."""

@@ -51,7 +51,6 @@ class TrainerWorker:
         uses_snapshots = loss_cfg.needs_old_logprobs and cfg.old_logprobs == "snapshot"
         self._snapshots = PolicySnapshots(keep_versions) if uses_snapshots else None
         self._staged_version: int | None = None  # the version stage_weights gathered, for send_weight_bucket's guard
-        self._weight_groups: dict[str, Any] = {}
         self._bucket_source: Any = None  # weight_sync.source.BucketSource on rank 0, made on first use
         self._offloaded: dict[Any, torch.Tensor] | None = None  # host copies while offloaded (colocated placement)
 
@@ -292,7 +291,7 @@ class TrainerWorker:
         return self.training_state_bytes()
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(HF name, dtype name, full shape) of every tensor `send_weights` sends, in send order."""
+        """(HF name, dtype name, full shape) of every tensor the weight bridge sends, in bucket order."""
         from weight_sync.broadcast import dtype_to_str
 
         return [(n, dtype_to_str(dtype), shape) for n, dtype, shape in hf_weight_specs(self.model, self.hf_config, self.place)]
@@ -313,29 +312,6 @@ class TrainerWorker:
         from glue.trainer.checkpointing import load_rank
 
         return load_rank(self, directory)
-
-    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str = "gloo") -> None:
-        """Rank 0 hosts the weight group as its rank 0 (engines join as 1..world_size-1); other ranks do nothing."""
-        if self.rank != 0:
-            return
-        from weight_sync.process_group import create_process_group
-
-        self._weight_groups[group_name] = create_process_group(
-            master_address=master_address, master_port=master_port, rank=0, world_size=world_size,
-            group_name=group_name, backend=backend)
-
-    def send_weights(self, group_name: str) -> None:
-        """Every rank takes part in the gather; rank 0 broadcasts the full tensors, HF-named, in `hf_weight_specs()`
-        order."""
-        state = self.full_hf_state()
-        if self.rank != 0:
-            return
-        if group_name not in self._weight_groups:
-            raise RuntimeError(f"weight group {group_name!r} was never joined; call join_weight_group first")
-        from weight_sync.broadcast import send_tensors
-
-        send_tensors(self._weight_groups[group_name], list(state.items()), src=0)
 
     # ---- the weight bridge's source calls (weight_sync.transports.WeightSource); rank 0 sends ----
     def _source(self) -> Any:
@@ -373,12 +349,7 @@ class TrainerWorker:
 
     def shutdown(self) -> None:
         """Leave the process groups (the actor is killed afterwards)."""
-        from weight_sync.process_group import destroy_process_group
-
         if self._bucket_source is not None:
             self._bucket_source.close()
-        for group in self._weight_groups.values():
-            destroy_process_group(group)
-        self._weight_groups.clear()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
