@@ -142,16 +142,27 @@ class EngineClient:
         order = [self.engine_urls[(self._next_engine + i) % n] for i in range(n)]
         return f"{min(order, key=lambda url: self._in_flight_by_url.get(url, 0))}/generate"
 
-    async def calls_settled(self, timeout_s: float = 60.0) -> bool:
+    async def calls_settled(self, timeout_s: float = 60.0, quiet_s: float = 1.0) -> bool:
         """Wait until every generate call that started before the last pause has returned (after a pause with
-        mode "abort" the engines answer them at once; what the callers do next queues behind the pause). False if
-        some had not after `timeout_s` (e.g. one waiting to retry)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while any(n for epoch, n in self._calls_by_pause.items() if epoch < self.pauses):
-            if asyncio.get_running_loop().time() > deadline:
+        mode "abort" the engines answer them at once; what the callers do next queues behind the pause). A call
+        still on its way when the engines paused (in the router, or arriving while the pause was being applied)
+        is held behind the pause like a new one and answers only after `continue_generation`, so the wait also
+        ends once no such call has returned for `quiet_s`: the aborted answers come back within milliseconds.
+        True if every call returned; False if some were held (quiet_s) or still out after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending, last_change = self._calls_before_pause(), loop.time()
+        while pending:
+            now = loop.time()
+            if now > deadline or now - last_change > quiet_s:
                 return False
             await asyncio.sleep(0.01)
+            if (left := self._calls_before_pause()) != pending:
+                pending, last_change = left, loop.time()
         return True
+
+    def _calls_before_pause(self) -> int:
+        return sum(n for epoch, n in self._calls_by_pause.items() if epoch < self.pauses)
 
     async def _generate(self, target: Callable[[], str], payload: dict, pauses_before: int) -> dict:
         import aiohttp

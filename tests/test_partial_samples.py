@@ -58,3 +58,32 @@ def test_a_group_checkpointed_mid_generation_continues_from_its_tokens_to_the_un
         assert saved["response_tokens"] == done.response_tokens[:len(saved["response_tokens"])]
     assert tokens(continued) == tokens(uninterrupted)
     assert [s.scalar_reward for s in continued.samples] == [s.scalar_reward for s in uninterrupted.samples]
+
+
+def test_a_call_that_reaches_the_engine_after_its_pause_does_not_hold_up_the_settling(engine):
+    """A generate started before the client's pause but reaching the engine only after the abort went through
+    (still in the router) is held there until continue_generation. Here the engine is paused first by another
+    client and the held call waits in its queue; the client's own pause (in_place, so it does not abort that
+    queued call the way a real abort would have before the call arrived) makes it a call from before the pause.
+    Waiting for such a call stalled every mid-run checkpoint of an async run for the full 60 s; now the settling
+    ends once no call has come back for quiet_s, and the held call completes after continue."""
+    async def scenario():
+        client, other = EngineClient(engine, [engine]), EngineClient(engine, [engine])
+        await asyncio.to_thread(other.pause_generation, "abort")
+        held = asyncio.ensure_future(client.generate([0, 4, 5], {"max_new_tokens": 3, "temperature": 0.0}))
+        await asyncio.sleep(0.5)  # it reached the paused engine and waits there
+        await asyncio.to_thread(client.pause_generation, "in_place")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        settled = await client.calls_settled(timeout_s=30)  # quiet_s: 1 s
+        waited = loop.time() - started
+        assert not held.done()
+        await asyncio.to_thread(client.continue_generation)
+        answer = await asyncio.wait_for(held, timeout=30)
+        await client.close()
+        await other.close()
+        return settled, waited, answer
+
+    settled, waited, answer = asyncio.run(scenario())
+    assert settled is False and 1.0 <= waited < 5
+    assert len(answer["output_ids"]) == 3 and answer["meta_info"]["finish_reason"]["type"] == "length"
