@@ -1,6 +1,7 @@
-"""`make learning-table`: what staleness costs in learning. Five settings x three seeds, the same number of samples
+"""`make learning-table`: what staleness costs in learning. Eight settings x three seeds, the same number of samples
 each (60 steps x 16 prompts x 8 samples) on the slow-tool echo task (rewards wait 0.2-1.0 s, so async runs do
-reach their staleness bound), about 18 minutes on 2 cores. Writes docs/async_learning.json; docs/async.md carries the table."""
+reach their staleness bound), about 20 minutes on 2 cores. Every setting names its correction, so a change of
+demo_async.yaml's own does not move the rows. Writes docs/async_learning.json; docs/async.md carries the table."""
 from __future__ import annotations
 
 import json
@@ -15,9 +16,15 @@ pytestmark = pytest.mark.learning
 
 STEPS, SEEDS = 60, (0, 1, 2)
 SETTINGS = {
-    "sync": ("demo_async.yaml", ["run.mode=sync", "sync.max_staleness=0"]),
-    "async_s2_recompute": ("demo_async.yaml", ["sync.max_staleness=2", "trainer.old_logprobs=recompute"]),
-    "async_s8_recompute": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=recompute"]),
+    "sync": ("demo_async.yaml", ["run.mode=sync", "sync.max_staleness=0", "loss.correction=none"]),
+    "async_s2_recompute": ("demo_async.yaml", ["sync.max_staleness=2", "trainer.old_logprobs=recompute",
+                                               "loss.correction=none"]),
+    "async_s2_recompute_tis": ("demo_async.yaml", ["sync.max_staleness=2", "trainer.old_logprobs=recompute",
+                                                   "loss.correction=tis"]),
+    "async_s8_recompute": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=recompute",
+                                               "loss.correction=none"]),
+    "async_s8_recompute_tis": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=recompute",
+                                                   "loss.correction=tis"]),
     "async_s8_rollout_no_correction": ("demo_async.yaml", ["sync.max_staleness=8", "loss.old_logprobs_from=rollout",
                                                            "loss.correction=none"]),
     "async_s8_snapshot_icepop_clip": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=snapshot",
