@@ -18,7 +18,7 @@ from glue.isolated import DeadlineExceeded, IsolatedPool
 from glue.types import Sample
 
 BOXED = "\\boxed{"
-JUDGE_PROCESSES = max(1, min(4, os.cpu_count() or 1))  # math_reward's worker processes (judgements at once)
+JUDGE_PROCESSES = max(1, min(8, os.cpu_count() or 1))  # judgements at once: one per core, up to the 8 reward threads
 JUDGE_DEADLINE_FACTOR = 4  # the answer's parse, the label's two tries and the comparison, each up to timeout_s
 _JUDGES: IsolatedPool | None = None
 _JUDGES_LOCK = threading.Lock()
