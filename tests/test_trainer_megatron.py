@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from pathlib import Path
 import pickle
 import queue
 import socket
@@ -218,6 +219,26 @@ def test_trainer_group_of_ray_actors_trains_one_step_and_bumps_the_version(model
             assert torch.equal(tensor, weights[name]), name
     finally:
         group.shutdown()
+
+
+def test_a_shut_down_trainer_rank_leaves_no_wandb_staging_folder_in_the_temp_dir(model_dir, ray_cluster):
+    """megatron-core's import of wandb makes two staging folders per process that only interpreter exit removes;
+    Ray kills trainer actors without one, so each rank used to leave both behind (700 had piled up in /tmp)."""
+    import tempfile
+
+    from glue.trainer.group import TrainerGroup
+
+    def staging() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("tmp*wandb-*")}
+
+    before = staging()
+    group = TrainerGroup(model_dir, TrainerConfig(), LossConfig())
+    try:
+        made = staging() - before
+        assert any(n.endswith("wandb-media") for n in made) and any(n.endswith("wandb-artifacts") for n in made)
+    finally:
+        group.shutdown()
+    assert not made & staging()
 
 
 def receive_weights_as_engine_rank(group, specs) -> list:

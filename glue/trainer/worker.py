@@ -348,8 +348,26 @@ class TrainerWorker:
             self._bucket_source.close_channel(name)
 
     def shutdown(self) -> None:
-        """Leave the process groups (the actor is killed afterwards)."""
+        """Leave the process groups and remove what only interpreter exit would (the actor is killed afterwards,
+        with no exit handlers run)."""
         if self._bucket_source is not None:
             self._bucket_source.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        remove_wandb_staging_dirs()
+
+
+def remove_wandb_staging_dirs() -> None:
+    """megatron-core imports wandb for nothing (inference/contexts/dynamic_context.py), and that import makes two
+    staging folders in the temp dir (`tmp*wandb-media`, `tmp*wandb-artifacts`) that wandb removes only at
+    interpreter exit; a killed Ray actor never gets there, so every trainer rank left two behind. Removes them if
+    wandb made them in this process (its private attributes, looked up defensively: nothing happens if they move)."""
+    import sys
+
+    for module, owner, attr in (("wandb.sdk.data_types._private", None, "MEDIA_TMP"),
+                                ("wandb.sdk.artifacts.artifact", "Artifact", "_TMP_DIR")):
+        loaded = sys.modules.get(module)
+        holder = getattr(loaded, owner, None) if owner and loaded else loaded
+        staging = getattr(holder, attr, None)
+        if hasattr(staging, "cleanup"):
+            staging.cleanup()
