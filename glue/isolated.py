@@ -130,11 +130,11 @@ class IsolatedPool:
     def _take(self) -> _Worker:
         with self._lock:
             worker = self._idle.pop() if self._idle else None
-        if worker is None:
-            worker = _Worker(self.preload)
-            with self._lock:
-                self.started += 1
+        is_new = worker is None
+        if is_new:
+            worker = _Worker(self.preload)  # started outside the lock: other calls go on meanwhile
         with self._lock:
+            self.started += int(is_new)
             self._busy.add(worker)
         return worker
 

@@ -7,17 +7,8 @@ import time
 
 import pytest
 
+from conftest import is_alive
 from glue.isolated import DeadlineExceeded, IsolatedPool, WorkerDied
-
-
-def is_running(pid: int) -> bool:
-    """Whether `pid` is a live process (a reaped child is gone; a zombie would count as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
 
 
 @pytest.fixture
@@ -65,7 +56,7 @@ def test_a_call_stuck_in_one_c_call_holding_the_gil_is_killed_at_its_deadline(po
         ticker.join()
     assert 1.0 <= time.monotonic() - t0 < 20
     assert len(ticks) >= 10  # this process was never frozen
-    assert not is_running(stuck_pid)
+    assert not is_alive(stuck_pid)
     assert pool.call(abs, -2, timeout_s=30) == 2
     assert pool.started == 2 and stuck_pid not in pool.pids()
 
@@ -102,7 +93,7 @@ def test_calls_beyond_the_pool_size_wait_for_a_worker_and_close_stops_every_work
     assert pool.started <= 2
     pids = pool.pids()
     pool.close()
-    assert pids and not any(is_running(pid) for pid in pids)
+    assert pids and not any(is_alive(pid) for pid in pids)
 
 
 def test_a_pool_needs_at_least_one_worker():
