@@ -96,7 +96,7 @@ class ClusterConfig:
     trainer_gpus: int | None = None  # devices of the trainer; null = TP x PP x CP x DP
     engine_gpus: int | None = None  # devices of all engines; null = rollout.num_engines x engine_tensor_parallel_size
     engine_tensor_parallel_size: int = 1  # SGLang --tp-size of every engine
-    engine: Literal["auto", "embedded", "sglang"] = "auto"  # auto: SGLang servers on GPU, the embedded engine on CPU
+    engine: Literal["auto", "embedded", "sglang", "sglang_strict"] = "auto"  # auto: SGLang servers on GPU, the embedded engine on CPU; sglang_strict: the embedded engine answering exactly as SGLang does (--sglang-strict), with every SGLang default and check: a CPU rehearsal of an SGLang run
     cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
     node_ip: str | None = None  # the driver node's address in Ray (`ray start --node-ip-address`); null: Ray's pick
     node_wait_s: float = 600  # attached to a cluster: how long to wait for cluster.num_nodes nodes to join
@@ -121,9 +121,16 @@ class ClusterConfig:
 
     @property
     def engine_kind(self) -> str:
-        if self.engine != "auto":
-            return self.engine
-        return "sglang" if self.uses_gpus else "embedded"
+        """Whose semantics the engines have ("sglang" or "embedded"): what sluice may assume of them."""
+        if self.engine == "auto":
+            return "sglang" if self.uses_gpus else "embedded"
+        return "sglang" if self.engine == "sglang_strict" else self.engine
+
+    @property
+    def engine_server(self) -> str:
+        """Which process serves them: "sglang" (real SGLang servers) or "embedded" (sluice's CPU engine; in
+        `--sglang-strict` mode when cluster.engine is sglang_strict)."""
+        return "embedded" if self.engine == "sglang_strict" else self.engine_kind
 
 
 @dataclass(kw_only=True)

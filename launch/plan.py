@@ -179,7 +179,7 @@ def _check_layout(cfg: SluiceConfig) -> None:
     if not c.uses_gpus and c.cpus_per_bundle < t.num_cpus_per_worker:
         raise ValueError(f"cluster.cpus_per_bundle={c.cpus_per_bundle:g} < trainer.num_cpus_per_worker="
                          f"{t.num_cpus_per_worker:g}: a trainer rank would never fit its bundle; raise the first")
-    if c.engine_kind == "embedded":
+    if c.engine_server == "embedded":
         _check_embedded_engine(cfg)
     if cfg.run.ray_address is None:
         needed = _num_bundles(cfg, engine_gpus) * c.cpus_per_bundle
@@ -223,9 +223,10 @@ def _check_embedded_engine(cfg: SluiceConfig) -> None:
     from launch.options import to_argv
     from launch.sglang_args import sglang_options
 
-    if cfg.cluster.engine_tensor_parallel_size != 1:
+    if cfg.cluster.engine_tensor_parallel_size != 1 and cfg.cluster.engine != "sglang_strict":
         raise ValueError("the embedded engine (CPU) runs one process per engine: set "
-                         "cluster.engine_tensor_parallel_size=1, or cluster.engine=sglang on a GPU cluster")
+                         "cluster.engine_tensor_parallel_size=1, cluster.engine=sglang_strict (which simulates engine "
+                         "TP in the weight groups), or cluster.engine=sglang on a GPU cluster")
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -256,9 +257,11 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     first = 0 if c.placement == "colocated" else engine_gpus
     trainer = [TrainerRank(rank=r, bundle=first + r, node=slots[first + r][0], device=slots[first + r][1],
                            coords=_coords(cfg, r)) for r in range(cfg.trainer.world_size)]
-    engine_command = list(SGLANG_SERVER if c.engine_kind == "sglang" else EMBEDDED_ENGINE)
+    engine_command = list(SGLANG_SERVER if c.engine_server == "sglang" else EMBEDDED_ENGINE)
     layout = ["--tp-size", str(c.engine_tensor_parallel_size)] if c.engine_kind == "sglang" else []
-    if c.engine_kind == "sglang":  # token ids in every OpenAI-style answer: the router drops the per-request opt-ins
+    if c.engine == "sglang_strict":
+        layout.append("--sglang-strict")
+    if c.engine_server == "sglang":  # token ids in every OpenAI-style answer: the router drops the per-request opt-ins
         known = sglang_options() or {}  # an SGLang without these switches is left as it is
         layout += [f"--{k.replace('_', '-')}" for k in ("return_input_ids", "return_output_ids")
                    if k in known and k not in cfg.sglang]
