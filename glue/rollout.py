@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from glue.engine_client import GenerateClient, weight_version_to_int
 from glue.plugins import check_signature, load_object
-from glue.routed_experts import RoutedExpertsLayout, append_routed_experts, start_len_for
+from glue.routed_experts import RoutedExpertsLayout, append_routed_experts, lost_routing, start_len_for
 from glue.types import Group, Sample, SampleStatus
 
 ROLLOUT_FUNCTION_PARAMS = ["ctx", "prompt", "num_samples"]
@@ -87,11 +87,19 @@ def append_generation(sample: Sample, output: dict, routed_experts: RoutedExpert
     """Append one /generate answer to `sample`: response tokens, their rollout logprobs, the weight version of
     each token (SGLang's `meta_info.weight_versions` spans when present, else `meta_info.weight_version`), the
     status from `meta_info.finish_reason`, and with a `routed_experts` layout the MoE routing of the positions the
-    answer ran (`meta_info.routed_experts`, asked for with `RolloutContext.routing_request`)."""
+    answer ran (`meta_info.routed_experts`, asked for with `RolloutContext.routing_request`). An aborted answer
+    without that routing (SGLang's abort from its waiting queue) adds nothing: the sample stays aborted and its
+    tokens are generated again (`metadata["aborts_without_routing"]`, `metadata["discarded_tokens"]`)."""
     tokens = list(output.get("output_ids") or [])
     meta = output.get("meta_info")
     if not isinstance(meta, dict):
         raise ValueError(f"engine answer has no meta_info object: {str(output)[:300]}")
+    if routed_experts is not None and lost_routing(meta):  # its tokens are generated again, routing and all
+        if tokens:
+            sample.metadata["aborts_without_routing"] = sample.metadata.get("aborts_without_routing", 0) + 1
+            sample.metadata["discarded_tokens"] = sample.metadata.get("discarded_tokens", 0) + len(tokens)
+        sample.status = SampleStatus.ABORTED
+        return
     entries = meta.get("output_token_logprobs")
     if entries is None:
         raise ValueError("engine answer has no meta_info.output_token_logprobs; call generate with return_logprob=True")

@@ -4,7 +4,9 @@
 Wire format (SGLang; the embedded engine speaks the same, see glue/embedded_engine/routed_experts.py): base64 of
 int32 `[seqlen - 1 - routed_experts_start_len, num_hidden_layers, num_experts_per_tok]`, one row per token
 position from `routed_experts_start_len` on. The row count is implied; the layer and top-k sizes come from the
-model's config (`RoutedExpertsLayout.from_model_dir`).
+model's config (`RoutedExpertsLayout.from_model_dir`). Every decoder layer has its slot: SGLang leaves the slots of
+layers without experts at 0 (its capture buffer starts zeroed and no router writes there), the embedded engine -1;
+decoding makes them -1 either way, so expert 0 is never read where no router ran.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ class RoutedExpertsLayout:
     num_layers: int  # decoder layers (config num_hidden_layers); layers without experts hold -1
     top_k: int  # experts per token (config num_experts_per_tok)
     num_experts: int  # routed experts per layer (config num_experts)
+    dense_layers: tuple[int, ...] = ()  # decoder layers without experts (a dense MLP): their slots are set to -1
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.top_k, self.num_experts) < 1 or self.num_experts > np.iinfo(np.int16).max:
             raise ValueError(f"routed experts layout {self}: sizes must be >= 1 and num_experts <= 32767")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"routed experts layout {self}: dense_layers must lie in [0, num_layers)")
 
     @property
     def dtype(self) -> np.dtype:
@@ -44,8 +49,23 @@ class RoutedExpertsLayout:
         if not num_experts or not config.get("num_experts_per_tok"):
             raise ValueError(f"rollout.return_routed_experts: the model at {model_path} is not an MoE model "
                              f"(config.json has no num_experts / num_experts_per_tok); turn the key off")
-        return cls(num_layers=int(config["num_hidden_layers"]), top_k=int(config["num_experts_per_tok"]),
-                   num_experts=int(num_experts))
+        num_layers = int(config["num_hidden_layers"])
+        return cls(num_layers=num_layers, top_k=int(config["num_experts_per_tok"]), num_experts=int(num_experts),
+                   dense_layers=tuple(i for i in range(num_layers) if not _has_experts(config, i)))
+
+
+def _has_experts(config: dict, layer: int) -> bool:
+    """Does decoder layer `layer` route through experts? The rules of the HF / SGLang model code: Qwen2-MoE and
+    Qwen3-MoE (`mlp_only_layers`, every `decoder_sparse_step`-th layer), DeepSeek-V2/V3 and GLM-4-MoE (dense below
+    `first_k_dense_replace`, then every `moe_layer_freq`-th); other families (Mixtral) have experts everywhere."""
+    if layer in (config.get("mlp_only_layers") or ()):
+        return False
+    if (layer + 1) % int(config.get("decoder_sparse_step") or 1):
+        return False
+    if layer < int(config.get("first_k_dense_replace") or 0):
+        return False
+    freq = config.get("moe_layer_freq")
+    return not isinstance(freq, int) or freq < 1 or layer % freq == 0
 
 
 def start_len_for(sample: Any) -> int:
@@ -68,7 +88,19 @@ def decode_routed_experts(text: Any, layout: RoutedExpertsLayout) -> np.ndarray:
                          f"[num_layers={layout.num_layers}, top_k={layout.top_k}]: the layout does not fit the model")
     if flat.size and (flat.min() < -1 or flat.max() >= layout.num_experts):
         raise ValueError(f"meta_info.routed_experts has expert ids outside [-1, {layout.num_experts})")
-    return flat.reshape(-1, layout.num_layers, layout.top_k).astype(layout.dtype)
+    rows = flat.reshape(-1, layout.num_layers, layout.top_k).astype(layout.dtype)
+    rows[:, list(layout.dense_layers)] = -1  # SGLang's 0 there is no expert: no router ran in those layers
+    return rows
+
+
+def lost_routing(meta: dict) -> bool:
+    """Is this an aborted answer that came back without its routing? SGLang answers a request aborted while in its
+    waiting queue (queued, or retracted there and then paused with mode "abort") with the tokens it had streamed
+    but no `routed_experts` (tokenizer_manager.py `_handle_abort_req`). The caller drops those tokens, so the
+    resumed request generates them again and brings their routing."""
+    finish = meta.get("finish_reason")
+    aborted = (finish.get("type") if isinstance(finish, dict) else finish) == "abort"
+    return aborted and not isinstance(meta.get("routed_experts"), str)
 
 
 def append_routed_experts(sample: Any, meta: dict, layout: RoutedExpertsLayout, new_tokens: int) -> None:

@@ -198,3 +198,75 @@ def test_the_single_turn_restart_policy_drops_the_routing_of_the_thrown_away_tok
     sample = asyncio.run(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
     assert engine.calls == [0, 0] and sample.metadata["discarded_tokens"] == 2
     np.testing.assert_array_equal(sample.routed_experts, np.array(rows(0, 4)))
+
+
+def test_an_answer_aborted_in_sglangs_waiting_queue_without_routing_is_resumed_not_a_failed_group():
+    """SGLang's `_handle_abort_req` (tokenizer_manager.py) answers a request aborted in its waiting queue (retracted
+    there, then paused with mode "abort") with the tokens it had streamed and no `routed_experts`: the sample drops
+    those tokens, stays aborted and the resumed request generates them again with their routing."""
+    from glue.batch import rollout_metrics
+    from glue.rollout import RolloutContext
+    from glue.types import Group
+    from rollout_fns.single_turn import generate_one
+
+    class Engine:
+        """First SGLang's waiting-queue abort after 2 streamed tokens (no routing), then 3 tokens with routing."""
+
+        def __init__(self):
+            self.calls = []
+
+        async def generate(self, input_ids, sampling_params, return_logprob=True, routed_experts_start_len=None):
+            self.calls.append((len(input_ids), routed_experts_start_len))
+            if len(self.calls) == 1:
+                return {"output_ids": [10, 11], "meta_info": {
+                    "output_token_logprobs": [[-0.5, 10, None], [-0.5, 11, None]], "weight_version": "0",
+                    "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}}
+            out = [12, 13, 14]
+            return {"output_ids": out, "meta_info": {
+                "output_token_logprobs": [[-0.5, t, None] for t in out], "finish_reason": {"type": "length"},
+                "weight_version": "1", "routed_experts": wire(rows(routed_experts_start_len, len(input_ids) + 3 - 1
+                                                                   - routed_experts_start_len))}}
+
+    engine = Engine()
+    ctx = RolloutContext(client=engine, sampling_params={"max_new_tokens": 3}, reward_fn=lambda s: 1.0, group_id=0,
+                         routed_experts=LAYOUT)
+    sample = asyncio.run(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
+    assert engine.calls == [(2, 0), (2, 0)]  # resumed from the prompt: the 2 unrouted tokens were dropped
+    assert sample.response_tokens == [12, 13, 14] and sample.versions == [1, 1, 1]
+    assert sample.metadata["aborts_without_routing"] == 1 and sample.metadata["discarded_tokens"] == 2
+    np.testing.assert_array_equal(sample.routed_experts, np.array(rows(0, 4)))
+    sample.validate()
+    metrics = rollout_metrics([Group(group_id=0, samples=[sample])])
+    assert metrics["rollout/aborts_without_routing"] == 1.0 and metrics["rollout/discarded_tokens"] == 2.0
+
+
+def test_a_layout_from_a_deepseek_or_qwen_moe_config_names_its_dense_layers(tmp_path):
+    def layout_of(config: dict) -> RoutedExpertsLayout:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return RoutedExpertsLayout.from_model_dir(tmp_path)
+
+    deepseek = {"num_hidden_layers": 6, "num_experts_per_tok": 2, "n_routed_experts": 8, "first_k_dense_replace": 1,
+                "moe_layer_freq": 2}  # layer i has experts iff i >= 1 and i % 2 == 0
+    assert layout_of(deepseek).dense_layers == (0, 1, 3, 5)
+    qwen3 = {"num_hidden_layers": 4, "num_experts_per_tok": 2, "num_experts": 8, "mlp_only_layers": [3],
+             "decoder_sparse_step": 1}
+    assert layout_of(qwen3).dense_layers == (3,)
+    qwen2 = {"num_hidden_layers": 4, "num_experts_per_tok": 2, "num_experts": 8, "decoder_sparse_step": 2}
+    assert layout_of(qwen2).dense_layers == (0, 2)  # (i + 1) % 2 == 0 has experts
+    mixtral = {"num_hidden_layers": 2, "num_experts_per_tok": 2, "num_local_experts": 8}
+    assert layout_of(mixtral).dense_layers == ()
+
+
+def test_sglangs_zeros_in_layers_without_experts_decode_as_no_expert_not_expert_0():
+    """SGLang gives every decoder layer a slot and leaves a dense layer's at 0 (state_capturer/base.py: a zeroed
+    buffer that only MoE routers write); the embedded engine writes -1. Both decode to -1 there."""
+    from glue.routed_experts import decode_routed_experts
+
+    layout = RoutedExpertsLayout(num_layers=3, top_k=2, num_experts=4, dense_layers=(0,))
+    sglang = [[[0, 0], [1, 3], [2, 0]], [[0, 0], [0, 2], [3, 1]]]  # 2 positions; layer 0 dense
+    embedded = [[[-1, -1], [1, 3], [2, 0]], [[-1, -1], [0, 2], [3, 1]]]
+    expected = np.array(embedded, dtype=np.int8)
+    np.testing.assert_array_equal(decode_routed_experts(wire(sglang), layout), expected)
+    np.testing.assert_array_equal(decode_routed_experts(wire(embedded), layout), expected)
+    with pytest.raises(ValueError, match="dense_layers"):
+        RoutedExpertsLayout(num_layers=3, top_k=2, num_experts=4, dense_layers=(3,))
