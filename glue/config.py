@@ -91,7 +91,7 @@ class SyncConfig:
     backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU); nccl also makes ipc share CUDA buffers
     bucket_bytes: int = 512 * 1024**2  # weights travel in flat buckets of at most this many bytes
     pipeline: bool | None = None  # pack bucket k+1 while bucket k is on the wire (two reused buffers, smaller buckets); null: on with nccl, off with gloo (on 2 shared CPU cores the packing thread competes with gloo; bench medians were 0.41-0.67 of a raw gloo broadcast either way, within the noise, and ipc was slower pipelined)
-    verify: Literal["checksum", "full", "off"] = "checksum"  # checksum: per bucket, both sides; full: also every engine tensor vs the trainer's
+    verify: Literal["auto", "checksum", "full", "off"] = "auto"  # after every sync each engine's version is checked; checksum: also every bucket, both sides (engines that report bucket checksums: sluice's embedded engine); full: also every engine tensor vs the trainer's (embedded engine); auto: checksum where every engine reports bucket checksums, else versions only (SGLang)
     master_address: str | None = None  # address trainer rank 0 hosts the weight group on; null: its node's address as Ray reports it (set it on machines with several networks)
     disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory
     timeout_s: float = 300.0  # a sync that takes longer fails the run
@@ -120,8 +120,8 @@ class SyncConfig:
             raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {self.transport!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"sync.backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.verify not in ("checksum", "full", "off"):
-            raise ValueError(f"sync.verify must be 'checksum', 'full' or 'off', got {self.verify!r}")
+        if self.verify not in ("auto", "checksum", "full", "off"):
+            raise ValueError(f"sync.verify must be 'auto', 'checksum', 'full' or 'off', got {self.verify!r}")
         if self.bucket_bytes < 1:
             raise ValueError(f"sync.bucket_bytes must be >= 1 (default 512 MiB = 536870912), got {self.bucket_bytes}")
 

@@ -8,12 +8,14 @@ import time
 from typing import Any, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, pipeline_bucket_bytes, plan_buckets, spec_bytes
-from weight_sync.engine_calls import WeightSyncError, admin_key, post_json, run_together
+from weight_sync.engine_calls import (WeightSyncError, admin_key, begin_update_session, end_update_session,
+                                     engine_capabilities, post_json, run_together)
 from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
                                     free_port)
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
 
-VERIFY_MODES = ("checksum", "full", "off")
+VERIFY_MODES = ("auto", "checksum", "full", "off")
+BUCKET_CHECKSUMS = "bucket_checksums"  # the embedded engine's capability that verify checksum / full rest on
 
 
 class WeightBridge:
@@ -36,14 +38,32 @@ class WeightBridge:
         self.version: int | None = None  # the last version every engine verifiably holds
         self.last_sync: dict[str, float] = {}
         self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
+        self.requested_verify = verify
 
     def connect(self) -> None:
-        """Plan the buckets from the source's weight specs and open the transport to every engine."""
+        """Plan the buckets from the source's weight specs, settle the verification the engines allow
+        (`_settle_verify`) and open the transport to every engine."""
+        self.verify = self._settle_verify(self.engine_urls)
         specs = self.source.hf_weight_specs()
         size = pipeline_bucket_bytes(spec_bytes(specs), self.bucket_bytes) if self.pipeline else self.bucket_bytes
         self.layouts = plan_buckets(specs, size)
         self.transport = self._make_transport(self.source, self.layouts, self.verify != "off", self.pipeline)
         self.transport.connect(self.engine_urls)
+
+    def _settle_verify(self, urls: Sequence[str]) -> str:
+        """The verification to run with these engines, from what they say they offer (`engine_capabilities`),
+        never assumed: bucket checksums and the HF-named weights checker are the embedded engine's; SGLang (and
+        the embedded engine in strict mode) offers neither, so `auto` checks versions only there and `checksum` /
+        `full` are refused before any weight moves."""
+        lacking = [url for url in urls if BUCKET_CHECKSUMS not in engine_capabilities(url, self.timeout_s, self.api_key)]
+        if self.requested_verify == "auto":
+            return "off" if lacking else "checksum"
+        if lacking and self.requested_verify != "off":
+            raise WeightSyncError(
+                f"sync.verify: {self.requested_verify} needs engines that report per-bucket checksums (sluice's "
+                f"embedded engine); {lacking[0]} does not (an SGLang server, or --sglang-strict): use sync.verify: "
+                "auto (versions are checked after every sync) or off")
+        return self.requested_verify
 
     def sync(self, version: int) -> dict[str, float]:
         """Send the source's current weights to every engine tagged `version`, verify; returns the sync's metrics:
@@ -63,6 +83,9 @@ class WeightBridge:
             raise RuntimeError("WeightBridge.add_engine called before connect()")
         if url in self.engine_urls:
             raise ValueError(f"engine {url} is already synced by this bridge")
+        if self.verify != "off" and self._settle_verify([url]) == "off":
+            raise WeightSyncError(f"engine {url} reports no bucket checksums, but this bridge verifies them for the "
+                                  "rest of the fleet; every engine of a run must be of one kind")
         if self.version is not None:
             self.transport.connect([url])
             try:
@@ -86,6 +109,31 @@ class WeightBridge:
         if others:
             self.transport.connect(others)
 
+    def _in_update_session(self, urls: list[str], transfer: Any) -> Any:
+        """Run `transfer` inside SGLang's weight-update session on every engine (`/begin_weight_update` ...
+        `/end_weight_update`): SGLang 0.5.23 refuses updates outside one. A refusal to open one surfaces before any
+        weight moves; the sessions opened are closed whatever the transfer did (a failed transfer leaves the
+        engines paused: the controller does not resume generation on partly written weights)."""
+        opened: list[str] = []
+
+        def begin(url: str) -> None:
+            if begin_update_session(url, self.timeout_s, self.admin_key):
+                opened.append(url)
+
+        try:
+            run_together([lambda url=url: begin(url) for url in urls], self.timeout_s)
+            result = transfer()
+        except Exception as err:
+            for url in opened:  # the transfer's failure is the one raised; a session left open is noted on it
+                try:
+                    end_update_session(url, self.timeout_s, self.admin_key)
+                except WeightSyncError as end_err:
+                    err.add_note(f"and the update session on {url} could not be closed: {end_err}")
+            raise
+        run_together([lambda url=url: end_update_session(url, self.timeout_s, self.admin_key) for url in opened],
+                     self.timeout_s)
+        return result
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -96,7 +144,7 @@ class WeightBridge:
         t0 = time.perf_counter()
         tensor_sums = self.source.stage_weights(self.verify == "full")
         t1 = time.perf_counter()
-        transfer = self.transport.transfer(urls, version)
+        transfer = self._in_update_session(urls, lambda: self.transport.transfer(urls, version))
         t2 = time.perf_counter()
         if self.verify != "off":
             check_bucket_checksums(transfer, [b.names for b in self.layouts])
@@ -134,7 +182,8 @@ def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[st
     elif transport == "ipc":
         def make(src, layouts, with_checksum, pipeline):
             return IpcTransport(src, layouts, device="cuda" if sync_cfg.backend == "nccl" else "cpu",
-                                with_checksum=with_checksum, timeout_s=timeout_s, key=key, pipeline=pipeline)
+                                with_checksum=with_checksum, timeout_s=timeout_s, key=key, pipeline=pipeline,
+                                ranks_per_engine=engine_tp_size)
     elif transport == "disk":
         def make(src, layouts, with_checksum, pipeline):
             return DiskTransport(src, layouts, directory=getattr(sync_cfg, "disk_dir", None) or disk_dir,

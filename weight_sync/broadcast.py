@@ -4,6 +4,7 @@ same names, dtypes and shapes in the same order, as SGLang's `/update_weights_fr
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import torch
@@ -58,10 +59,31 @@ def receive_tensors(
     return named
 
 
+def abort_key(group_name: str) -> str:
+    """The key in a weight group's store that tells its members to stop waiting in the current broadcast: set by
+    the driver when a member failed or refused (an engine answered before joining), so nobody waits out the
+    collective's timeout for it. A group whose key is set is finished: its members close it."""
+    return f"sluice_abort/{group_name}"
+
+
+class BroadcastAborted(RuntimeError):
+    """This member left a broadcast because another member failed (the group's abort key was set)."""
+
+
+def wait_unless_aborted(group: WeightGroup, work: Any, poll_s: float = 0.005) -> None:
+    """Wait for a broadcast, but leave it once the group's abort key appears (`abort_key`)."""
+    key = abort_key(group.name)
+    while not work.is_completed():
+        if group.store is not None and group.store.check([key]):
+            raise BroadcastAborted(f"weight group {group.name!r}: another member failed, left the broadcast")
+        time.sleep(poll_s)
+    work.wait()  # raises the collective's own error, if it had one
+
+
 def broadcast_bucket(group: WeightGroup, flat: torch.Tensor, src: int = 0, wait: bool = True) -> Any:
     """One collective for a whole bucket: the source sends `flat`, every other rank receives into its own `flat`
     (a preallocated uint8 buffer of the bucket's size, on `group.device`). With `wait=False` returns the work
-    handle, so the caller can read `flat` (checksum it) while it is on the wire, then `.wait()`."""
+    handle, so the caller can read `flat` (checksum it) while it is on the wire, then `wait_unless_aborted`."""
     if flat.device.type != group.device.type:
         raise ValueError(f"weight group {group.name!r} ({group.backend_name}) broadcasts {group.device.type} tensors, "
                          f"the bucket is on {flat.device}")
@@ -70,4 +92,7 @@ def broadcast_bucket(group: WeightGroup, flat: torch.Tensor, src: int = 0, wait:
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
     work = group.backend.broadcast([flat], opts)
-    return work.wait() if wait else work
+    if wait:
+        wait_unless_aborted(group, work)
+        return None
+    return work

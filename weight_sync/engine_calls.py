@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
 
@@ -51,21 +51,59 @@ def call_update(url: str, route: str, payload: dict[str, Any], timeout_s: float,
     return answer
 
 
-def run_together(calls: Sequence[Callable[[], Any]], timeout_s: float, pool: ThreadPoolExecutor | None = None) -> list[Any]:
+ABORT_GRACE_S = 30.0  # after a failure, how long the other calls get to leave (they were told to by `on_failure`)
+
+
+def run_together(calls: Sequence[Callable[[], Any]], timeout_s: float, pool: ThreadPoolExecutor | None = None,
+                 on_failure: Callable[[], None] | None = None) -> list[Any]:
     """Run blocking calls at the same time (collectives need every side inside); return their results in order
-    once all have finished, or raise the first failure after all have returned or failed."""
+    once all have finished. The first call to fail is the cause: once it fails, `on_failure` tells the others to
+    leave (e.g. the weight group's abort key), they get `ABORT_GRACE_S` to return, and that first failure is
+    raised, not the timeouts it caused in the calls still waiting for the failed one."""
     own = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=max(len(calls), 1))
     try:
         futures = [pool.submit(call) for call in calls]
-        errors = [f.exception(timeout=timeout_s) for f in futures]
+        done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        failed = [f for f in done if f.exception() is not None]
+        if failed and pending and on_failure is not None:
+            on_failure()
+            wait(pending, timeout=ABORT_GRACE_S)
     finally:
         if own:
             pool.shutdown(wait=False)
-    for err in errors:
-        if err is not None:
-            raise err
+    if failed:
+        raise failed[0].exception()
+    if pending:
+        if on_failure is not None:
+            on_failure()
+        raise WeightSyncError(f"{len(pending)} of {len(calls)} weight-sync calls did not finish within {timeout_s:g} s")
     return [f.result() for f in futures]
+
+
+def engine_capabilities(url: str, timeout_s: float, key: str | None = None) -> frozenset[str]:
+    """What an engine offers beyond SGLang's API: sluice's embedded engine lists its extras (e.g.
+    "bucket_checksums") under `sluice_capabilities` in `/get_server_info`; SGLang, and the embedded engine in
+    `--sglang-strict` mode, list none."""
+    return frozenset(post_json(f"{url}/get_server_info", None, timeout_s, key).get("sluice_capabilities") or ())
+
+
+def begin_update_session(url: str, timeout_s: float, key: str | None = None) -> bool:
+    """Open SGLang's weight-update session (`/begin_weight_update`): SGLang 0.5.23 refuses every
+    `/update_weights_from_distributed` and `/update_weights_from_tensor` outside one. False for an engine without
+    the route (an older server: nothing to open); an engine's refusal raises with its message."""
+    try:
+        call_update(url, "/begin_weight_update", {}, timeout_s, key)
+    except WeightSyncError as err:
+        if " answered 404" in str(err):
+            return False
+        raise
+    return True
+
+
+def end_update_session(url: str, timeout_s: float, key: str | None = None) -> None:
+    """Close the session `begin_update_session` opened (`/end_weight_update`)."""
+    call_update(url, "/end_weight_update", {}, timeout_s, key)
 
 
 def weight_version(url: str, timeout_s: float, key: str | None = None) -> str | None:

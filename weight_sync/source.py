@@ -102,7 +102,7 @@ class _Channel:
         this one goes on the wire and gets the one after it once this broadcast frees its buffer; this call waits
         for the next bucket's packing before it returns, so a packing error surfaces here, after this bucket has
         landed everywhere, and no engine is left waiting inside a collective for a bucket that never comes."""
-        from weight_sync.broadcast import broadcast_bucket
+        from weight_sync.broadcast import broadcast_bucket, wait_unless_aborted
 
         packing = self.ahead.pop(index, None)
         out = packing.result() if packing is not None else self._pack(index, tensors, checksum_too=False)
@@ -114,7 +114,7 @@ class _Channel:
             if "checksum_s" not in out:  # packed here: checksum it while it is on the wire (both only read it)
                 out.update(self._checksum(flat))
         finally:
-            work.wait()
+            wait_unless_aborted(self.group, work)
         out["wire_s"] = time.perf_counter() - t0
         self._pack_ahead(index + 2, tensors)
         following = self.ahead.get(index + 1)

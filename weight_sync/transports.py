@@ -80,14 +80,15 @@ class _Base:
         self._pool_size = 16
         self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
 
-    def _together(self, calls: Sequence[Any]) -> list[Any]:
-        """Run calls side by side. The pool grows to the widest set of calls: the source and every engine must be
-        inside one collective at once, and a call left queued behind a full pool would deadlock the others."""
+    def _together(self, calls: Sequence[Any], on_failure: Any = None) -> list[Any]:
+        """Run calls side by side (`run_together`: the first failure is raised at once, after `on_failure` told the
+        others to leave). The pool grows to the widest set of calls: the source and every engine must be inside one
+        collective at once, and a call left queued behind a full pool would deadlock the others."""
         if len(calls) > self._pool_size:
             self._pool.shutdown(wait=False)
             self._pool_size = len(calls)
             self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="weight-sync")
-        return run_together(calls, self.timeout_s, self._pool)
+        return run_together(calls, self.timeout_s, self._pool, on_failure)
 
 
     def _spec(self, kind: str, **extra: Any) -> dict[str, Any]:
@@ -134,6 +135,7 @@ class BroadcastTransport(_Base):
         self.ranks_per_engine = ranks_per_engine
         self.address: tuple[str, int] | None = None  # (host, port) of the newest group, for logs and tests
         self.groups: dict[tuple[str, ...], str] = {}
+        self._addresses: dict[str, tuple[str, int]] = {}  # group name -> where its store is hosted
         self._names = (f"sluice_weights_{os.getpid()}_{i}" for i in itertools.count())
 
     def connect(self, urls: Sequence[str]) -> None:
@@ -151,6 +153,7 @@ class BroadcastTransport(_Base):
             for i, url in enumerate(urls)]
         self._together([lambda: self.source.open_weight_channel(name, spec), *engine_calls])
         self.groups[key] = name
+        self._addresses[name] = (host, port)
 
     def _group_address(self) -> tuple[str, int]:
         """Where the source hosts the group: its own node's address and a port free there when it can tell (a
@@ -180,10 +183,48 @@ class BroadcastTransport(_Base):
             calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
             calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s,
                                                   self.key) for url in urls]
-            sent, *answers = self._together(calls)
+            try:
+                sent, *answers = self._together(calls, on_failure=lambda: self._abort(name))
+            except Exception as err:
+                for problem in self._drop_group(tuple(urls)):
+                    err.add_note(problem)
+                raise
             result.add_source(sent)
             result.add_engines(urls, answers, 1)
         return result
+
+    def _abort(self, name: str) -> None:
+        """Tell every member of group `name` still inside a broadcast to leave it (`broadcast.abort_key`): one side
+        failed or refused, so the others would otherwise wait out the collective's timeout."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from weight_sync.broadcast import abort_key
+
+        host, port = self._addresses[name]
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                              wait_for_workers=False)
+        store.set(abort_key(name), "1")
+
+    def _drop_group(self, urls: tuple[str, ...]) -> list[str]:
+        """Forget a group a failed transfer broke: the source closes its side and the engines are asked to leave it.
+        Returns what could not be cleaned up (an engine that failed, or is gone, keeps its side until its own
+        timeout or exit), for the caller to add to the transfer's error. The next connect() builds a fresh group."""
+        name = self.groups.pop(urls, None)
+        if name is None:
+            return []
+        self.source.close_weight_channel(name)
+        leave = [lambda url=url: self._leave(url, name) for url in urls]
+        return [problem for problem in run_together(leave, self.timeout_s) if problem]
+
+    def _leave(self, url: str, name: str) -> str | None:
+        try:
+            call_update(url, "/destroy_weights_update_group", {"group_name": name}, min(self.timeout_s, 10.0),
+                        self.key)
+        except WeightSyncError as err:
+            return f"after the failure, {url} could not leave weight group {name!r}: {err}"
+        return None
 
     def disconnect(self, urls: Sequence[str]) -> None:
         name = self.groups.pop(tuple(urls), None)
@@ -240,10 +281,11 @@ class IpcTransport(_PointToPoint):
     CHANNEL = "ipc"
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, device: str, with_checksum: bool,
-                 timeout_s: float, key: str | None = None, pipeline: bool = True):
+                 timeout_s: float, key: str | None = None, pipeline: bool = True, ranks_per_engine: int = 1):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
                          pipeline=pipeline)
         self.device = device
+        self.ranks_per_engine = ranks_per_engine  # SGLang reads serialized_named_tensors[tp_rank]: one per rank
 
     def _channel_spec(self) -> dict[str, Any]:
         return self._spec("ipc", device=self.device)
@@ -253,7 +295,8 @@ class IpcTransport(_PointToPoint):
         sent = self.source.send_weight_bucket(self.CHANNEL, 0) if self.layouts else {}
         for layout in self.layouts:
             result.add_source(sent)
-            payload = {"serialized_named_tensors": [sent["handle"]], "load_format": "flattened_bucket",
+            payload = {"serialized_named_tensors": [sent["handle"]] * self.ranks_per_engine,
+                       "load_format": "flattened_bucket",
                        **self._flags(layout.index, weight_version)}
             reading = [lambda url=url: call_update(url, "/update_weights_from_tensor", payload, self.timeout_s,
                                                    self.key) for url in urls]
