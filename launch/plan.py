@@ -151,6 +151,26 @@ def _check_staleness(cfg: SluiceConfig) -> None:
                          f"{cfg.loss.old_logprobs_from!r}, which does not read the trainer's old logprobs)")
 
 
+def _check_sglang_engines(cfg: SluiceConfig) -> None:
+    """What cannot work against SGLang 0.5.23 servers, refused before anything starts (the rest is chosen for them
+    by default: sync.verify auto checks versions only, sync.pause_mode abort, the weight group's ranks counted
+    per engine TP rank)."""
+    s = cfg.sync
+    if s.verify in ("checksum", "full"):
+        raise ValueError(f"sync.verify={s.verify} with SGLang engines: per-bucket checksums and the HF-named weights "
+                         "checker are the embedded engine's; SGLang answers updates with {success, message} and its "
+                         "/weights_checker uses its own fused, TP-sharded names. Use sync.verify=auto (versions are "
+                         "checked after every sync) or off")
+    if s.pause_mode == "in_place":
+        raise ValueError("sync.pause_mode=in_place with SGLang engines: the sync's last bucket flushes the prefix "
+                         "cache, which SGLang refuses while requests run (and in-place requests keep running across "
+                         "the new weights under one reported version); use sync.pause_mode=abort")
+    if s.transport == "ipc":
+        raise ValueError("sync.transport=ipc with SGLang engines: SGLang reads its own serialized tensor buckets "
+                         "(one pickled FlattenedTensorBucket per TP rank, CUDA IPC handles by device UUID), which "
+                         "sluice does not write yet; use sync.transport=broadcast (NCCL) or disk")
+
+
 def _check_layout(cfg: SluiceConfig) -> None:
     """The rules that span sections; each message names the settings and what to change."""
     t, c = cfg.trainer, cfg.cluster
@@ -171,6 +191,8 @@ def _check_layout(cfg: SluiceConfig) -> None:
         raise ValueError("run.mode=async needs cluster.placement=disaggregated: colocated engines and trainer take "
                          "turns on the same devices, so they cannot run at the same time")
     _check_staleness(cfg)
+    if c.engine_kind == "sglang":
+        _check_sglang_engines(cfg)
     if c.uses_gpus:
         _check_gpu_counts(cfg, engine_gpus)
     elif c.num_nodes > 1 and _num_bundles(cfg, engine_gpus) < c.num_nodes:
@@ -261,6 +283,8 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     layout = ["--tp-size", str(c.engine_tensor_parallel_size)] if c.engine_kind == "sglang" else []
     if c.engine == "sglang_strict":
         layout.append("--sglang-strict")
+    if c.engine_kind == "sglang" and c.placement == "colocated" and "enable_memory_saver" not in cfg.sglang:
+        layout.append("--enable-memory-saver")  # without it SGLang's release/resume memory routes do nothing
     if c.engine_server == "sglang":  # token ids in every OpenAI-style answer: the router drops the per-request opt-ins
         known = sglang_options() or {}  # an SGLang without these switches is left as it is
         layout += [f"--{k.replace('_', '-')}" for k in ("return_input_ids", "return_output_ids")

@@ -22,6 +22,8 @@ OWNED = {
     "host": "the placement plan (engines listen on their node's address)",
     "port": "the placement plan (sluice picks a free port per engine)",
     "tp_size": "cluster.engine_tensor_parallel_size (the engine layout)",
+    "pp_size": "cluster.engine_tensor_parallel_size (engines are laid out by TP only: an engine with pipeline "
+               "stages would join the weight group with ranks sluice does not count)",
     "dp_size": "rollout.num_engines (each engine is one data-parallel replica behind the router)",
     "base_gpu_id": "the placement plan (each engine gets CUDA_VISIBLE_DEVICES from its bundles)",
     "nnodes": "the placement plan (an engine lives on one node)",
