@@ -1,5 +1,6 @@
 """The rollout fleet: N inference engines (the embedded engine on CPU, SGLang servers on GPU) registered with the
-real sgl-router. Rollout functions reach the engines through `router_url`; control calls go to `engine_urls`.
+real sgl-router. Rollout functions reach the engines through `router_url` (or, for what the router cannot carry,
+directly through `serving_urls`: the engines that hold the fleet's weights); control calls go to `engine_urls`.
 The fleet owns the processes: it starts them, waits until they serve, and stops them by pid."""
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ class RolloutFleet:
         self.stop_grace_s = stop_grace_s
         self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd() / "fleet-logs"
         self.engine_urls: list[str] = []
+        # engine_urls less the engines being started or replaced: a url joins once its engine holds the current
+        # weights and the router routes to it, so a request sent to an engine directly (R3) never meets stale weights
+        self.serving_urls: list[str] = []
         self.router_url: str | None = None
         self._engines: list[ManagedProcess] = []
         self._router: ManagedProcess | None = None
@@ -113,6 +117,7 @@ class RolloutFleet:
             say("engines", f"{self.num_engines} engines serve /health (logs: {self.log_dir}/engine_*.log)")
             self._start_router()
             self._wait_router_ready()
+            self.serving_urls[:] = self.engine_urls
             say("router", f"sgl-router at {self.router_url} routes to {self.num_engines} engines "
                           f"(policy {self.router_policy})")
         except BaseException:
@@ -205,7 +210,7 @@ class RolloutFleet:
     def add_engine(self, prepare: Callable[[str], None] | None = None) -> str:
         """Start one more engine (late, or replacing one that died), wait until it serves, let `prepare(url)` bring
         it to the current weights (e.g. `WeightBridge.add_engine`), and only then register it with the router
-        (`POST /workers`); returns its url. If `prepare` fails the engine is stopped and never routed to."""
+        (`POST /workers`) and add it to `serving_urls`; returns its url. If `prepare` fails the engine is stopped and never routed to."""
         if self._router is None:
             raise RuntimeError("RolloutFleet.add_engine needs a started fleet; call start() first")
         self._engines.append(self._launch_engine(len(self._engines)))
@@ -216,16 +221,19 @@ class RolloutFleet:
             self.engine_urls.pop()
             self._engines.pop().kill()
             raise
+        self.serving_urls.append(self.engine_urls[-1])
         return self.engine_urls[-1]
 
     def replace_engine(self, index: int, prepare: Callable[[str], None] | None = None) -> str:
         """Engine `index` died or stopped answering: take it off the router, kill what is left of it, start a new
         one in its place (same index, bundle and log file; a new port), bring it to the current weights with
-        `prepare(url)` and only then route to it. Returns the new url; `engine_urls[index]` is updated in place, so
-        every holder of the list (client, bridge, colocation) sees it. If the new engine cannot be brought up the
+        `prepare(url)` and only then route to it (and add it to `serving_urls`). Returns the new url;
+        `engine_urls[index]` is updated in place, so every holder of the list (bridge, colocation) sees it. If the new engine cannot be brought up the
         error rises and the slot holds the stopped engine."""
         if self._router is None:
             raise RuntimeError("RolloutFleet.replace_engine needs a started fleet; call start() first")
+        if self.engine_urls[index] in self.serving_urls:
+            self.serving_urls.remove(self.engine_urls[index])
         self._unregister(self.engine_urls[index])
         self._engines[index].kill()
         self._engines[index] = self._launch_engine(index)
@@ -236,6 +244,7 @@ class RolloutFleet:
         except BaseException:
             self._engines[index].kill()
             raise
+        self.serving_urls.append(self.engine_urls[index])
         return self.engine_urls[index]
 
     def _route_to(self, index: int, prepare: Callable[[str], None] | None) -> None:
@@ -298,5 +307,5 @@ class RolloutFleet:
             m.wait(max(0.0, deadline - time.monotonic()))
             m.kill()
         self._engines, self._router = [], None
-        self.engine_urls, self.router_url = [], None
+        self.engine_urls, self.serving_urls, self.router_url = [], [], None
         atexit.unregister(self.stop)

@@ -10,7 +10,9 @@ retries of the router's 502-504). The generated tokens of those requests went do
 again from the prompt (or from the tokens a partial rollout already holds).
 
 A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
-again (`guarded_sync`). The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
+again (`guarded_sync`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
+for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
+unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count. The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
 when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
 line naming what died and its log.
 """
@@ -28,7 +30,8 @@ HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine co
 
 class FleetWatch:
     """`repair(index)` replaces engine `index` (blocking; None: faults end the run). `client` (its
-    `connect_retries`) adds the client's retries to the router's in `fault/reissued_requests`."""
+    `connect_retries`) adds the client's retries to the router's in `fault/reissued_requests`; the loop pauses and
+    continues generation through the watch, which passes the calls on to `client`."""
 
     def __init__(self, fleet: Any, *, repair: Callable[[int], None] | None, client: Any = None,
                  max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
@@ -42,6 +45,8 @@ class FleetWatch:
         self.recovery_s: list[float] = []  # seconds from detection to the new engine serving, per restart
         self._failed_checks: dict[int, int] = {}
         self._syncing = False
+        self._paused = False  # sluice holds generation paused (pause_generation until continue_generation)
+        self._pauses = 0  # pause_generation calls so far: a health probe that a pause overtook says nothing
         self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
         self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
 
@@ -89,6 +94,20 @@ class FleetWatch:
         finally:
             self._syncing = False
 
+    def pause_generation(self, mode: str = "retract") -> None:
+        """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed."""
+        self._paused, self._pauses = True, self._pauses + 1
+        self.client.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        """`client.continue_generation()`; probes resume once it succeeded (a failed one leaves the engines paused)."""
+        self.client.continue_generation()
+        self._paused = False
+
+    async def calls_settled(self, **kwargs: Any) -> bool:
+        """`client.calls_settled`: the checkpoint's wait for the aborted requests (glue.stream.checkpoint_state)."""
+        return await self.client.calls_settled(**kwargs)
+
     def metrics(self) -> dict[str, float]:
         """Run totals: engines restarted, requests sent again (by the router or the client)."""
         reissued = self.fleet.router_retries() + (self.client.connect_retries if self.client is not None else 0)
@@ -125,7 +144,12 @@ class FleetWatch:
             urls = list(self.fleet.engine_urls)
             key = getattr(self.fleet, "api_key", None)
             for index, url in enumerate(urls):
+                pauses = self._pauses
+                if self._paused:
+                    return []
                 ok = _http_get(f"{url}/health_generate", timeout=self.health_timeout_s, key=key)[0] == 200
+                if self._paused or self._pauses != pauses:
+                    return []  # sluice paused generation while the probe ran: its answer says nothing
                 self._failed_checks[index] = 0 if ok else self._failed_checks.get(index, 0) + 1
             return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
         finally:

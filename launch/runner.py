@@ -183,7 +183,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
                              stale=f"{record['staleness/max']:.0f}")
 
     training = asyncio.ensure_future(run_loop(
-        num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=client, phases=colocation,
+        num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=watch, phases=colocation,
         loss_cfg=cfg.loss, logger=logger, pause_mode=cfg.sync.pause_mode,
         on_step=on_step, stop=stop, first_step=first_step,
         checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
@@ -362,7 +362,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                      f"{t.data_parallel_size}) hold the policy")
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
-    client = EngineClient(fleet.router_url, fleet.engine_urls, api_key=api_key, admin_api_key=admin_api_key)
+    # the serving engines: a replacement joins (for direct R3 requests and pauses) once it holds the fleet's weights
+    client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key, admin_api_key=admin_api_key)
     stack.callback(lambda: loop.run_until_complete(client.close()))
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
                                      disk_dir=str(run_dir / "weights"),

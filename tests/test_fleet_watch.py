@@ -108,3 +108,94 @@ def test_an_engine_whose_routing_fails_after_its_weights_were_loaded_is_not_kept
     with pytest.raises(OSError):
         engine_repair(Fleet(), bridge)(1)
     assert bridge.engine_urls == ["http://a"]
+
+
+def test_a_direct_r3_request_never_reaches_a_replacement_engine_before_it_holds_the_fleets_weights(fleet):
+    """R3 requests skip the router (it drops the field) and go to the client's engines (`_pick_engine`); the runner
+    gives the client `fleet.serving_urls`. While `prepare` (the bridge's add_engine) loads the current weights into
+    the replacement, a direct request goes only to the engine that already holds them."""
+    client = EngineClient(fleet.router_url, fleet.serving_urls)
+    other = fleet.engine_urls[1]
+    picked_while_preparing: list[set] = []
+
+    def prepare(url: str) -> None:
+        assert url == fleet.engine_urls[0]  # the replacement is listed for control calls (the bridge's sync) ...
+        picked_while_preparing.append({client._pick_engine() for _ in range(4)})  # ... not for direct requests
+
+    new_url = fleet.replace_engine(0, prepare=prepare)
+    assert picked_while_preparing == [{f"{other}/generate"}]
+    assert sorted(fleet.serving_urls) == sorted(fleet.engine_urls) == sorted([new_url, other])
+    assert {client._pick_engine() for _ in range(4)} == {f"{new_url}/generate", f"{other}/generate"}
+
+
+class PausableEngine:
+    """An HTTP double of the SGLang server's pause and deep-health routes (http_server.py): /health_generate takes
+    `probe_s` to answer and answers 503 if generation is paused by then (SGLang does so once a pause has lasted
+    ~20 s, and marks itself unhealthy); /pause_generation and /continue_generation answer 200."""
+
+    def __init__(self, probe_s: float = 0.3):
+        import http.server
+        import threading
+
+        engine = self
+        self.paused, self.probes, self.probe_s = False, 0, probe_s
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def answer(self, status: int) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                engine.probes += 1
+                time.sleep(engine.probe_s)
+                self.answer(503 if engine.paused else 200)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                engine.paused = self.path == "/pause_generation"
+                self.answer(200)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_watch_never_counts_a_health_probe_against_an_engine_sluice_paused():
+    """A checkpoint pauses generation (mode abort) for a while, as glue.stream.checkpoint_state does through the
+    loop's fleet control (the watch): no probe answered during the pause counts, so the engine is not restarted.
+    The fleet here is a record of the fleet's surface; the engine speaks SGLang's routes over real HTTP."""
+    engine = PausableEngine()
+
+    class Fleet:
+        engine_urls, api_key = [engine.url], None
+
+        def exited(self):
+            return []
+
+        def dead_engines(self):
+            return []
+
+    repaired: list[int] = []
+    watch = FleetWatch(Fleet(), repair=repaired.append, client=EngineClient("http://router", [engine.url]),
+                       poll_s=0.05, health_interval_s=0.05, health_timeout_s=5.0, health_failures=2)
+
+    async def checkpoint() -> None:
+        await asyncio.sleep(0.5)  # probes answer 200
+        await asyncio.to_thread(watch.pause_generation, "abort")
+        await asyncio.sleep(2.0)  # long enough for several probes to fail if they were sent or counted
+        await asyncio.to_thread(watch.continue_generation)
+        probes = engine.probes
+        while engine.probes < probes + 2:  # the watch probes again once generation continues
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        await watch.run(asyncio.ensure_future(checkpoint()))
+
+    asyncio.run(scenario())
+    engine.server.shutdown()
+    assert repaired == [] and watch.restarts == 0
+    assert set(watch._failed_checks.values()) <= {0}
