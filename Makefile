@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test bench gpu-check learning-table smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test bench gpu-check learning-table rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
