@@ -40,10 +40,13 @@ class TrainerGroup:
             raise
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` on every rank at once (collectives need all of them) and wait for all answers."""
+        """Call `method` on every rank at once (collectives need all of them) and wait for all answers. A batch is
+        serialised once, into Ray's object store, and every rank reads that one copy: passed inline it would be
+        serialised once per rank, world-size copies of every batch through the driver."""
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self._actors])
+        shared = [ray.put(arg) if isinstance(arg, TrainBatch) else arg for arg in args]
+        return ray.get([getattr(a, method).remote(*shared) for a in self._actors])
 
     def compute_logprobs(self, batch: TrainBatch) -> Any:
         """Logprob of tokens[:, t+1] at position t with the current weights: FloatTensor [B, T], last column 0."""
