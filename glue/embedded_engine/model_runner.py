@@ -51,6 +51,8 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     final_version: str = ""  # the engine's weight version when the request finished
     abort_requested: bool = False
+    aborted_in_queue: bool = False  # aborted from the waiting queue (never admitted, or retracted), not mid-batch
+    retraction_count: int = 0  # times a "retract" pause took it out of the running batch
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
 
@@ -122,13 +124,16 @@ class ModelRunner:
             self._cond.notify_all()
         return seq
 
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """Abort the request `rid` (or all of them): queued ones at once, running ones before the next step."""
+    def abort(self, rid: str | None = None, abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort the request `rid` (every request whose rid starts with it when `prefix`, as SGLang's scheduler
+        matches; or all of them): queued ones at once, running ones before the next step."""
         with self._cond:
-            matches = lambda s: abort_all or s.request.rid == rid  # noqa: E731
+            matches = lambda s: (abort_all or s.request.rid == rid  # noqa: E731
+                                 or (prefix and s.request.rid.startswith(rid)))
             queued = [s for s in self._waiting if matches(s)]
             for seq in queued:
                 self._waiting.remove(seq)
+                seq.aborted_in_queue = True
                 self._finish(seq, {"type": "abort", "message": ABORT_MESSAGE, "status_code": None, "err_type": None})
             running = [s for s in self._active if matches(s)]
             for seq in running:
@@ -167,6 +172,17 @@ class ModelRunner:
     @property
     def is_paused(self) -> bool:
         return self._paused
+
+    def is_live(self, rid: str) -> bool:
+        """Whether a request with exactly this rid is queued or running."""
+        with self._cond:
+            return any(s.request.rid == rid for s in (*self._waiting, *self._active))
+
+    def is_idle(self, ignore_waiting: bool) -> bool:
+        """SGLang's `Scheduler.is_fully_idle(ignore_waiting=...)`: nothing admitted (running or paused in place) and,
+        unless `ignore_waiting`, nothing queued (queued requests hold no KV here: retracted ones lost theirs)."""
+        with self._cond:
+            return not self._active and not self._is_stepping and (ignore_waiting or not self._waiting)
 
     def load(self) -> dict[str, int]:
         """Requests admitted (prefilling or decoding) and queued right now."""
@@ -270,6 +286,8 @@ class ModelRunner:
         held while the thread is parked). Each request keeps its output; its next prefill covers it."""
         self._drop_aborted()
         assert self._active == set(self._running), "a parked runner has every admitted request in its batch"
+        for seq in self._running:
+            seq.retraction_count += 1
         self._waiting.extendleft(reversed(self._running))
         self._active.clear()
         self._running = []

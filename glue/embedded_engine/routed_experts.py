@@ -6,8 +6,9 @@ tokenizer_manager.py's `meta_info["routed_experts"] = pybase64.b64encode(val.num
 C-order int32 array `[seqlen - 1 - routed_experts_start_len, num_hidden_layers, num_experts_per_tok]`; row i is the
 token at absolute position `routed_experts_start_len + i` (batch_result_processor.py `_maybe_collect_routed_experts`
 and state_capturer/base.py `get_topk`: `req_to_token[start_len : seqlen - 1]`). The last token is never run
-through the model, so it has no row. Layers without experts (Qwen3-MoE's `mlp_only_layers`) hold -1 here (SGLang
-leaves them at whatever its buffer held).
+through the model, so it has no row. Layers without experts (Qwen3-MoE's `mlp_only_layers`) hold -1 here by default;
+with `dense_layer_value=0` (--sglang-strict) they hold 0, as SGLang's zero-initialised capture buffer, never written
+for a dense layer, reports them (state_capturer/base.py BaseDeviceCache: `torch.zeros`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class RoutingRecorder:
     Only the model runner thread runs forwards, under its model lock, so the captured indices of one forward are
     read by `take` before the next forward begins."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, dense_layer_value: int = -1):
+        self.dense_layer_value = dense_layer_value
         self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError(f"--enable-return-routed-experts: the model ({type(model).__name__}) has no MoE top-k "
@@ -54,8 +56,9 @@ class RoutingRecorder:
         return keep
 
     def take(self, batch: int, seq: int) -> torch.Tensor:
-        """The last forward's routing as int32 `[batch, seq, num_layers, top_k]` (-1 in layers without experts)."""
-        routing = torch.full((batch * seq, self.num_layers, self.top_k), -1, dtype=torch.int32)
+        """The last forward's routing as int32 `[batch, seq, num_layers, top_k]` (`dense_layer_value` in layers
+        without experts)."""
+        routing = torch.full((batch * seq, self.num_layers, self.top_k), self.dense_layer_value, dtype=torch.int32)
         for index, indices in self._captured.items():
             routing[:, index] = indices.to(torch.int32)
         self._captured.clear()

@@ -10,7 +10,7 @@ import hashlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,7 +18,7 @@ from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.model_runner import ModelRunner
 from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
 from weight_sync.buckets import BucketLayout, checksum, dtype_to_str, unpack_bucket
-from weight_sync.ipc import MappedSegments
+from weight_sync.ipc import MappedSegments, decode_shm_handle
 from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
 
 # SGLang request structs (io_struct.py) and the fields of each that the weight routes read, for the schema test.
@@ -70,13 +70,31 @@ class ParameterBuckets:
         return flat
 
 
-class WeightReceiver:
-    """The weight groups this engine (TP=1, so one rank per engine) has joined, by name."""
+def on_every_rank(groups: list[WeightGroup], first: Callable[[WeightGroup], Any],
+                  others: Callable[[WeightGroup], Any]) -> Any:
+    """Run one collective on every simulated TP rank at once (a collective returns only once all its members are
+    in it): `first` on tp_rank 0 in this thread, `others` on the rest, one thread each; `first`'s result, and the
+    first error of any rank raised here."""
+    if len(groups) == 1:
+        return first(groups[0])
+    with ThreadPoolExecutor(max_workers=len(groups) - 1, thread_name_prefix="tp-rank") as pool:
+        pending = [pool.submit(others, g) for g in groups[1:]]
+        result = first(groups[0])
+        for done in pending:
+            done.result()
+    return result
 
-    def __init__(self, runner: ModelRunner, *, timeout_s: float = 300.0):
+
+class WeightReceiver:
+    """The weight groups this engine has joined, by name: one member per simulated TP rank (`tp_size`), each at
+    rank `rank_offset + tp_rank` as SGLang's TP workers join. Every rank receives each broadcast; tp_rank 0's copy
+    goes into the model (the engine holds one unsharded model), the other ranks' copies are discarded."""
+
+    def __init__(self, runner: ModelRunner, *, timeout_s: float = 300.0, tp_size: int = 1):
         self.runner = runner
         self.timeout_s = timeout_s
-        self.groups: dict[str, WeightGroup] = {}
+        self.tp_size = tp_size
+        self.groups: dict[str, list[WeightGroup]] = {}
         self._lock = threading.Lock()  # one group change or one update at a time
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # for buckets that do not fit the model
         self._homes = ParameterBuckets(runner.model)
@@ -101,25 +119,39 @@ class WeightReceiver:
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> tuple[bool, str]:
-        """`/init_weights_update_group`: join as rank `rank_offset` (rank 0 is the trainer)."""
+        """`/init_weights_update_group`: join as ranks `rank_offset + tp_rank` (rank 0 is the trainer), all at once
+        (a group forms only once every member has joined)."""
         with self._lock:
             if group_name in self.groups:
                 return False, f"weight group {group_name!r} already exists; destroy it first or use another name"
-            try:
-                group = create_process_group(master_address=master_address, master_port=master_port, rank=rank_offset,
-                                             world_size=world_size, group_name=group_name, backend=backend,
-                                             timeout_s=self.timeout_s)
-            except (RuntimeError, ValueError) as e:  # answered to the caller as SGLang does: success false + message
-                return False, f"Failed to initialize custom process group: {e}"
-            self.groups[group_name] = group
+
+            def join(tp_rank: int) -> WeightGroup:
+                return create_process_group(master_address=master_address, master_port=master_port,
+                                            rank=rank_offset + tp_rank, world_size=world_size, group_name=group_name,
+                                            backend=backend, timeout_s=self.timeout_s)
+
+            with ThreadPoolExecutor(max_workers=self.tp_size, thread_name_prefix="tp-join") as pool:
+                pending = [pool.submit(join, r) for r in range(self.tp_size)]
+            joined, errors = [], []
+            for done in pending:
+                try:
+                    joined.append(done.result())
+                except (RuntimeError, ValueError) as e:  # answered as SGLang does: success false + message
+                    errors.append(e)
+            if errors:
+                for group in joined:
+                    destroy_process_group(group)
+                return False, f"Failed to initialize custom process group: {errors[0]}"
+            self.groups[group_name] = joined
             return True, "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str) -> tuple[bool, str]:
         with self._lock:
-            group = self.groups.pop(group_name, None)
-            if group is None:
+            groups = self.groups.pop(group_name, None)
+            if groups is None:
                 return False, "The group to be destroyed does not exist."
-            destroy_process_group(group)
+            for group in groups:
+                destroy_process_group(group)
             return True, "Succeeded to destroy custom process group."
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
@@ -132,21 +164,23 @@ class WeightReceiver:
         `copy_in_s`: everything after the bytes arrived, copy and checksum together; `checksum_s`: the checksum's own
         share of it)."""
         with self._lock:
-            group = self.groups.get(group_name)
-            if group is None:
+            groups = self.groups.get(group_name)
+            if groups is None:
                 return False, (f"Group {group_name} not in {sorted(self.groups)}. "
                                "Please call `init_weights_update_group` first."), None, {}
             t0 = time.perf_counter()
             if load_format != "flattened_bucket":
-                named = receive_tensors(group, names, dtypes, shapes, src=0)
+                receive = lambda g: receive_tensors(g, names, dtypes, shapes, src=0)  # noqa: E731
+                named = on_every_rank(groups, receive, receive)
                 return (*self.runner.load_weights(named, weight_version), None, {"receive_s": time.perf_counter() - t0})
             layout = BucketLayout.from_json(0, {"names": names, "dtypes": dtypes, "shapes": shapes})
+            discard = lambda g: broadcast_bucket(g, torch.empty(layout.nbytes, dtype=torch.uint8), src=0)  # noqa: E731
             with self.runner.model_lock:  # no forward reads the parameters while they are overwritten
                 home = self._homes.home(layout)
                 if home is not None:
                     # A broken broadcast leaves this bucket's parameters partly written, as a failure between two
                     # buckets leaves the model half updated: the bridge then fails the sync, loudly.
-                    broadcast_bucket(group, home, src=0)
+                    on_every_rank(groups, lambda g: broadcast_bucket(g, home, src=0), discard)
                     if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
                         self.runner.weight_version = weight_version
             if home is not None:
@@ -158,7 +192,7 @@ class WeightReceiver:
             if self._receive_buffer.numel() < layout.nbytes:
                 self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
             flat = self._receive_buffer[: layout.nbytes]
-            broadcast_bucket(group, flat, src=0)
+            on_every_rank(groups, lambda g: broadcast_bucket(g, flat, src=0), discard)
             received_s = time.perf_counter() - t0
             ok, message, sums, timings = self._load_with_checksum(layout, flat, weight_version)
             return ok, message, sums, {**timings, "receive_s": received_s}
@@ -169,9 +203,11 @@ class WeightReceiver:
         while another thread checksums, through a mapping kept from earlier buckets (`MappedSegments`); the source
         may reuse the segment once this answers. A bucket that fits the model is copied in one piece into the
         parameters' flat home."""
-        if len(handles) != 1:
-            return False, (f"serialized_named_tensors has {len(handles)} entries; this engine is one TP rank, send "
-                           "exactly one handle"), [], {}
+        if len(handles) != self.tp_size:
+            return False, (f"serialized_named_tensors has {len(handles)} entries; this engine has {self.tp_size} TP "
+                           f"rank(s) and reads entry [tp_rank], send exactly {self.tp_size}"), [], {}
+        for tp_rank, handle in enumerate(handles[1:], start=1):  # the other ranks' copies are checked, not loaded
+            decode_shm_handle(handle, tp_rank)
         with self._lock:
             t0 = time.perf_counter()
             layout, flat = self._segments.open(handles[0])
