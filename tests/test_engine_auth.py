@@ -162,7 +162,7 @@ def test_every_admin_route_refuses_no_key_and_the_api_key_and_lets_the_admin_key
         body = {} if not reads_body else {"mode": 7, "tags": 7, "new_version": 7, "rid": 7, "names": 7,
                                                    "model_path": 7, "master_port": "x", "action": 7,
                                                    "serialized_named_tensors": 7, "group_name": 7,
-                                                   "torch_empty_cache": "x"}
+                                                   "torch_empty_cache": "x", "selector": 7}
         for key in (None, API_KEY, "wrong"):
             status, answer = send(keyed_engine, route.path, body, key=key, method=route.method)
             assert (status, answer) == (401, {"error": "Unauthorized"}), (route, key)

@@ -14,7 +14,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-request sampling generators")
     parser.add_argument("--max-running-requests", type=int, default=64, help="rows decoded together at most")
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads for the model")
-    parser.add_argument("--weight-version", default="0", help="initial weight version string (SGLang's is 'default')")
+    parser.add_argument("--weight-version", default=None,
+                        help="initial weight version string (default: SGLang's 'default' with --sglang-strict, else '0')")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="timeout of weight-group collectives")
     parser.add_argument("--api-key", default=None,
                         help="SGLang's --api-key: every route but /health* needs `Authorization: Bearer <key>`")
@@ -27,9 +28,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="SGLang's flag: record the MoE routing of every token so /generate answers "
                              "return_routed_experts (MoE models only; routing replay, R3)")
+    parser.add_argument("--sglang-strict", action="store_true",
+                        help="answer exactly as SGLang 0.5.23 does (request structs, reply shapes, weight-update "
+                             "sessions, flush/pause/health/memory semantics); no sluice extras (checksums, test hooks)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="SGLang's flag; N > 1 (only with --sglang-strict) simulates N TP ranks on the weight "
+                             "path: N members join the weight group, /update_weights_from_tensor takes one payload "
+                             "per rank")
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="SGLang's flag: without it /release_memory_occupation and /resume_memory_occupation "
+                             "release nothing (under --sglang-strict; the lenient engine always releases)")
     args = parser.parse_args(argv)
     if args.max_running_requests < 1 or args.num_threads < 1:
         parser.error("--max-running-requests and --num-threads must be >= 1")
+    if args.tp_size < 1 or (args.tp_size > 1 and not args.sglang_strict):
+        parser.error("--tp-size must be >= 1, and > 1 only with --sglang-strict")
+    if args.weight_version is None:
+        args.weight_version = "default" if args.sglang_strict else "0"
     return args
 
 
@@ -43,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                               weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,
                               deterministic=args.enable_deterministic_inference,
-                              enable_return_routed_experts=args.enable_return_routed_experts)
+                              enable_return_routed_experts=args.enable_return_routed_experts,
+                              sglang_strict=args.sglang_strict, tp_size=args.tp_size,
+                              enable_memory_saver=args.enable_memory_saver)
     except (FileNotFoundError, ValueError) as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2

@@ -12,6 +12,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from glue.embedded_engine.model_runner import ModelRunner
 from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.server import EngineServer
+from glue.embedded_engine.strict_server import StrictEngineServer
 from glue.embedded_engine.weight_update import WeightReceiver
 
 SEGMENT_PRUNE_S = 2.0  # how often the engine unmaps shared segments whose ipc source has closed them
@@ -41,26 +42,37 @@ def eos_token_ids(model) -> set[int]:
 def build_engine(*, model_path: str, host: str, port: int, seed: int, max_running_requests: int, num_threads: int,
                  weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
                  admin_api_key: str | None = None, deterministic: bool = False,
-                 enable_return_routed_experts: bool = False) -> EngineServer:
+                 enable_return_routed_experts: bool = False, sglang_strict: bool = False, tp_size: int = 1,
+                 enable_memory_saver: bool = False) -> EngineServer:
+    """The server; `sglang_strict` answers as SGLang 0.5.23 does (strict_server), with `tp_size` simulated ranks on
+    the weight path."""
+    if tp_size > 1 and not sglang_strict:
+        raise ValueError(f"--tp-size {tp_size}: simulated engine TP is served only with --sglang-strict")
     torch.set_num_threads(num_threads)
     model = load_model(model_path)
     config = model.config
-    recorder = RoutingRecorder(model) if enable_return_routed_experts else None
+    # SGLang's routing buffer starts zeroed, so its layers without experts read 0; the lenient engine marks them -1.
+    recorder = RoutingRecorder(model, dense_layer_value=0 if sglang_strict else -1) if enable_return_routed_experts \
+        else None
     runner = ModelRunner(model, max_running_requests=max_running_requests, seed=seed, weight_version=weight_version,
                          eos_token_ids=eos_token_ids(model), deterministic=deterministic, recorder=recorder)
     model_info = {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": None,
                   "is_generation": True, "preferred_sampling_params": None, "load_format": "auto",
                   "has_image_understanding": False, "has_audio_understanding": False,
                   "model_type": config.model_type, "architectures": config.architectures}
-    server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": 1,
+    server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": tp_size,
                    "dp_size": 1, "max_running_requests": max_running_requests, "num_threads": num_threads,
                    "enable_deterministic_inference": deterministic,
                    "enable_return_routed_experts": enable_return_routed_experts,
+                   "enable_memory_saver": enable_memory_saver,
                    "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
-    return EngineServer(runner, WeightReceiver(runner, timeout_s=weight_sync_timeout_s), vocab_size=config.vocab_size,
-                        max_context=config.max_position_embeddings, model_info=model_info, server_info=server_info,
-                        api_key=api_key, admin_api_key=admin_api_key)
+    receiver = WeightReceiver(runner, timeout_s=weight_sync_timeout_s, tp_size=tp_size)
+    shared = dict(vocab_size=config.vocab_size, max_context=config.max_position_embeddings, model_info=model_info,
+                  server_info=server_info, api_key=api_key, admin_api_key=admin_api_key)
+    if sglang_strict:
+        return StrictEngineServer(runner, receiver, tp_size=tp_size, enable_memory_saver=enable_memory_saver, **shared)
+    return EngineServer(runner, receiver, **shared)
 
 
 class ProbeFilter(logging.Filter):

@@ -70,6 +70,8 @@ ROUTES: tuple[Route, ...] = (
         "group_name": field(str), "backend": field(str)}),
     Route("POST", "/destroy_weights_update_group", "destroy_weights_update_group", is_admin=True,
           body={"group_name": field(str)}),
+    Route("POST", "/begin_weight_update", "begin_weight_update", is_admin=True, body={"selector": field(str)}),
+    Route("POST", "/end_weight_update", "end_weight_update", is_admin=True),  # EndWeightUpdateReqInput: no fields
     Route("POST", "/update_weights_from_distributed", "update_weights_from_distributed", is_admin=True, body={
         "names": field(list, required=True), "dtypes": field(list, required=True),
         "shapes": field(list, required=True), "group_name": field(str), **UPDATE_FLAGS}),

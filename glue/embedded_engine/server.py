@@ -25,6 +25,9 @@ from glue.embedded_engine.weight_update import WeightReceiver, check_update_payl
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_MESSAGE_CHARS = 2000  # an error message quotes the client's values; never echo a whole body back
+# What this engine answers beyond SGLang, advertised in /get_server_info so a client detects rather than assumes it:
+# per-bucket `checksums` in update replies, and test hooks (forward_count, is_paused, ...) in internal_states.
+SLUICE_CAPABILITIES = ("bucket_checksums", "test_hooks")
 
 
 def error_response(message: str, field: str | None = None, status: int = 400) -> web.Response:
@@ -132,13 +135,21 @@ class EngineServer:
 
     def build_app(self) -> web.Application:
         """The aiohttp app serving `ROUTES`; with a key set, SGLang's key gate runs before everything else."""
-        middlewares = [bad_request_middleware]
+        middlewares = [self.error_middleware()]
         if self.api_key or self.admin_api_key:
             middlewares.insert(0, key_gate(api_key=self.api_key, admin_api_key=self.admin_api_key,
                                            admin_paths=ADMIN_PATHS))
         app = web.Application(client_max_size=256 * 1024**2, middlewares=middlewares)
-        app.router.add_routes([web.route(r.method, r.path, self._endpoint(r)) for r in ROUTES])
+        app.router.add_routes([web.route(r.method, r.path, self._endpoint(r)) for r in self.routes()])
         return app
+
+    def error_middleware(self) -> Any:
+        """Turns a payload problem into its 4xx answer."""
+        return bad_request_middleware
+
+    def routes(self) -> tuple[Route, ...]:
+        """The routes this server answers (the strict server narrows them to SGLang's)."""
+        return ROUTES
 
     def _endpoint(self, route: Route) -> Handler:
         """The aiohttp handler of `route`: its body read and checked, then handed to the named method."""
@@ -177,8 +188,12 @@ class EngineServer:
         requests, is_batch = parse_generate(body, vocab_size=self.vocab_size, max_context=self.max_context,
                                             next_rid=lambda: f"embedded-{next(self._rids)}",
                                             records_routing=self.runner.recorder is not None)
-        outputs = [format_output(seq) for seq in await self.run_requests(requests)]
+        outputs = [self.output(seq) for seq in await self.run_requests(requests)]
         return web.json_response(outputs if is_batch else outputs[0])
+
+    def output(self, seq: Sequence) -> dict[str, Any]:
+        """One finished request as `/generate` answers it."""
+        return format_output(seq)
 
     async def chat_completions(self, body: dict[str, Any]) -> web.Response:
         """SGLang's OpenAI-compatible chat route: the prompt from the chat template, one generation (openai_chat)."""
@@ -210,7 +225,8 @@ class EngineServer:
         state = {**self.runner.load(), "forward_count": self.runner.forward_count, "is_paused": self.runner.is_paused,
                  "memory_released": sorted(self.runner.released), "weight_bytes": self.runner.weight_bytes()}
         return web.json_response({**self.server_info, "weight_version": self.runner.weight_version,
-                                  "internal_states": [state], "startup_time": self.started_at})
+                                  "internal_states": [state], "startup_time": self.started_at,
+                                  "sluice_capabilities": list(SLUICE_CAPABILITIES)})
 
     async def get_weight_version(self, body: dict[str, Any]) -> web.Response:
         return web.json_response({"weight_version": self.runner.weight_version})
@@ -249,6 +265,13 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"resumed {sorted(tags)}"})
 
     # ---- weights ----
+    async def begin_weight_update(self, body: dict[str, Any]) -> web.Response:
+        """SGLang's weight-update session; accepted, not enforced, here (the strict server enforces it)."""
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, body: dict[str, Any]) -> web.Response:
+        return web.json_response({"success": True, "message": "Success"})
+
     async def init_weights_update_group(self, body: dict[str, Any]) -> web.Response:
         check_group_numbers(body)
         ok, message = await asyncio.to_thread(
