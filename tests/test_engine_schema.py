@@ -108,3 +108,36 @@ def test_every_route_the_engine_serves_is_an_sglang_route(sglang_srt, tiny_model
     # sglang 0.5.x answers weight versions on /model_info; the older /get_weight_version is kept for clients of it.
     legacy = {("GET", "/get_weight_version"), ("GET", "/weight_version")}
     assert ours - sglang - legacy == set()
+
+
+def test_the_weight_update_session_routes_read_sglangs_session_structs(sglang_srt):
+    from glue.embedded_engine.routes import ROUTES
+
+    structs = class_fields(sglang_srt / "managers" / "io_struct.py")
+    bodies = {r.path: r.body for r in ROUTES}
+    assert set(bodies["/begin_weight_update"]) <= structs["BeginWeightUpdateReqInput"]
+    assert structs["EndWeightUpdateReqInput"] == {"rid", "http_worker_ipc"}  # nothing of its own to read
+    assert bodies["/end_weight_update"] is None
+
+
+def test_sglangs_routing_buffer_starts_zeroed_so_layers_without_experts_read_zero(sglang_srt):
+    tree = ast.parse((sglang_srt / "state_capturer" / "base.py").read_text())
+    [cache] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BaseDeviceCache"]
+    calls = {ast.unparse(c.func) for c in ast.walk(cache) if isinstance(c, ast.Call)}
+    assert "torch.zeros" in calls and "torch.full" not in calls
+
+
+def test_the_strict_checker_hash_is_sglangs_cpu_tensor_hash(sglang_srt):
+    import hashlib
+
+    import torch
+
+    from glue.embedded_engine.sglang_layout import tensor_hash
+
+    source = (sglang_srt / "managers" / "mm_utils.py").read_text()
+    assert "hash_bytes = hasher.digest()[:8]" in source and 'int.from_bytes(hash_bytes, byteorder="big"' in source
+    assert 'return f"{tensor_hash(t):016x}"' in (sglang_srt / "utils" / "weight_checker.py").read_text()
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    expected = int.from_bytes(hashlib.sha256(t.numpy().tobytes()).digest()[:8], byteorder="big", signed=False)
+    assert tensor_hash(t) == f"{expected:016x}"
+    assert tensor_hash(t.t()) != tensor_hash(t)  # the bytes of the (contiguous) values, not of the storage
