@@ -86,6 +86,8 @@ def save_tiny_text_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
+    num_experts: int = 4,
+    moe_top_k: int = 2,
     seed: int = 0,
     corpus: Iterable[str] | None = None,
 ) -> str:
@@ -101,7 +103,8 @@ def save_tiny_text_model(
     os.makedirs(path, exist_ok=True)
     tokenizer.save_pretrained(path)
     save_tiny_model(path, family=family, vocab_size=len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
-                    num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed,
+                    num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                    num_experts=num_experts, moe_top_k=moe_top_k, seed=seed,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id)
     return str(path)

@@ -23,17 +23,22 @@ from loss import LossConfig
 
 @dataclass(kw_only=True)
 class TinyModelConfig:
-    family: str = "qwen2"  # qwen2 or llama
+    family: Literal["qwen2", "llama", "qwen3", "qwen3_moe"] = "qwen2"  # qwen2, llama, qwen3 (q/k norms) or qwen3_moe (routed experts, for EP and routing replay)
     vocab_size: int = 32  # tokens of the tiny model (>= 260 with tokenizer: true)
     hidden_size: int = 64  # model width
     num_layers: int = 2  # transformer layers
     num_heads: int = 4  # attention heads
     num_kv_heads: int = 2  # key/value heads (grouped-query attention)
-    intermediate_size: int = 128  # MLP width
+    intermediate_size: int = 128  # MLP width (qwen3_moe: each expert is a quarter of it)
+    num_experts: int = 4  # qwen3_moe: routed experts per MoE layer (divisible by --expert-model-parallel-size)
+    moe_top_k: int = 2  # qwen3_moe: experts each token is routed to (HF num_experts_per_tok), 1 to num_experts
     seed: int = 0  # initial weights' seed
     tokenizer: bool = False  # also train a byte-level BPE tokenizer with a chat template (glue.tiny_text_model), for text tasks; needs vocab_size >= 260
 
     def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"model.tiny.num_experts must be >= 1 and model.tiny.moe_top_k in [1, num_experts], got "
+                             f"{self.num_experts} and {self.moe_top_k}")
         if self.tokenizer and self.vocab_size < 260:
             raise ValueError(f"model.tiny.vocab_size must be >= 260 with model.tiny.tokenizer=true (256 bytes and 4 "
                              f"special tokens), got {self.vocab_size}")

@@ -10,19 +10,20 @@ _FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfi
              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
-def _family_fields(family: str, hidden_size: int, num_heads: int, intermediate_size: int) -> dict:
+def _family_fields(family: str, hidden_size: int, num_heads: int, intermediate_size: int, num_experts: int,
+                   moe_top_k: int) -> dict:
     """Config fields beyond the shared ones: Qwen3's head_dim defaults to 128 whatever the hidden size, and
-    Qwen3-MoE's experts (4 experts, top-2, each a quarter of the dense MLP, renormalised top-k weights)."""
+    Qwen3-MoE's experts (`num_experts`, top-`moe_top_k`, each a quarter of the dense MLP, renormalised top-k
+    weights)."""
     if family == "qwen3":
         return {"head_dim": hidden_size // num_heads}
     if family == "qwen3_moe":
-        return {"head_dim": hidden_size // num_heads, "num_experts": 4, "num_experts_per_tok": 2,
+        return {"head_dim": hidden_size // num_heads, "num_experts": num_experts, "num_experts_per_tok": moe_top_k,
                 "moe_intermediate_size": intermediate_size // 4, "norm_topk_prob": True}
     return {}
 
 
-def save_tiny_model(
-    path: str | os.PathLike,
+def tiny_config(
     *,
     family: str = "qwen2",
     vocab_size: int = 32,
@@ -31,25 +32,26 @@ def save_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
-    seed: int = 0,
+    num_experts: int = 4,
+    moe_top_k: int = 2,
     bos_token_id: int = 0,
     eos_token_id: int = 1,
     pad_token_id: int | None = None,
-) -> str:
-    """Write a random float32 `family` model with untied embeddings to `path` and return the path as a string.
-    The special token ids default to the toy tasks' (bos 0, eos 1); a model with a real tokenizer passes its ids."""
-    import torch
+):
+    """The HF config of a tiny `family` model (no weights): what `save_tiny_model` builds, and what a dry run plans
+    from. `num_experts` and `moe_top_k` shape qwen3_moe only."""
     import transformers
 
     if family not in _FAMILIES:
-        raise ValueError(f"save_tiny_model: family must be one of {sorted(_FAMILIES)}, got {family!r}")
+        raise ValueError(f"tiny model: family must be one of {sorted(_FAMILIES)}, got {family!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(
-            f"save_tiny_model: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) and num_heads "
+            f"tiny model: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) and num_heads "
             f"by num_kv_heads ({num_kv_heads})"
         )
-    config_name, model_name = _FAMILIES[family]
-    config = getattr(transformers, config_name)(
+    if family == "qwen3_moe" and not 1 <= moe_top_k <= num_experts:
+        raise ValueError(f"tiny model: moe_top_k must be in [1, num_experts={num_experts}], got {moe_top_k}")
+    return getattr(transformers, _FAMILIES[family][0])(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -62,12 +64,40 @@ def save_tiny_model(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         torch_dtype="float32",
-        **_family_fields(family, hidden_size, num_heads, intermediate_size),
+        **_family_fields(family, hidden_size, num_heads, intermediate_size, num_experts, moe_top_k),
     )
+
+
+def save_tiny_model(
+    path: str | os.PathLike,
+    *,
+    family: str = "qwen2",
+    vocab_size: int = 32,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    num_experts: int = 4,
+    moe_top_k: int = 2,
+    seed: int = 0,
+    bos_token_id: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int | None = None,
+) -> str:
+    """Write a random float32 `family` model with untied embeddings to `path` and return the path as a string.
+    The special token ids default to the toy tasks' (bos 0, eos 1); a model with a real tokenizer passes its ids."""
+    import torch
+    import transformers
+
+    config = tiny_config(family=family, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         num_experts=num_experts, moe_top_k=moe_top_k, bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = getattr(transformers, model_name)(config).to(torch.float32)
+        model = getattr(transformers, _FAMILIES[family][1])(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
     os.makedirs(path, exist_ok=True)
