@@ -1,7 +1,8 @@
 """Keeps the rollout fleet serving while the loop trains: an engine that dies, or stops generating, is replaced.
 
 Beside the loop, every `poll_s` the watch looks at the processes the fleet started, and every
-`health_interval_s` asks each engine for one token (`GET /health_generate`, SGLang's deep health check). An engine
+`health_interval_s` asks every engine at once for one token (`GET /health_generate`, SGLang's deep health check;
+at most `HEALTH_PROBES_AT_ONCE` in flight, and outside the sync lock, so a sync never waits on a sweep). An engine
 that exited, or failed `health_failures` checks in a row, is restarted in its place: taken off the router, a new
 process started on its bundle, brought to the weights the others hold, and only then routed to
 (`RolloutFleet.replace_engine` with `WeightBridge.add_engine`). Its in-flight requests are not lost: the router sends
@@ -21,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from glue.fleet import ProcessDied, _http_get
 
 HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
+HEALTH_PROBES_AT_ONCE = 64  # deep health probes in flight at once during a sweep
 
 
 class FleetWatch:
@@ -47,6 +50,7 @@ class FleetWatch:
         self._syncing = False
         self._paused = False  # sluice holds generation paused (pause_generation until continue_generation)
         self._pauses = 0  # pause_generation calls so far: a health probe that a pause overtook says nothing
+        self._lock_holds = 0  # syncs and repairs so far: a sweep that one overlapped says nothing either
         self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
         self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
 
@@ -85,6 +89,7 @@ class FleetWatch:
         try:
             for attempt in range(self.max_restarts + 1):
                 with self.lock:
+                    self._lock_holds += 1
                     try:
                         return sync()
                     except Exception:
@@ -137,23 +142,26 @@ class FleetWatch:
                 next_check = time.monotonic() + self.health_interval_s
 
     def _hung_engines(self) -> list[int]:
-        """Ask every engine for a token; the ones that have now failed `health_failures` checks in a row."""
-        if not self.lock.acquire(blocking=False):
+        """Ask every engine for a token, up to `HEALTH_PROBES_AT_ONCE` at a time, so a sweep takes about one
+        `health_timeout_s` however many engines there are; the ones that have now failed `health_failures` checks
+        in a row. The sweep holds no lock, so a sync never waits on it; a sweep that a pause (every sync pauses
+        first), a sync or a repair overlapped says nothing and is dropped."""
+        if self._paused or self.lock.locked():
             return []  # a sync or a repair is under way: engines may be busy loading weights
-        try:
-            urls = list(self.fleet.engine_urls)
-            key = getattr(self.fleet, "api_key", None)
-            for index, url in enumerate(urls):
-                pauses = self._pauses
-                if self._paused:
-                    return []
-                ok = _http_get(f"{url}/health_generate", timeout=self.health_timeout_s, key=key)[0] == 200
-                if self._paused or self._pauses != pauses:
-                    return []  # sluice paused generation while the probe ran: its answer says nothing
-                self._failed_checks[index] = 0 if ok else self._failed_checks.get(index, 0) + 1
-            return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
-        finally:
-            self.lock.release()
+        urls, pauses, holds = list(self.fleet.engine_urls), self._pauses, self._lock_holds
+        key = getattr(self.fleet, "api_key", None)
+
+        def healthy(url: str) -> bool:
+            return _http_get(f"{url}/health_generate", timeout=self.health_timeout_s, key=key)[0] == 200
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), HEALTH_PROBES_AT_ONCE)),
+                                thread_name_prefix="health-probe") as pool:
+            answers = list(pool.map(healthy, urls))
+        if self._paused or (self._pauses, self._lock_holds) != (pauses, holds) or self.lock.locked():
+            return []
+        for index, ok in enumerate(answers):
+            self._failed_checks[index] = 0 if ok else self._failed_checks.get(index, 0) + 1
+        return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
 
     async def _replace(self, index: int, why: str) -> None:
         if self.repair is None or self.restarts >= self.max_restarts:
@@ -180,6 +188,7 @@ class FleetWatch:
 
     def _repair_locked(self, index: int) -> None:
         with self.lock:
+            self._lock_holds += 1
             self.repair(index)
 
     def _death_seen(self, within_s: float = 3.0) -> bool:

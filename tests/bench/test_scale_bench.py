@@ -57,3 +57,24 @@ def test_driver_ratio_per_world_size(tmp_path_factory):
         ray.shutdown()
     write_section({"driver_ratio": ratios, "driver_ratio_batch_bytes": batch_bytes})
     assert all(r <= 1.5 for r in ratios.values()), ratios
+
+
+def test_health_sweep_over_64_stand_in_engines_with_4_hung():
+    """One deep health sweep of the fleet watch over 64 stand-in engines speaking SGLang's /health_generate, 4 of
+    them hung; target: at most 2 x the probe timeout."""
+    import time
+
+    from glue.fleet_watch import FleetWatch
+    from test_fleet_health_sweep import StandInFleet
+
+    fleet = StandInFleet(64, hung={5, 21, 42, 60}, hang_s=60)
+    try:
+        watch = FleetWatch(fleet, repair=lambda index: None, health_timeout_s=2.0, health_failures=1)
+        t0 = time.perf_counter()
+        hung = watch._hung_engines()
+        sweep_s = time.perf_counter() - t0
+    finally:
+        fleet.close()
+    write_section({"health_sweep_s": round(sweep_s, 3), "health_timeout_s": watch.health_timeout_s,
+                   "health_engines": len(fleet.engine_urls), "health_hung_found": sorted(hung)})
+    assert sorted(hung) == [5, 21, 42, 60] and sweep_s <= 2 * watch.health_timeout_s
