@@ -21,8 +21,8 @@ from gpu_check import CHECKS  # noqa: E402
 def test_make_gpu_check_without_cuda_exits_0_quickly_and_records_every_check_as_skipped(tmp_path):
     out = tmp_path / "gpu.json"
     started = time.monotonic()
-    done = subprocess.run(["make", "-s", "gpu-check", f"GPU_JSON={out}"], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(["make", "-s", "gpu-check", f"GPU_JSON={out}", f"PY={sys.executable}"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)  # PY: this interpreter, the torch it has
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.monotonic() - started < 60
     result = json.loads(out.read_text())
