@@ -43,9 +43,10 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
         own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, eval, "
                                           "cluster, sglang, router)")
         own.add_argument("--dry-run", action="store_true",
-                         help="resolve and validate, check the model directory, plugins, ports and placement, print "
-                              "the config and the placement plan (ranks, engine and router commands), and exit "
-                              "without starting anything")
+                         help="resolve and validate, check the model directory, plugins, data files, tokenizer, "
+                              "ports and placement, print the config and the plan (ranks, engine and router commands, "
+                              "weight group and bytes per sync), and exit without starting anything; a model directory "
+                              "holding config.json alone is enough to plan")
     if "megatron" in backends:
         from launch.megatron_args import add_megatron_flags
 
@@ -213,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"sluice: config error: {err}", file=sys.stderr)
             return 2
-        print(yaml.safe_dump({**to_dict(cfg), "plan": plan.to_dict(), "checked": checked}, sort_keys=False,
-                             width=1000), end="")
+        from launch.model_check import weight_sync_plan
+
+        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": weight_sync_plan(cfg)}, "checked": checked}
+        print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")
         return 0
     from glue.fleet import ProcessDied
     from glue.stream import RolloutFailed

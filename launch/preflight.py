@@ -1,21 +1,27 @@
 """What is checked before anything starts, by `sluice --dry-run` and by every run: the rollout function, task and
-eval task import; the model directory is a checkpoint the trainer can build; the ports the config fixes are free
-here; the placement group fits the local Ray cluster. Each problem is one `ConfigError` line naming the key and the
-fix, so a typo costs a second, not a Ray start-up and a stack of tracebacks."""
+eval task import; the model directory is a checkpoint the trainer can build under its layout, with whole weight
+files (launch.model_check); the data files and the tokenizer the tasks read are there; the ports the config fixes
+are free here; the placement group fits the local Ray cluster. Each problem is one `ConfigError` line naming the
+key and the fix, so a typo costs a second, not a Ray start-up and a stack of tracebacks."""
 from __future__ import annotations
 
 import errno
+import inspect
 import socket
 from pathlib import Path
+from typing import Any
 
 from launch.config import ConfigError, SluiceConfig
+from launch.model_check import TOKENIZER_FILES, check_model, has_tokenizer, weight_files
 from launch.plan import RunPlan
 
 
 def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[str]:
-    """Run every check; returns one line per check (the dry run prints them). `here=False` (a dry run, which may
-    plan a GPU run on a login node) reports too few local GPUs instead of refusing."""
-    return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg), check_ports(cfg, plan),
+    """Run every check; returns one line per check (the dry run prints them). `here=False` is a dry run, which may
+    plan a GPU run on a login node (too few local GPUs is reported, not refused) from a model directory holding
+    config.json alone (reported as plan-only; a real start needs the weights)."""
+    return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
+            check_data(cfg), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
             check_placement(cfg, plan, here=here)]
 
 
@@ -63,36 +69,73 @@ def check_eval(cfg: SluiceConfig, placement: str) -> str:
     return f"eval: every {e.interval} steps" if e.enabled else "eval: off"
 
 
-def check_model(cfg: SluiceConfig) -> str:
-    """`model.path` is a local HF checkpoint of a family the trainer builds, with its weight files; null builds
-    a tiny random model at start-up. `rollout.return_routed_experts` needs a model with routed experts."""
-    if cfg.trainer.routing_replay and not cfg.rollout.return_routed_experts:
-        raise ConfigError("trainer.routing_replay replays the engines' MoE routing: set rollout.return_routed_experts: "
-                          "true too")
-    if cfg.model.path is None:
-        if cfg.rollout.return_routed_experts and cfg.model.tiny.family != "qwen3_moe":
-            raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; model.tiny.family is "
-                              f"{cfg.model.tiny.family!r} (use qwen3_moe)")
-        return "model: a tiny random model is built at start-up (model.path is null)"
-    path = Path(cfg.model.path)
-    if not (path / "config.json").is_file():
-        what = "has no config.json" if path.is_dir() else "does not exist"
-        raise ConfigError(f"model.path {cfg.model.path!r} {what}: point it at a local HF checkpoint directory "
-                          "(config.json, *.safetensors, tokenizer files)")
-    from glue.trainer.model import read_hf_config
+def task_settings(cfg: SluiceConfig) -> list[tuple[str, str, dict[str, Any]]]:
+    """(config section, task import path, its task_args) of the training task and, when evaluation is on, the eval
+    task; `eval.task_args` of an eval without its own task update the training task's."""
+    tasks = [("rollout", cfg.rollout.task, dict(cfg.rollout.task_args))]
+    if cfg.eval.enabled:
+        from launch.runner import eval_task
 
-    try:
-        hf_config = read_hf_config(str(path))
-    except Exception as err:  # transformers' own message says what is wrong with config.json
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model.path {cfg.model.path!r}: its config.json does not load: {first}") from None
-    if cfg.rollout.return_routed_experts and not getattr(hf_config, "num_experts", None):
-        raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; {cfg.model.path!r} is a "
-                          f"dense {hf_config.model_type} checkpoint")
-    weights = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
-    if not weights:
-        raise ConfigError(f"model.path {cfg.model.path!r} holds no *.safetensors or *.bin weight files")
-    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files)"
+        tasks.append(("eval", *eval_task(cfg)))
+    return tasks
+
+
+def _arg_key(cfg: SluiceConfig, section: str, key: str) -> str:
+    """The config key a task argument came from (an eval without its own task inherits rollout.task_args)."""
+    inherited = section == "eval" and cfg.eval.task is None and key not in cfg.eval.task_args
+    return f"{'rollout' if inherited else section}.task_args.{key}"
+
+
+def check_data(cfg: SluiceConfig) -> str:
+    """The data files the tasks read when they are built exist: a task class lists the task_args naming such files
+    in `data_file_args` (rollout_fns.text_data.TextDataTask: `path`)."""
+    files = []
+    for section, task_path, args in task_settings(cfg):
+        task = _load(task_path, f"{section}.task")
+        for name in getattr(task, "data_file_args", ()):
+            if name in args and not Path(str(args[name])).is_file():
+                raise ConfigError(f"{_arg_key(cfg, section, name)}={args[name]!r}: no such file; {task_path} reads "
+                                  "it at start-up, so point it at an existing local data file")
+            if name in args:
+                files.append(str(args[name]))
+    return f"data: {', '.join(dict.fromkeys(files))} found" if files else "data: the tasks read no data files"
+
+
+def tokenizer_readers(cfg: SluiceConfig) -> list[tuple[str, str | None]]:
+    """(who, the directory given for it or None for the model's own) for each part of the run that loads a
+    tokenizer: a task class taking `tokenizer` (launch.runner.task_args_for gives it the model's), and the
+    OpenAI-agent rollout, whose chat requests the engines tokenize with the model's."""
+    readers = []
+    for section, task_path, args in task_settings(cfg):
+        task = _load(task_path, f"{section}.task")
+        if inspect.isclass(task) and "tokenizer" in inspect.signature(task).parameters:
+            readers.append((f"{section}.task {task_path}", args.get("tokenizer")))
+    if cfg.rollout.function.startswith("rollout_fns.openai_agent:"):
+        readers.append((f"rollout.function {cfg.rollout.function} (chat requests)", None))
+    return readers
+
+
+def check_tokenizer(cfg: SluiceConfig, *, plan_only: bool) -> str:
+    """Whatever loads a tokenizer finds one: in the directory given for it, else in model.path (a tiny model needs
+    model.tiny.tokenizer). A plan-only model directory (no weights) is not checked in a dry run. A given name that is
+    no directory may be a cached hub id, left to the loader."""
+    readers = tokenizer_readers(cfg)
+    if not readers:
+        return "tokenizer: nothing loads one"
+    path = cfg.model.path
+    plan_only_dir = path is not None and plan_only and not weight_files(path)
+    for who, given in readers:
+        if given is None and path is None and not cfg.model.tiny.tokenizer:
+            raise ConfigError(f"{who} loads the model's tokenizer, but the tiny model has none: set "
+                              "model.tiny.tokenizer: true (with model.tiny.vocab_size >= 260)")
+        directory = given if given is not None else None if plan_only_dir else path
+        if directory is not None and Path(directory).is_dir() and not has_tokenizer(directory):
+            raise ConfigError(f"{who} loads a tokenizer from {directory!r}, which holds none of "
+                              f"{', '.join(TOKENIZER_FILES)}: copy the checkpoint's tokenizer files there")
+    if plan_only_dir:
+        return f"tokenizer: not checked in the plan-only directory {path}"
+    where = sorted({given or path or "the tiny model" for _, given in readers})
+    return f"tokenizer: {', '.join(where)} (for {', '.join(who for who, _ in readers)})"
 
 
 def fixed_ports(cfg: SluiceConfig, plan: RunPlan) -> dict[str, int]:

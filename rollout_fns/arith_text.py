@@ -12,6 +12,8 @@ class ArithTextTask(TextDataTask):
     """TextDataTask whose data file `path` is written as `num_rows` rows "What is a<op>b?" (a, b in [low, high],
     op from `operators`, drawn by `data_seed`) if it does not exist; an existing file is read as it is."""
 
+    data_file_args = ()  # `path` is written when it is missing
+
     def __init__(self, *, path: str, tokenizer: str, num_rows: int = 1000, data_seed: int = 0, low: int = 0,
                  high: int = 4, operators: str = "+", **text_args):
         if not os.path.exists(path):

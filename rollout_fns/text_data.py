@@ -105,6 +105,8 @@ class TextDataTask:
     rollout manager holds the task as `RolloutManager.task`).
     """
 
+    data_file_args = ("path",)  # task_args naming local files read when the task is built (checked by launch.preflight)
+
     def __init__(self, *, path: str, tokenizer: str, prompt_key: str = "prompt", label_key: str = "answer",
                  system_prompt: str | None = None, apply_chat_template: bool = True,
                  max_prompt_tokens: int | None = None, shuffle: bool = True,

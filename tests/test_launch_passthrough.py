@@ -169,24 +169,31 @@ def test_the_sglang_options_read_from_source_are_sglangs_server_arguments():
 
 
 def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
-    """With a model directory that exists (the dry run loads its config), and neither sluice nor ray on PATH: the
-    scripts find them in the repository's .venv."""
-    from glue.embedded_engine.tiny_model import save_tiny_model
+    """With a model directory holding only a config.json that suits every recipe (a Qwen3-MoE shape the MoE
+    recipe's EP and the TP of both recipes divide; the dry run plans from it), the recipes' data files pointed at
+    one that exists, and neither sluice nor ray on PATH: the scripts find them in the repository's .venv."""
+    from glue.embedded_engine.tiny_model import tiny_config
 
-    model = save_tiny_model(str(tmp_path / "model"))
+    model = tmp_path / "model"
+    tiny_config(family="qwen3_moe", vocab_size=64, num_kv_heads=4, num_experts=16).save_pretrained(model)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    recipe_data = [f"rollout.task_args.path={data}", f"eval.task_args.path={data}"]  # not /data/math/*.jsonl
     venv_bin = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(venv_bin))
     env = {**os.environ, "PATH": path, "PYTHONWARNINGS": "ignore"}
     env.pop("SLUICE", None)
     scripts = sorted((REPO / "launch/scripts").glob("*.sh"))
     assert len(scripts) >= 4
-    procs = [subprocess.Popen(["bash", str(s), "--dry-run", f"model.path={model}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for s in scripts]
+    procs = [subprocess.Popen(["bash", str(s), "--dry-run", f"model.path={model}",
+                               *(recipe_data if s.name != "single_node.sh" else [])],  # demo.yaml: the echo task
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for s in scripts]
     for script, proc in zip(scripts, procs):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (script.name, err[-2000:])
         plan = yaml.safe_load(out)["plan"]
         assert plan["trainer"] and plan["engines"] and "--worker-urls" in plan["router"], script.name
+        assert plan["weight_sync"]["bytes_per_sync"], script.name  # counted from config.json, no weights needed
 
 
 @pytest.mark.parametrize("argv, bound, mode", [

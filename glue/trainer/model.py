@@ -42,16 +42,23 @@ def rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """TP splits the key/value heads and the vocabulary evenly (this trainer pads neither); launch.model_check
+    asks the same before anything starts."""
+    num_groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if num_groups % tp_size or hf_config.vocab_size % tp_size:
+        raise ValueError(f"tensor_model_parallel_size={tp_size} must divide num_key_value_heads={num_groups} and "
+                         f"vocab_size={hf_config.vocab_size}; choose a smaller TP size")
+
+
 def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
     """megatron-core TransformerConfig equivalent to an HF Llama/Qwen2/Qwen3/Qwen3-MoE config, float32, fusions off."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    check_tensor_parallel(hf_config, tp_size)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    if num_groups % tp_size or hf_config.vocab_size % tp_size:
-        raise ValueError(f"tensor_model_parallel_size={tp_size} must divide num_key_value_heads={num_groups} and "
-                         f"vocab_size={hf_config.vocab_size}; choose a smaller TP size")
     has_qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("Llama checkpoints with mlp_bias=true are not supported by the megatron trainer yet")

@@ -1,0 +1,203 @@
+"""What a run reads from `model.path`, checked before anything starts (by launch.preflight, for every run and for
+`--dry-run`), and what the plan learns from config.json alone: the checkpoint's files, the rules megatron-core sets
+for the model the trainer builds from it, and how many bytes a weight sync moves."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from launch.config import ConfigError, SluiceConfig
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # AutoTokenizer loads any one
+
+
+def model_config(cfg: SluiceConfig) -> Any:
+    """The HF config of the model the run trains: model.path's config.json (a family the trainer builds), or, with
+    model.path null, the tiny model's, built in memory (its weights are written at start-up)."""
+    if cfg.model.path is None:
+        from glue.embedded_engine.tiny_model import tiny_config
+
+        tiny = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k not in ("seed", "tokenizer")}
+        try:
+            return tiny_config(**tiny)
+        except ValueError as err:
+            raise ConfigError(f"model.tiny: {err}") from None
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        what = "has no config.json" if path.is_dir() else "does not exist"
+        raise ConfigError(f"model.path {cfg.model.path!r} {what}: point it at a local HF checkpoint directory "
+                          "(config.json, *.safetensors, tokenizer files)")
+    from glue.trainer.model import read_hf_config
+
+    try:
+        return read_hf_config(str(path))
+    except Exception as err:  # transformers' own message says what is wrong with config.json
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.path {cfg.model.path!r}: its config.json does not load: {first}") from None
+
+
+def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
+    """The model builds under the trainer's layout and its weight files are whole. A directory holding config.json
+    and no weights is a plan-only directory: enough for a dry run (`plan_only`), refused by a real start."""
+    hf_config = model_config(cfg)
+    check_routing(cfg, hf_config)
+    check_trainer_model(cfg.trainer, hf_config)
+    if cfg.model.path is None:
+        return f"model: a tiny random {hf_config.model_type} model is built at start-up (model.path is null)"
+    path = Path(cfg.model.path)
+    weights = weight_files(cfg.model.path)
+    if not weights and plan_only:
+        return (f"model: {path} holds config.json and no weight files: a plan-only directory (the plan is computed "
+                "from config.json; a run needs the *.safetensors)")
+    if not weights:
+        raise ConfigError(f"model.path {cfg.model.path!r} holds no *.safetensors or *.bin weight files: copy the "
+                          "checkpoint's weights there (a directory with config.json alone serves --dry-run only)")
+    check_weight_files(cfg.model.path, weights)
+    size = sum(p.stat().st_size for p in weights)
+    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {_size(size)})"
+
+
+def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:
+    """MoE routing replay needs a model with routed experts, and the engines' routing to replay."""
+    if cfg.trainer.routing_replay and not cfg.rollout.return_routed_experts:
+        raise ConfigError("trainer.routing_replay replays the engines' MoE routing: set rollout.return_routed_experts: "
+                          "true too")
+    if cfg.rollout.return_routed_experts and not num_experts(hf_config):
+        which = (f"model.tiny.family is {cfg.model.tiny.family!r} (use qwen3_moe)" if cfg.model.path is None else
+                 f"{cfg.model.path!r} is a dense {hf_config.model_type} checkpoint")
+        raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; {which}")
+
+
+def check_trainer_model(trainer: Any, hf_config: Any) -> None:
+    """What megatron-core (and this trainer) would refuse once every rank has started, for this model and the
+    trainer's parallel layout (a glue.trainer.config.TrainerConfig)."""
+    from glue.trainer.model import check_tensor_parallel
+
+    tp, ep, experts = trainer.tensor_model_parallel_size, trainer.expert_model_parallel_size, num_experts(hf_config)
+    try:
+        check_tensor_parallel(hf_config, tp)
+    except ValueError as err:
+        raise ConfigError(f"trainer.{err}") from None
+    if ep > 1 and not experts:
+        raise ConfigError(f"trainer.expert_model_parallel_size={ep} needs a mixture-of-experts model, and the model "
+                          f"is a dense {hf_config.model_type}: set --expert-model-parallel-size 1")
+    if experts % ep:
+        raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
+                          "(megatron-core gives every EP rank the same number); choose another EP size")
+    # megatron-core's MoELayer.forward raises in training when its TP group has > 1 rank without sequence parallelism
+    if experts and tp > 1 and not trainer.megatron.get("sequence_parallel"):
+        raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "
+                          "experts) needs sequence parallelism, which megatron-core requires to train MoE layers with "
+                          "TP > 1: add --sequence-parallel (trainer.megatron.sequence_parallel: true)")
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    return int(getattr(hf_config, "num_experts", None) or 0)
+
+
+def check_weight_files(model_path: str, weights: list[Path]) -> None:
+    """No weight file is empty or cut short (a download or copy that did not finish), and every shard the index
+    names is there."""
+    for path in weights:
+        size = path.stat().st_size
+        expected = _safetensors_size(path) if size and path.suffix == ".safetensors" else size
+        if size == 0 or size != expected:
+            what = "is 0 bytes" if size == 0 else f"is cut short ({size} bytes; its header describes {expected})"
+            raise ConfigError(f"model.path {model_path!r}: weight file {path.name} {what}: a download or copy that "
+                              "did not finish; fetch the checkpoint's weights again")
+    folder = weights[0].parent
+    for index in SHARD_INDEXES:
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError):
+                raise ConfigError(f"model.path {model_path!r}: {index} is not a shard index (no weight_map): copy "
+                                  "it again from the checkpoint") from None
+            missing = [name for name in shards if not (folder / name).is_file()]
+            if missing:
+                raise ConfigError(f"model.path {model_path!r}: {index} names {len(shards)} weight files and "
+                                  f"{len(missing)} of them are not there ({missing[0]}, ...): copy the whole "
+                                  "checkpoint")
+
+
+def _safetensors_size(path: Path) -> int:
+    """The size a safetensors file must have: 8 bytes of header length, the JSON header, then the data up to the
+    last tensor's end offset; -1 when the header cannot be read (reported as cut short)."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if not 0 < header_len <= path.stat().st_size - 8:
+            return -1
+        try:
+            header = json.loads(f.read(header_len))
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return -1
+    return 8 + header_len + max(ends, default=0)
+
+
+def has_tokenizer(directory: str) -> bool:
+    """Whether `directory` holds files AutoTokenizer can load a tokenizer from."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def weight_files(directory: str) -> list[Path]:
+    """The checkpoint's weight files, by name."""
+    return sorted(p for p in Path(directory).iterdir() if p.suffix in WEIGHT_SUFFIXES)
+
+
+def parameter_count(hf_config: Any) -> int:
+    """Every parameter of the HF model `hf_config` describes (the tensors a sync sends), counted on the meta device:
+    no memory, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
+    """What every weight sync moves, from config.json alone: the weight group's ranks (broadcast: rank 0 is trainer
+    rank 0, then each engine's TP ranks from rank_offset 1 + i x engine TP, as SGLang joins them), the bytes
+    (every parameter at the trainer's params_dtype, which is what trainer rank 0 sends) and the bucket size."""
+    import torch
+
+    from weight_sync.buckets import pipeline_bucket_bytes
+
+    s, hf_config = cfg.sync, model_config(cfg)
+    count = parameter_count(hf_config)
+    wire = cfg.trainer.megatron.get("params_dtype") or "float32"  # glue.trainer.model builds float32 by default
+    total = count * getattr(torch, wire).itemsize
+    stored = getattr(hf_config, "dtype", None)  # config.json's torch_dtype: a torch.dtype, a name, "auto" or None
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    as_stored = (f"; {_size(count * stored.itemsize)} at the checkpoint's {str(stored).removeprefix('torch.')}"
+                 if isinstance(stored, torch.dtype) else "")
+    pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
+    bucket = pipeline_bucket_bytes(total, s.bucket_bytes) if pipeline else s.bucket_bytes
+    plan = {"transport": f"{s.transport} ({s.backend})" if s.transport != "disk" else "disk",
+            "parameters": f"{count:,} ({hf_config.model_type}, counted from "
+                          f"{'config.json' if cfg.model.path else 'model.tiny'})",
+            "bytes_per_sync": f"{total:,} = {_size(total)} ({getattr(torch, wire).itemsize} bytes per parameter: "
+                              f"{wire}, the trainer's params_dtype{as_stored})",
+            "buckets": f"at least {math.ceil(total / bucket)} of at most {bucket / 2**20:.4g} MiB"
+                       + (" (pipelined)" if pipeline and s.transport != "disk" else "")}
+    if s.transport == "broadcast":
+        engines, tp = cfg.rollout.num_engines, cfg.cluster.engine_tensor_parallel_size
+        plan["group"] = f"world_size {1 + engines * tp}: rank 0 is trainer rank 0 (the source)"
+        plan["engines"] = [f"engine {i}: " + (f"ranks {1 + i * tp}-{(i + 1) * tp}" if tp > 1 else f"rank {1 + i}")
+                           + f" (rank_offset {1 + i * tp})" for i in range(engines)]
+    return plan
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000:
+            return f"{nbytes:.4g} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.4g} TB"
