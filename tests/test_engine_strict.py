@@ -132,6 +132,10 @@ def test_strict_messages_and_knobs_are_sglangs_own(sglang_srt):
             strict.DISTRIBUTED_OK, strict.TENSOR_OK, strict.DISK_OK, strict.RELEASE_NOT_IDLE, "Success."} <= updater
     server = string_constants(sglang_srt / "entrypoints" / "http_server.py")
     assert {strict.FLUSH_DONE, strict.FLUSH_FAILED, "SGLANG_HEALTH_CHECK_TIMEOUT"} <= server
+    flush = sglang_srt / "managers" / "scheduler_components" / "flush_wrapper.py"
+    assert strict.FLUSH_TIMED_OUT in string_constants(flush)
+    timeout_param = [a for a in handlers(sglang_srt / "entrypoints" / "http_server.py")["/flush_cache"].args.args]
+    assert [a.arg for a in timeout_param] == ["timeout"]  # the one thing SGLang's flush reads: ?timeout=
     assert strict.WAITING_QUEUE_ABORT in string_constants(sglang_srt / "managers" / "tokenizer_manager.py")
     serving = (sglang_srt / "arg_groups" / "fields" / "serving.py").read_text()
     assert "Defaults to 'default' if not specified." in serving and '] = "default"' in serving
@@ -326,6 +330,10 @@ def test_flush_is_refused_while_a_request_runs_and_an_update_then_fails_after_re
     group = join_group(strict_url)
     try:
         assert call(strict_url, "/flush_cache") == (400, strict.FLUSH_FAILED)
+        t0 = time.monotonic()
+        assert call(strict_url, "/flush_cache?timeout=0.5") == (400, strict.FLUSH_TIMED_OUT)
+        assert time.monotonic() - t0 >= 0.5
+        assert call(strict_url, "/flush_cache?timeout=-1")[0] == 400
         assert call(strict_url, "/pause_generation", {"mode": "in_place"})[0] == 200
         assert call(strict_url, "/flush_cache") == (400, strict.FLUSH_FAILED)  # in place keeps the batch
         assert call(strict_url, "/begin_weight_update", {})[0] == 200

@@ -58,6 +58,7 @@ FLUSH_REFUSED_AFTER_UPDATE = ("Weights were updated, but the cache was not flush
 FLUSH_DONE = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
               "requests, the operation will not be performed.)\n")
 FLUSH_FAILED = "Flush cache failed.\n"
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
 RELEASE_NOT_IDLE = "release_memory_occupation should be called only when server is idle."
 WAITING_QUEUE_ABORT = "Abort in waiting queue"  # tokenizer_manager._handle_abort_req's default message
 DISTRIBUTED_OK = "Succeeded to update parameter online."

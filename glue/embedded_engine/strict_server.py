@@ -20,7 +20,7 @@ from glue.embedded_engine.routes import ROUTES, Route
 from glue.embedded_engine.server import MEMORY_TAGS, EngineServer, memory_tags
 from glue.embedded_engine.sglang_layout import checker_ranks, per_engine_checksum
 from glue.embedded_engine.strict_schema import (
-    DISK_OK, DISTRIBUTED_OK, FLUSH_DONE, FLUSH_FAILED, FLUSH_REFUSED_AFTER_UPDATE, HEALTH_CHECK_TIMEOUT_S,
+    DISK_OK, DISTRIBUTED_OK, FLUSH_DONE, FLUSH_FAILED, FLUSH_REFUSED_AFTER_UPDATE, FLUSH_TIMED_OUT, HEALTH_CHECK_TIMEOUT_S,
     NO_SESSION_OPEN, NOT_IN_SGLANG, OUTSIDE_SESSION, RELEASE_NOT_IDLE, SELECTORS, SESSION_ALREADY_OPEN, STRICT_BODIES,
     TENSOR_OK, strict_output,
 )
@@ -175,10 +175,32 @@ class StrictEngineServer(EngineServer):
             self.runner.abort(rid=rid, prefix=True)
         return web.Response(status=200)
 
+    def _endpoint(self, route: Route) -> Any:
+        if route.path != "/flush_cache":
+            return super()._endpoint(route)
+
+        async def flush_endpoint(request: web.Request) -> web.StreamResponse:
+            text = request.query.get("timeout", "0")
+            try:
+                timeout = float(text)
+            except ValueError:
+                timeout = -1.0
+            if not timeout >= 0:  # FastAPI's Query(0.0, ge=0.0)
+                raise RequestError("timeout", f"timeout must be a number >= 0, got {describe(text)}")
+            return await self.flush_cache({"timeout": timeout})
+
+        return flush_endpoint
+
     async def flush_cache(self, body: dict[str, Any]) -> web.Response:
-        if self.is_idle():
-            return web.Response(text=FLUSH_DONE, status=200)
-        return web.Response(text=FLUSH_FAILED, status=400)
+        """SGLang's flush: done only when idle; with `?timeout=` seconds it waits that long for idle first
+        (scheduler_components/flush_wrapper.py)."""
+        deadline = time.monotonic() + body.get("timeout", 0.0)
+        while not self.is_idle():
+            if time.monotonic() >= deadline:
+                return web.Response(text=FLUSH_FAILED if body.get("timeout", 0.0) <= 0 else FLUSH_TIMED_OUT,
+                                    status=400)
+            await asyncio.sleep(0.05)
+        return web.Response(text=FLUSH_DONE, status=200)
 
     # ---- memory occupation ----
     def _memory_tags(self, body: dict[str, Any]) -> set[str]:
