@@ -320,16 +320,24 @@ def test_a_full_weight_sync_with_keys_set_lands_and_verifies(keyed_fleet, tmp_pa
     assert all(o["meta_info"]["weight_version"] == str(version) for o in outputs)
 
 
-@pytest.mark.parametrize("keys", [{}, {"api_key": API_KEY}], ids=["no keys", "only the api key"])
-def test_a_bridge_without_the_admin_key_is_refused_by_keyed_engines(keyed_fleet, tmp_path_factory, tmp_path, keys):
+def test_a_bridge_without_any_key_is_refused_by_keyed_engines_when_it_connects(keyed_fleet, tmp_path_factory,
+                                                                               tmp_path):
     from weight_sync.engine_calls import WeightSyncError
 
     model = model_with_seed(tmp_path_factory, 31)
-    # ipc: connecting involves only the source, so the refusal comes from the first update route, at once
-    # (a refused /init_weights_update_group would leave the source waiting for its group until timeout_s)
-    bridge = bridge_for(keyed_fleet, model, "ipc", tmp_path, **keys)
-    try:
-        with pytest.raises(WeightSyncError, match="update_weights_from_tensor answered 401"):
+    # the bridge first asks each engine what it offers (/get_server_info, an api-key route)
+    with pytest.raises(WeightSyncError, match="get_server_info answered 401"):
+        bridge_for(keyed_fleet, model, "ipc", tmp_path)
+
+
+def test_a_bridge_without_the_admin_key_is_refused_by_keyed_engines_before_any_weight_moves(
+        keyed_fleet, tmp_path_factory, tmp_path):
+    from weight_sync.engine_calls import WeightSyncError
+
+    model = model_with_seed(tmp_path_factory, 31)
+    bridge = bridge_for(keyed_fleet, model, "ipc", tmp_path, api_key=API_KEY)
+    try:  # the update session is the first admin route of a sync
+        with pytest.raises(WeightSyncError, match="begin_weight_update answered 401"):
             bridge.sync(31)
     finally:
         bridge.close()

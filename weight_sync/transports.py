@@ -214,9 +214,10 @@ class BroadcastTransport(_Base):
         name = self.groups.pop(urls, None)
         if name is None:
             return []
-        self.source.close_weight_channel(name)
+        # side by side: a member's side of a group with a broadcast still pending closes only once its peers close
         leave = [lambda url=url: self._leave(url, name) for url in urls]
-        return [problem for problem in run_together(leave, self.timeout_s) if problem]
+        problems = run_together([lambda: self.source.close_weight_channel(name), *leave], self.timeout_s)
+        return [problem for problem in problems if problem]
 
     def _leave(self, url: str, name: str) -> str | None:
         try:
