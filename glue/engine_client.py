@@ -256,12 +256,10 @@ class EngineClient:
     def weight_versions(self) -> list[str]:
         """Each engine's current weight version string, in `engine_urls` order (`weight_version_to_int` for ints)."""
         versions = []
-        for engine in self.engine_urls:
-            status, text = self._call(f"{engine}/get_weight_version", "GET", key=self.api_key)
-            if status == 404:  # SGLang servers report it in /model_info instead
-                status, text = self._call(f"{engine}/model_info", "GET", key=self.api_key)
+        for engine in self.engine_urls:  # SGLang 0.5.23 reports it in /model_info (it has no /get_weight_version)
+            status, text = self._call(f"{engine}/model_info", "GET", key=self.api_key)
             if status // 100 != 2:
-                raise EngineHTTPError(f"{engine}/get_weight_version", status, text)
+                raise EngineHTTPError(f"{engine}/model_info", status, text)
             versions.append(str(json.loads(text)["weight_version"]))
         return versions
 
