@@ -98,13 +98,15 @@ def rehearse(recipe: Recipe, folder: Path, *, engine: str, steps: int = STEPS, t
     config = folder / "config.yaml"
     config.write_text(yaml.safe_dump(shrunk.raw, sort_keys=False))
     run_name = shrunk.raw.get("run", {}).get("name", "demo")
+    engine_args = planned_engine_args(config)
     command = [str(Path(sys.executable).parent / "sluice"), "--config", str(config),
                f"run.output_dir={folder / 'runs'}", "run.overwrite=true"]
     started = time.monotonic()
     returncode, log = run_sluice(command, folder, env={**os.environ, **recipe.env}, timeout_s=timeout_s)
     row = {"name": recipe.name, "passed": False, "returncode": returncode,
            "wall_s": round(time.monotonic() - started, 1),
-           **read_metrics(folder / "runs" / run_name / "metrics.jsonl"), "shrunk": shrunk.record.to_dict()}
+           **read_metrics(folder / "runs" / run_name / "metrics.jsonl"), "engine_args": engine_args,
+           "shrunk": shrunk.record.to_dict()}
     if recipe.env:
         row["script_env"] = recipe.env
     row["passed"] = returncode == 0 and row["steps"] == steps
@@ -112,6 +114,14 @@ def rehearse(recipe: Recipe, folder: Path, *, engine: str, steps: int = STEPS, t
         row["error"] = error_line(log)
         row["log_tail"] = log.splitlines()[-25:]
     return row
+
+
+def planned_engine_args(config: Path) -> list[str]:
+    """The flags sluice's plan gives every engine for `config` (e.g. --tp-size 2 --sglang-strict), for the report."""
+    from launch.config import load_config
+    from launch.plan import resolve
+
+    return resolve(load_config(config))[1].engine_args
 
 
 def run_sluice(command: list[str], folder: Path, *, env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:

@@ -1,0 +1,169 @@
+"""`make rehearse`: every shipped recipe shrunk by launch.shrink to what 2 CPU cores hold, the same run in kind, and
+one of them (the MoE script, the largest layout) rehearsed end to end against SGLang-strict engines."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from launch.rehearse import error_line, load_recipe, raw_config, read_metrics, rehearse, shipped_recipes
+from launch.shrink import MAX_TRAINER_RANKS, infer_family, shrink
+
+RECIPES = shipped_recipes()
+ENGINE = "sglang_strict"
+
+
+def shrunk_recipe(name, tmp_path, engine=ENGINE):
+    recipe = load_recipe(name, tmp_path / "script")
+    return recipe, shrink(raw_config(recipe.argv), data_dir=tmp_path / "data", engine=engine, name_hint=name)
+
+
+def test_the_shipped_recipes_are_every_config_and_every_runnable_script():
+    assert [r for r in RECIPES if r.startswith("examples/")] == [
+        f"examples/configs/{n}.yaml" for n in
+        ("demo", "demo_async", "mu_grpo", "qwen3_30b_a3b", "qwen3_8b", "smollm2_arith", "text_arith")]
+    assert [r for r in RECIPES if r.startswith("launch/")] == [
+        f"launch/scripts/{n}.sh" for n in ("multi_node", "qwen3_30b_a3b_moe", "qwen3_8b_dense", "single_node")]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_shrinks_to_two_steps_on_one_cpu_node_with_a_tiny_model(name, tmp_path):
+    recipe, shrunk = shrunk_recipe(name, tmp_path)
+    raw, record = shrunk.raw, shrunk.record
+    t, c = raw.get("trainer", {}), raw.get("cluster", {})
+    sizes = [t.get(f"{n}_size", 1) or 1 for n in ("tensor_model_parallel", "pipeline_model_parallel",
+                                                   "expert_model_parallel", "data_parallel", "context_parallel")]
+    assert max(sizes) <= 2
+    assert math.prod(sizes[:2] + sizes[3:]) <= MAX_TRAINER_RANKS
+    assert raw["run"]["num_steps"] == 2 and raw["run"].get("ray_address") is None
+    assert c.get("gpus_per_node", 0) == 0 and c.get("num_nodes", 1) == 1 and c["engine"] == ENGINE
+    assert raw["model"].get("path") is None and raw["model"]["tiny"]["family"]
+    assert raw["rollout"].get("prompts_per_step", 8) <= 4 and raw["rollout"].get("samples_per_prompt", 8) <= 4
+    assert raw.get("sync", {}).get("backend", "gloo") == "gloo"
+    original = raw_config(recipe.argv)
+    if original.get("cluster", {}).get("engine_tensor_parallel_size", 1) > 1:
+        assert c["engine_tensor_parallel_size"] == 2
+    # the record accounts for every setting of the recipe: kept as it is, or scaled / dropped with a reason
+    for key, change in {**record.scaled, **record.dropped}.items():
+        assert change["why"], key
+        assert key not in record.kept
+    assert record.kept.get("run.mode", "sync") == original.get("run", {}).get("mode", "sync")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_shrunk_recipe_passes_the_checks_of_sluice_dry_run(name, tmp_path):
+    import yaml
+
+    from launch.config import load_config
+    from launch.plan import resolve
+
+    _, shrunk = shrunk_recipe(name, tmp_path)
+    (tmp_path / "shrunk.yaml").write_text(yaml.safe_dump(shrunk.raw))
+    cfg, plan = resolve(load_config(tmp_path / "shrunk.yaml"))
+    assert plan.notes == [] and plan.device == "cpu"
+    assert len(plan.trainer) <= MAX_TRAINER_RANKS
+
+
+def test_the_moe_script_keeps_expert_parallelism_its_router_settings_and_engine_tp(tmp_path):
+    recipe, shrunk = shrunk_recipe("launch/scripts/qwen3_30b_a3b_moe.sh", tmp_path)
+    t, record = shrunk.raw["trainer"], shrunk.record
+    assert (t["tensor_model_parallel_size"], t["expert_model_parallel_size"], t["expert_tensor_parallel_size"],
+            t["data_parallel_size"]) == (2, 2, 1, 1)
+    assert record.scaled["trainer.expert_model_parallel_size"]["from"] == 8
+    assert shrunk.raw["model"]["tiny"]["family"] == "qwen3_moe"
+    assert shrunk.raw["cluster"]["engine_tensor_parallel_size"] == 2
+    assert record.kept["trainer.megatron.sequence_parallel"] is True  # megatron-core needs it for MoE with TP > 1
+    assert record.kept["trainer.megatron.moe_router_dtype"] == "fp32"
+    assert record.kept["trainer.megatron.recompute_granularity"] == "full"
+    assert record.kept["rollout.dynamic_sampling"] is True and record.kept["router.request_timeout_secs"] == 3600
+    for gpu_only in ("moe_permute_fusion", "use_cpu_initialization", "moe_token_dispatcher_type"):
+        assert record.dropped[f"trainer.megatron.{gpu_only}"]["why"].startswith("GPU only")
+    assert record.dropped["sglang.mem_fraction_static"]["value"] == 0.75
+    assert recipe.env["TOKENIZERS_PARALLELISM"] == "false"
+    assert any("one node" in note for note in recipe.notes)
+
+
+def test_an_async_recipe_keeps_its_mode_and_the_slack_between_its_sync_interval_and_staleness(tmp_path):
+    _, shrunk = shrunk_recipe("examples/configs/mu_grpo.yaml", tmp_path)
+    assert shrunk.raw["sync"]["interval"] == 2 and shrunk.raw["sync"]["max_staleness"] == 1  # was 16 and 15
+    assert shrunk.record.kept["run.mode"] == "async" and shrunk.record.kept["loss.preset"] == "mu_grpo"
+
+
+def test_routing_replay_checkpoints_and_colocation_are_kept_as_the_recipe_has_them(tmp_path):
+    raw = {"run": {"num_steps": 500, "save_interval": 100, "mode": "async"}, "model": {"path": "/m/Qwen3-30B-A3B"},
+           "cluster": {"placement": "disaggregated", "gpus_per_node": 8, "engine_tensor_parallel_size": 8},
+           "rollout": {"return_routed_experts": True, "num_engines": 4},
+           "trainer": {"routing_replay": True, "expert_model_parallel_size": 4, "data_parallel_size": 4},
+           "sglang": {"enable_return_routed_experts": True}}
+    shrunk = shrink(raw, data_dir=tmp_path, engine=ENGINE)
+    kept = shrunk.record.kept
+    assert kept["rollout.return_routed_experts"] and kept["trainer.routing_replay"] and kept["run.mode"] == "async"
+    assert kept["run.save_interval"] == 100  # the run's final checkpoint is written whatever the interval
+    t = shrunk.raw["trainer"]
+    assert (t["data_parallel_size"], t["expert_model_parallel_size"]) == (2, 2)
+    assert shrunk.raw["rollout"]["num_engines"] == 2 and shrunk.raw["cluster"]["engine_tensor_parallel_size"] == 2
+    assert raw["trainer"]["data_parallel_size"] == 4, "the recipe's mapping is not changed"
+
+
+def test_a_large_layout_shrinks_dp_then_pp_then_tp_and_keeps_ep_a_divisor_of_the_dense_ranks(tmp_path):
+    raw = {"model": {"path": "/m/Qwen3-235B-A22B"}, "trainer": {
+        "tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 4, "data_parallel_size": 4,
+        "expert_model_parallel_size": 16, "expert_tensor_parallel_size": 2, "megatron": {"sequence_parallel": True}}}
+    t = shrink(raw, data_dir=tmp_path, engine=ENGINE).raw["trainer"]
+    assert (t["tensor_model_parallel_size"], t["pipeline_model_parallel_size"], t["data_parallel_size"]) == (2, 1, 1)
+    # ETP x EP must divide TP x DP = 2: ETP 2 leaves room for EP 1 only
+    assert (t["expert_tensor_parallel_size"], t["expert_model_parallel_size"]) == (2, 1)
+    assert t["megatron"]["sequence_parallel"] is True
+
+
+def test_the_checkpoint_family_comes_from_its_config_or_else_its_name(tmp_path):
+    assert infer_family("/models/Qwen3-30B-A3B", "") == "qwen3_moe"
+    assert infer_family("/models/Qwen3-8B", "") == "qwen3"
+    assert infer_family("models/smollm2-135m-instruct", "") == "llama"
+    assert infer_family(None, "examples/configs/demo.yaml") == "qwen2"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert infer_family(str(tmp_path), "qwen3_8b") == "llama"
+
+
+def test_sglang_options_the_embedded_engine_lacks_are_dropped_and_listed_as_not_rehearsed(tmp_path):
+    raw = {"sglang": {"mem_fraction_static": 0.7, "api_key": "k"}}
+    record = shrink(raw, data_dir=tmp_path, engine="embedded").record
+    assert "unrecognized arguments: --mem-fraction-static" in record.dropped["sglang.mem_fraction_static"]["why"]
+    assert record.kept["sglang.api_key"] == "k"
+
+
+def test_a_text_recipe_gets_stand_in_data_under_its_own_keys_and_a_tokenizer(tmp_path):
+    from launch.shrink import write_data
+
+    _, shrunk = shrunk_recipe("examples/configs/qwen3_8b.yaml", tmp_path)
+    write_data(shrunk)
+    path = shrunk.raw["rollout"]["task_args"]["path"]
+    assert path.startswith(str(tmp_path)) and shrunk.raw["model"]["tiny"]["tokenizer"] is True
+    row = json.loads(Path(path).read_text().splitlines()[0])
+    assert set(row) == {"problem", "answer"}
+    assert shrunk.raw["eval"]["task_args"]["path"] in shrunk.data_files
+
+
+def test_metrics_give_steps_first_step_time_and_mean_sync_time(tmp_path):
+    lines = [{"step": 0, "eval/pass@1": 0.0}, {"step": 1, "time/step_s": 3.0, "time/sync_s": 0.25},
+             {"step": 2, "time/step_s": 1.0, "time/sync_s": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert read_metrics(tmp_path / "metrics.jsonl") == {"steps": 2, "first_step_s": 3.0, "sync_s": 0.5}
+    assert read_metrics(tmp_path / "missing.jsonl") == {"steps": 0, "first_step_s": None, "sync_s": None}
+    assert error_line("x\nValueError: bad\nsluice: error: engine 0 died\ntail") == "sluice: error: engine 0 died"
+
+
+@pytest.mark.slow
+def test_the_moe_script_rehearses_two_steps_against_strict_engines(tmp_path):
+    row = rehearse(load_recipe("launch/scripts/qwen3_30b_a3b_moe.sh", tmp_path / "script"), tmp_path,
+                   engine=ENGINE, timeout_s=300)
+    assert row["passed"], (row.get("error"), row.get("log_tail"))
+    assert row["steps"] == 2 and row["first_step_s"] > 0 and row["sync_s"] is not None
+    assert row["shrunk"]["engine"] == ENGINE
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_shipped_recipe_rehearses_two_steps_against_strict_engines(name, tmp_path):
+    row = rehearse(load_recipe(name, tmp_path / "script"), tmp_path, engine=ENGINE, timeout_s=600)
+    assert row["passed"], row.get("error")
