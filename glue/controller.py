@@ -37,12 +37,14 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
                    on_step: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False,
                    checkpoints: Checkpoints | None = None, first_step: int = 1,
                    sync_guard: Callable[[Callable[[], None]], None] = lambda sync: sync(),
+                   train_guard: Callable[[Callable[[], Any]], Any] = lambda call: call(),
                    extra_metrics: Callable[[], dict[str, float]] = dict,
                    evaluate: Callable[[int], Awaitable[dict[str, float]]] = no_evaluation) -> int:
     """Train steps `first_step`..`num_steps`, or until `stop()` holds after a step (a checkpoint is written then,
     as at the last step and every `checkpoints.interval`); returns the last step trained. Every trained token is
     at most `stream.gate.max_staleness` versions old. `sync_guard(sync)` runs each weight sync (in a worker thread;
-    glue.fleet_watch keeps it apart from engine restarts); `extra_metrics()` adds to every step's record.
+    glue.fleet_watch keeps it apart from engine restarts), `train_guard(call)` each train step and checkpoint (their
+    trainer collectives never meet a repair's); `extra_metrics()` adds to every step's record.
     `await evaluate(step)` runs after each step's sync, when the engines hold a known version (and for step 0 before
     the first step); what it returns (glue.evaluation: {} unless due) joins the step's record."""
     gate = stream.gate
@@ -58,7 +60,7 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             groups = sorted(groups, key=lambda g: g.group_id)  # one order whatever order they finished in
             batch, staleness = build_train_batch(groups, loss_cfg, withheld=withheld, gate=gate)
             with timer("train"):
-                train_metrics = await asyncio.to_thread(train_phase, phases, trainer, batch)
+                train_metrics = await asyncio.to_thread(train_guard, lambda: train_phase(phases, trainer, batch))
             stream.trained(trainer.version)
             if gate.should_sync():
                 with timer("sync"):
@@ -76,7 +78,7 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             stopping = stop()
             if checkpoints is not None and checkpoints.due(step, last=stopping or step == num_steps):
                 state = {**await stream.checkpoint_state(fleet), "version": trainer.version}  # on the loop
-                await asyncio.to_thread(checkpoints.save, step, trainer.save_checkpoint, state)
+                await asyncio.to_thread(train_guard, lambda: checkpoints.save(step, trainer.save_checkpoint, state))
             if stopping:
                 return step
         return num_steps

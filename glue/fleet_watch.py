@@ -38,8 +38,10 @@ class FleetWatch:
 
     def __init__(self, fleet: Any, *, repair: Callable[[int], None] | None, client: Any = None,
                  max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
-                 health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES):
+                 health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES,
+                 trainer_turn: threading.Lock | None = None):
         self.fleet, self.repair, self.client = fleet, repair, client
+        self.trainer_turn = trainer_turn or threading.Lock()  # train steps and a repair's weight gathering take turns
         self.max_restarts, self.poll_s = max_restarts, poll_s
         self.health_interval_s, self.health_timeout_s, self.health_failures = (health_interval_s, health_timeout_s,
                                                                                health_failures)
@@ -98,6 +100,12 @@ class FleetWatch:
                 self._wait_for_repair()
         finally:
             self._syncing = False
+
+    def guarded_train(self, call: Callable[[], Any]) -> Any:
+        """Run a trainer call whose collectives must not meet a repair's (a train step, a checkpoint; blocking, in a
+        worker thread): a repair gathers the weights for its new engine only between them (`engine_repair`)."""
+        with self.trainer_turn:
+            return call()
 
     def pause_generation(self, mode: str = "retract") -> None:
         """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed."""
@@ -206,15 +214,29 @@ class FleetWatch:
             time.sleep(0.2)
 
 
-def engine_repair(fleet: Any, bridge: Any) -> Callable[[int], None]:
+def engine_repair(fleet: Any, bridge: Any, *, trainer_turn: threading.Lock | None = None, client: Any = None,
+                  pause_mode: str | None = None) -> Callable[[int], None]:
     """The usual `repair`: the bridge stops syncing the faulty engine, the fleet replaces it and the bridge brings
-    the new one to the current weights before the router sees it. If the new engine cannot be routed to after all,
-    the bridge forgets it again (it is stopped)."""
+    the new one to the fleet's weights before the router sees it. If the new engine cannot be routed to after all,
+    the bridge forgets it again (it is stopped). The weights are gathered by the trainer's collectives, so the
+    catch-up waits for `trainer_turn` (the lock `FleetWatch.guarded_train` holds around every train step and
+    checkpoint); a trainer that trained since the last sync brings the whole fleet to its version
+    (`WeightBridge.add_engine`), with generation paused through `client` (in `pause_mode`) meanwhile."""
+    turn = trainer_turn or threading.Lock()
+
+    def prepare(url: str) -> None:
+        with turn:
+            if client is None or not bridge.is_behind_source():
+                bridge.add_engine(url)
+                return
+            client.pause_generation(pause_mode or "retract")
+            bridge.add_engine(url)  # a failure leaves generation paused: weights may be half written
+            client.continue_generation()
 
     def repair(index: int) -> None:
         bridge.remove_engine(fleet.engine_urls[index])
         try:
-            fleet.replace_engine(index, prepare=bridge.add_engine)
+            fleet.replace_engine(index, prepare=prepare)
         except BaseException:
             bridge.remove_engine(fleet.engine_urls[index])
             raise

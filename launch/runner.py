@@ -12,6 +12,7 @@ import json
 import secrets
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 from launch.config import ConfigError, SluiceConfig, write_resolved
@@ -188,7 +189,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         on_step=on_step, stop=stop, first_step=first_step,
         checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
                                 interval=cfg.run.save_interval),
-        sync_guard=watch.guarded_sync, extra_metrics=lambda: {**watch.metrics(), **task_metrics(manager.task)},
+        sync_guard=watch.guarded_sync, train_guard=watch.guarded_train,
+        extra_metrics=lambda: {**watch.metrics(), **task_metrics(manager.task)},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
     try:
         return await watch.run(training)
@@ -247,8 +249,10 @@ def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
     from glue.fleet_watch import FleetWatch, engine_repair
 
     r = cfg.rollout
-    repair = None if plan.placement == "colocated" else engine_repair(fleet, bridge)
-    return FleetWatch(fleet, repair=repair, client=client,
+    turn = threading.Lock()  # train steps and a repair's weight gathering (trainer collectives) take turns
+    repair = None if plan.placement == "colocated" else engine_repair(fleet, bridge, trainer_turn=turn, client=client,
+                                                                      pause_mode=cfg.sync.pause_mode)
+    return FleetWatch(fleet, repair=repair, client=client, trainer_turn=turn,
                       max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
                       health_timeout_s=r.health_check_timeout_s)
 

@@ -199,3 +199,56 @@ def test_the_watch_never_counts_a_health_probe_against_an_engine_sluice_paused()
     engine.server.shutdown()
     assert repaired == [] and watch.restarts == 0
     assert set(watch._failed_checks.values()) <= {0}
+
+
+def test_a_repair_gathers_weights_only_between_train_steps_and_pauses_generation_when_the_fleet_must_move():
+    """Issue 26 item 2: the repair's catch-up runs the trainer's gather collectives, so it waits for the train step
+    holding the trainer's turn; a trainer past the last sync brings the whole fleet to its version, which pauses
+    generation around it. The fleet, bridge and client are records of calls: the contract is engine_repair's."""
+    import threading
+
+    from glue.fleet_watch import engine_repair
+
+    calls: list[str] = []
+
+    class Bridge:
+        engine_urls = ["http://a", "http://b"]
+
+        def is_behind_source(self):
+            return True
+
+        def add_engine(self, url):
+            calls.append(f"add {url}")
+
+        def remove_engine(self, url):
+            calls.append(f"remove {url}")
+
+    class Fleet:
+        engine_urls = ["http://a", "http://b"]
+
+        def replace_engine(self, index, prepare):
+            self.engine_urls[index] = "http://c"
+            prepare("http://c")
+
+    class Client:
+        def pause_generation(self, mode):
+            calls.append(f"pause {mode}")
+
+        def continue_generation(self):
+            calls.append("continue")
+
+    watch = FleetWatch(Fleet(), repair=None)
+    repair = engine_repair(Fleet(), Bridge(), trainer_turn=watch.trainer_turn, client=Client(), pause_mode="abort")
+    stepping = threading.Event()
+
+    def train_step():
+        stepping.set()
+        time.sleep(0.5)
+        calls.append("step ends")
+
+    trainer = threading.Thread(target=watch.guarded_train, args=(train_step,))
+    trainer.start()
+    stepping.wait()
+    repair(1)
+    trainer.join()
+    assert calls == ["remove http://b", "step ends", "pause abort", "add http://c", "continue"]

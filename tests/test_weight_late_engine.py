@@ -11,7 +11,12 @@ from glue.config import SyncConfig
 from glue.fleet import RolloutFleet
 from test_embedded_engine import call
 from weight_sync.bridge import WeightSyncError, make_bridge
-from weight_sync.source import LocalWeightSource
+from weight_sync.engine_calls import weight_checksums
+from weight_sync.source import LocalWeightSource, tensor_checksum
+
+
+def source_sums(source: LocalWeightSource) -> dict[str, str]:
+    return {name: tensor_checksum(tensor) for name, tensor in source.tensors.items()}
 
 
 def test_a_late_engine_is_synced_to_the_current_version_before_the_router_sees_it(tiny_model_dir, tmp_path):
@@ -39,8 +44,13 @@ def test_a_late_engine_is_synced_to_the_current_version_before_the_router_sees_i
         assert late not in seen_by_router_during_catch_up and len(seen_by_router_during_catch_up) == 1
         assert fleet.registered_workers().get(late) is True
         assert call(late, "/model_info")[1]["weight_version"] == "7"
+        assert weight_checksums(late, 30) == source_sums(source)
+        with torch.no_grad():  # the trainer steps: the next sync carries weights no engine holds yet
+            for tensor in source.tensors.values():
+                tensor.add_(0.125)
         bridge.sync(8)  # the late engine is in every later sync
         assert [call(u, "/model_info")[1]["weight_version"] for u in fleet.engine_urls] == ["8", "8"]
+        assert [weight_checksums(u, 30) for u in fleet.engine_urls] == [source_sums(source)] * 2
 
         def failing_catch_up(url: str) -> None:
             raise WeightSyncError(f"engine {url} failed /update_weights_from_distributed: test")
@@ -51,6 +61,39 @@ def test_a_late_engine_is_synced_to_the_current_version_before_the_router_sees_i
         assert len(fleet.started_pids) == 4  # engine, router, late engine, the failed one: stopped and reaped
         with pytest.raises(ProcessLookupError):
             os.kill(fleet.started_pids[-1], 0)
+    finally:
+        if bridge is not None:
+            bridge.close()
+        fleet.stop()
+
+
+def test_a_late_engine_that_joins_after_the_trainer_moved_past_the_last_sync_gets_no_newer_weights_under_an_old_tag(
+        tiny_model_dir, tmp_path):
+    """sync.interval > 1: between syncs the trainer's live weights are newer than the fleet's. A replacement must not
+    get them under the fleet's tag (issue 26 item 2): the whole fleet is brought to the trainer's version."""
+    from transformers import AutoModelForCausalLM
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "seed9", seed=9), dtype=torch.float32)
+    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
+    fleet = RolloutFleet(model_path=tiny_model_dir, num_engines=1, log_dir=tmp_path / "logs",
+                         engine_args=["--num-threads", "1"])
+    fleet.start()
+    bridge = None
+    try:
+        bridge = make_bridge(SyncConfig(transport="broadcast", verify="full"), source=source,
+                             engine_urls=list(fleet.engine_urls))
+        source.version = 4
+        bridge.sync(4)
+        with torch.no_grad():  # one train step past the sync, no sync yet (interval 2)
+            for tensor in source.tensors.values():
+                tensor.mul_(0.5)
+        source.version = 5
+        late = fleet.add_engine(prepare=bridge.add_engine)
+        versions = [call(u, "/model_info")[1]["weight_version"] for u in fleet.engine_urls]
+        assert versions == ["5", "5"] and bridge.version == 5
+        assert [weight_checksums(u, 30) for u in (fleet.engine_urls[0], late)] == [source_sums(source)] * 2
     finally:
         if bridge is not None:
             bridge.close()

@@ -77,8 +77,12 @@ class WeightBridge:
         return self.last_sync
 
     def add_engine(self, url: str) -> None:
-        """Bring a new engine to the current version on a channel of its own, then add it to every later sync
-        (broadcast: the group is rebuilt with it, in list order)."""
+        """Bring a new engine to the fleet's version on a channel of its own, then add it to every later sync
+        (broadcast: the group is rebuilt with it, in list order). The source sends its live weights, so they are
+        the fleet's only while the source is still at the last synced version; a source that trained since (its
+        `version` differs: `sync.interval` > 1) brings the whole fleet, the new engine with it, to its own version
+        instead (`sync`), so no engine runs newer weights under an older tag: the caller pauses generation then
+        (`is_behind_source`)."""
         if self.transport is None:
             raise RuntimeError("WeightBridge.add_engine called before connect()")
         if url in self.engine_urls:
@@ -86,7 +90,7 @@ class WeightBridge:
         if self.verify != "off" and self._settle_verify([url]) == "off":
             raise WeightSyncError(f"engine {url} reports no bucket checksums, but this bridge verifies them for the "
                                   "rest of the fleet; every engine of a run must be of one kind")
-        if self.version is not None:
+        if self.version is not None and not self.is_behind_source():
             self.transport.connect([url])
             try:
                 self._transfer_and_verify([url], str(self.version))
@@ -95,6 +99,14 @@ class WeightBridge:
         self.transport.disconnect(self.engine_urls)
         self.engine_urls.append(url)
         self.transport.connect(self.engine_urls)
+        if self.version is not None and self.is_behind_source():
+            self.sync(self.source.version)
+
+    def is_behind_source(self) -> bool:
+        """Has the source trained past the last synced version? (A source that reports no `version` is taken to
+        hold the synced weights.)"""
+        live = getattr(self.source, "version", None)
+        return self.version is not None and live is not None and live != self.version
 
     def remove_engine(self, url: str) -> None:
         """Stop syncing an engine (it left the fleet); the others' channel is rebuilt without it."""
