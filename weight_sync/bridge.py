@@ -4,6 +4,7 @@ the current version before the fleet puts it behind the router.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Sequence
 
@@ -37,6 +38,7 @@ class WeightBridge:
         self.transport: Transport | None = None
         self.version: int | None = None  # the last version every engine verifiably holds
         self.last_sync: dict[str, float] = {}
+        self.left_behind = 0  # engines that could not leave a weight group (hung or gone), over the run
         self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
         self.requested_verify = verify
 
@@ -95,8 +97,8 @@ class WeightBridge:
             try:
                 self._transfer_and_verify([url], str(self.version))
             finally:
-                self.transport.disconnect([url])
-        self.transport.disconnect(self.engine_urls)
+                self._disconnect([url])
+        self._disconnect(self.engine_urls)
         self.engine_urls.append(url)
         self.transport.connect(self.engine_urls)
         if self.version is not None and self.is_behind_source():
@@ -109,17 +111,23 @@ class WeightBridge:
         return self.version is not None and live is not None and live != self.version
 
     def remove_engine(self, url: str) -> None:
-        """Stop syncing an engine (it left the fleet); the others' channel is rebuilt without it."""
+        """Stop syncing an engine (it left the fleet, or hangs); the others' channel is rebuilt without it. An engine
+        that does not answer is left behind, not waited for (`_disconnect`)."""
         if url not in self.engine_urls or self.transport is None:
             return
-        others = [u for u in self.engine_urls if u != url]
-        try:
-            self.transport.disconnect(self.engine_urls)
-        except WeightSyncError:
-            pass  # the engine may be gone already: the source side of the channel is closed regardless
-        self.engine_urls = others
-        if others:
-            self.transport.connect(others)
+        self._disconnect(self.engine_urls)
+        self.engine_urls = [u for u in self.engine_urls if u != url]
+        if self.engine_urls:
+            self.transport.connect(self.engine_urls)
+
+    def _disconnect(self, urls: list[str]) -> None:
+        """Close the channel to `urls`; the source's side always closes. Engines that could not leave their side (a
+        hung or dead one keeps it until its own timeout or exit) are counted in `left_behind` (`sync/left_behind`
+        in every sync's figures) and named on stderr."""
+        problems = self.transport.disconnect(urls) or []
+        self.left_behind += len(problems)
+        for problem in problems:
+            print(f"sluice: weight sync: {problem}", file=sys.stderr, flush=True)
 
     def _in_update_session(self, urls: list[str], transfer: Any) -> Any:
         """Run `transfer` inside SGLang's weight-update session on every engine (`/begin_weight_update` ...
@@ -164,6 +172,7 @@ class WeightBridge:
         # no separate /update_weight_version, which would leave a window of new weights under the old tag.
         check_versions(urls, version, self.timeout_s, self.api_key)
         if self.verify == "full":
+            tensor_sums = tensor_sums if tensor_sums is not None else transfer.tensor_sums
             run_together([lambda url=url: check_full(url, tensor_sums, self.timeout_s, self.admin_key) for url in urls],
                          self.timeout_s)
         t3 = time.perf_counter()
@@ -171,6 +180,7 @@ class WeightBridge:
         phases = {"pack_s": 0.0, "wire_s": 0.0, "source_checksum_s": 0.0, "copy_in_s": 0.0, **transfer.timings}
         self.last_sync = {"stage_s": t1 - t0, "transfer_s": t2 - t1, "verify_s": t3 - t2, "total_s": t3 - t0,
                           "bytes": nbytes, "buckets": float(len(self.layouts)), "gb_per_s": nbytes / (t3 - t0) / 1e9,
+                          "left_behind": float(self.left_behind),
                           **phases}
 
 

@@ -75,7 +75,7 @@ class _Channel:
         wait(list(self.ahead.values()))
         self.ahead.clear()
 
-    def send(self, index: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def send(self, index: int, tensors: Mapping[str, torch.Tensor], ahead: bool = True) -> dict[str, Any]:
         if self.kind == "disk":
             t0 = time.perf_counter()
             out: dict[str, Any] = {"checksum": self.writer.write_bucket(index, tensors)}
@@ -83,7 +83,7 @@ class _Channel:
                 out["path"] = self.writer.commit()
             return {**out, "pack_s": time.perf_counter() - t0}
         if self.kind == "broadcast":
-            return self._broadcast(index, tensors)
+            return self._broadcast(index, tensors, ahead)
         slot = index % len(self.buffers)
         out = self._pack(index, tensors, checksum_too=True)
         if self.segments:
@@ -97,7 +97,7 @@ class _Channel:
             out["handle"] = encode_cuda_handle(self.buffers[slot], self.layouts[index])
         return out
 
-    def _broadcast(self, index: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def _broadcast(self, index: int, tensors: Mapping[str, torch.Tensor], ahead: bool = True) -> dict[str, Any]:
         """Send bucket `index` (packed ahead, or now). Pipelined, the packing thread holds the next bucket before
         this one goes on the wire and gets the one after it once this broadcast frees its buffer; this call waits
         for the next bucket's packing before it returns, so a packing error surfaces here, after this bucket has
@@ -106,7 +106,8 @@ class _Channel:
 
         packing = self.ahead.pop(index, None)
         out = packing.result() if packing is not None else self._pack(index, tensors, checksum_too=False)
-        self._pack_ahead(index + 1, tensors)
+        if ahead:
+            self._pack_ahead(index + 1, tensors)
         flat = self.buffers[index % len(self.buffers)][: self.layouts[index].nbytes]
         t0 = time.perf_counter()
         work = broadcast_bucket(self.group, flat, src=0, wait=False)
@@ -116,7 +117,8 @@ class _Channel:
         finally:
             wait_unless_aborted(self.group, work)
         out["wire_s"] = time.perf_counter() - t0
-        self._pack_ahead(index + 2, tensors)
+        if ahead:
+            self._pack_ahead(index + 2, tensors)
         following = self.ahead.get(index + 1)
         if following is not None and following.exception() is not None:  # waits for the packing to end
             del self.ahead[index + 1]
@@ -177,10 +179,17 @@ class BucketSource:
         self.staged = tensors
         return {n: tensor_checksum(t) for n, t in tensors.items()} if with_tensor_checksums else None
 
-    def send_bucket(self, channel: str, index: int) -> dict[str, Any]:
+    def send_bucket(self, channel: str, index: int, tensors: Mapping[str, torch.Tensor] | None = None
+                    ) -> dict[str, Any]:
+        """Send bucket `index` of the staged tensors, or of `tensors` (a streaming source's tensors of this bucket
+        alone: checked against the bucket's layout, and nothing is packed ahead, since the next bucket's tensors
+        do not exist yet)."""
         if channel not in self.channels:
             raise RuntimeError(f"weight channel {channel!r} is not open (open: {sorted(self.channels)})")
-        return self.channels[channel].send(index, self.staged)
+        if tensors is None:
+            return self.channels[channel].send(index, self.staged)
+        check_bucket_tensors(self.channels[channel].layouts[index], tensors)
+        return self.channels[channel].send(index, tensors, ahead=False)
 
     def close_channel(self, name: str) -> None:
         channel = self.channels.pop(name, None)

@@ -26,7 +26,8 @@ class WeightSource(Protocol):
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
     def open_weight_channel(self, name: str, spec: Mapping[str, Any]) -> None: ...
-    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None: ...
+    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None: ...  # None: the
+    # source streams, and each bucket's per-tensor checksums come back with it (`tensor_sums`)
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]: ...
     def close_weight_channel(self, name: str) -> None: ...
 
@@ -43,9 +44,11 @@ class Transfer:
     engines: dict[str, list[str | None]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     engine_seconds: dict[str, float] = field(default_factory=dict, repr=False)  # copy-in (with checksums), per engine
+    tensor_sums: dict[str, str] = field(default_factory=dict, repr=False)  # a streaming source's per-tensor sums
 
     def add_source(self, sent: Mapping[str, Any]) -> None:
         self.source.append(sent["checksum"])
+        self.tensor_sums.update(sent.get("tensor_sums") or {})
         for key, out in (("pack_s", "pack_s"), ("checksum_s", "source_checksum_s"), ("wire_s", "wire_s")):
             self.timings[out] = self.timings.get(out, 0.0) + float(sent.get(key, 0.0))
 
@@ -60,8 +63,11 @@ class Transfer:
 class Transport(Protocol):
     def connect(self, urls: Sequence[str]) -> None: ...
     def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer: ...
-    def disconnect(self, urls: Sequence[str]) -> None: ...
+    def disconnect(self, urls: Sequence[str]) -> list[str]: ...  # what engines could not undo, one line each
     def close(self) -> None: ...
+
+
+LEAVE_TIMEOUT_S = 10.0  # how long an engine gets to leave a weight group; one that does not answer is left behind
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -208,38 +214,33 @@ class BroadcastTransport(_Base):
         store.set(abort_key(name), "1")
 
     def _drop_group(self, urls: tuple[str, ...]) -> list[str]:
-        """Forget a group a failed transfer broke: the source closes its side and the engines are asked to leave it.
-        Returns what could not be cleaned up (an engine that failed, or is gone, keeps its side until its own
-        timeout or exit), for the caller to add to the transfer's error. The next connect() builds a fresh group."""
-        name = self.groups.pop(urls, None)
+        """Forget a group a failed transfer broke (`disconnect`); the next connect() builds a fresh group."""
+        return self.disconnect(urls)
+
+    def disconnect(self, urls: Sequence[str]) -> list[str]:
+        """Close the group of `urls`: the source closes its side and every engine is asked to leave, side by side (a
+        member's side of a group with a broadcast still pending closes only once its peers close theirs). An engine
+        that does not answer within `LEAVE_TIMEOUT_S` (hung, or gone) keeps its side until its own timeout or exit;
+        that is returned, one line per engine, not raised: the others' group must be rebuilt without it."""
+        name = self.groups.pop(tuple(urls), None)
         if name is None:
             return []
-        # side by side: a member's side of a group with a broadcast still pending closes only once its peers close
+        self._addresses.pop(name, None)
         leave = [lambda url=url: self._leave(url, name) for url in urls]
         problems = run_together([lambda: self.source.close_weight_channel(name), *leave], self.timeout_s)
         return [problem for problem in problems if problem]
 
     def _leave(self, url: str, name: str) -> str | None:
         try:
-            call_update(url, "/destroy_weights_update_group", {"group_name": name}, min(self.timeout_s, 10.0),
-                        self.key)
+            call_update(url, "/destroy_weights_update_group", {"group_name": name},
+                        min(self.timeout_s, LEAVE_TIMEOUT_S), self.key)
         except WeightSyncError as err:
-            return f"after the failure, {url} could not leave weight group {name!r}: {err}"
+            return f"{url} could not leave weight group {name!r}: {err}"
         return None
-
-    def disconnect(self, urls: Sequence[str]) -> None:
-        name = self.groups.pop(tuple(urls), None)
-        if name is None:
-            return
-        self._on_engines(urls, "/destroy_weights_update_group", {"group_name": name})
-        self.source.close_weight_channel(name)
 
     def close(self) -> None:
         for key in list(self.groups):
-            try:
-                self.disconnect(list(key))
-            except WeightSyncError:  # an engine that is already gone cannot leave the group; the source still does
-                self.source.close_weight_channel(self.groups.pop(key, ""))
+            self.disconnect(list(key))
         super().close()
 
 
@@ -263,8 +264,9 @@ class _PointToPoint(_Base):
             self.source.open_weight_channel(self.CHANNEL, self._channel_spec())
             self._open = True
 
-    def disconnect(self, urls: Sequence[str]) -> None:
+    def disconnect(self, urls: Sequence[str]) -> list[str]:
         """Point to point: nothing per engine to undo."""
+        return []
 
     def close(self) -> None:
         if self._open:

@@ -86,25 +86,21 @@ class TrainerGroup:
         return tuple(ray.get(self._actors[0].rendezvous_address.remote()))
 
     def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
-        """Rank 0 opens a weight-bridge channel (for broadcast: blocks until every engine has joined)."""
-        import ray
+        """Every rank learns the channel's buckets; rank 0 opens it (broadcast: blocks until every engine joined)."""
+        self._all("open_weight_channel", name, spec)
 
-        ray.get(self._actors[0].open_weight_channel.remote(name, spec))
-
-    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None:
-        """All ranks gather full HF tensors; rank 0 holds them for the buckets (and returns per-tensor checksums)."""
-        return self._all("stage_weights", with_tensor_checksums)[0]
+    def stage_weights(self, with_tensor_checksums: bool = False) -> None:
+        """Start a sync of the current weights. Nothing is gathered here: each bucket is, when it is sent, and its
+        per-tensor checksums (verify: full) come back with it (`tensor_sums`)."""
+        self._all("stage_weights", with_tensor_checksums)
 
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
-        """Rank 0 packs and sends one bucket of the staged weights; returns its checksum (and handle or path)."""
-        import ray
-
-        return ray.get(self._actors[0].send_weight_bucket.remote(channel, index))
+        """Every rank takes part in gathering bucket `index` (the ranks holding its shards, and rank 0); rank 0
+        sends it and answers with its checksum (and handle or path)."""
+        return self._all("send_weight_bucket", channel, index)[0]
 
     def close_weight_channel(self, name: str) -> None:
-        import ray
-
-        ray.get(self._actors[0].close_weight_channel.remote(name))
+        self._all("close_weight_channel", name)
 
     def full_hf_state(self) -> dict[str, Any]:
         """Every weight as a full HF-named CPU tensor (for checks and checkpoints)."""

@@ -50,8 +50,7 @@ class TrainerWorker:
         # host copies of this rank's shard per version, only when the loss takes old logprobs from the trainer
         uses_snapshots = loss_cfg.needs_old_logprobs and cfg.old_logprobs == "snapshot"
         self._snapshots = PolicySnapshots(keep_versions) if uses_snapshots else None
-        self._staged_version: int | None = None  # the version stage_weights gathered, for send_weight_bucket's guard
-        self._bucket_source: Any = None  # weight_sync.source.BucketSource on rank 0, made on first use
+        self._weight_source: Any = None  # glue.trainer.weight_stream.TrainerWeightSource, made on first use
         self._offloaded: dict[Any, torch.Tensor] | None = None  # host copies while offloaded (colocated placement)
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -275,9 +274,8 @@ class TrainerWorker:
         drop gradients; returns `training_state_bytes()` (0). Idempotent."""
         if self._offloaded is None:
             self.optimizer.zero_grad(set_to_none=True)
-            if self._bucket_source is not None:
-                self._bucket_source.staged = {}  # the last sync's full tensors: re-gathered at the next one
-            self._staged_version = None
+            if self._weight_source is not None:
+                self._weight_source.drop_staged()
             self._offloaded = offload.to_host(self._held_parameters(), self.optimizer)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
@@ -313,45 +311,37 @@ class TrainerWorker:
 
         return load_rank(self, directory)
 
-    # ---- the weight bridge's source calls (weight_sync.transports.WeightSource); rank 0 sends ----
-    def _source(self) -> Any:
-        if self._bucket_source is None:
-            from weight_sync.source import BucketSource
+    # ---- the weight bridge's source calls (weight_sync.transports.WeightSource): every rank takes part ----
+    def _weights(self) -> Any:
+        if self._weight_source is None:
+            from glue.trainer.weight_stream import TrainerWeightSource
 
-            self._bucket_source = BucketSource()
-        return self._bucket_source
+            self._weight_source = TrainerWeightSource(self.model, self.hf_config, self.place)
+        return self._weight_source
 
     def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
-        """Rank 0 opens a bucket channel (a weight group, a shared segment or a checkpoint directory)."""
-        if self.rank == 0:
-            self._source().open_channel(name, spec)
+        """Every rank learns the channel's buckets; rank 0 opens it (a weight group, a shared segment or a
+        checkpoint directory)."""
+        self._weights().open(name, spec)
 
-    def stage_weights(self, with_tensor_checksums: bool = False) -> dict[str, str] | None:
-        """Collective: every rank takes part in the gather; rank 0 keeps the full HF tensors for `send_weight_bucket`."""
-        state = self.full_hf_state()
-        self._staged_version = self.version
-        return self._source().stage(state, with_tensor_checksums) if self.rank == 0 else None
+    def stage_weights(self, with_tensor_checksums: bool = False) -> None:
+        """Collective: start a sync of the current weights (nothing is gathered until a bucket is sent)."""
+        self._weights().stage(self.version, with_tensor_checksums)
 
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
-        """Rank 0 packs bucket `index` of the staged weights and sends it into `channel`.
-
-        Refuses once a train step has run since staging: ungathered staged tensors are the parameters themselves
-        (on CPU), so the bucket would carry the new version's weights under the staged version's tag."""
-        if self._staged_version != self.version:
-            staged = "nothing is staged" if self._staged_version is None else f"version {self._staged_version} was staged"
-            raise RuntimeError(f"send_weight_bucket: {staged} but the trainer is at version {self.version}; call "
-                               "stage_weights again and send every bucket before the next train_step")
-        return self._source().send_bucket(channel, index)
+        """Collective: gather bucket `index` of the staged weights onto rank 0, which sends it into `channel`
+        (glue.trainer.weight_stream)."""
+        return self._weights().send(channel, index, self.version)
 
     def close_weight_channel(self, name: str) -> None:
-        if self._bucket_source is not None:
-            self._bucket_source.close_channel(name)
+        if self._weight_source is not None:
+            self._weight_source.close(name)
 
     def shutdown(self) -> None:
         """Leave the process groups and remove what only interpreter exit would (the actor is killed afterwards,
         with no exit handlers run)."""
-        if self._bucket_source is not None:
-            self._bucket_source.close()
+        if self._weight_source is not None:
+            self._weight_source.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         remove_wandb_staging_dirs()

@@ -60,7 +60,7 @@ def hf_to_megatron_local(hf_state: dict[str, torch.Tensor], hf_config: Any,
     n_experts = num_experts(hf_config)
     out: dict[str, torch.Tensor] = {}
     for rule in table:
-        name = _local_name(rule, layout, n_experts)
+        name = local_name(rule, layout, n_experts)
         if name is None:
             continue
         full = _fuse(rule, [_take(hf_state, h) for h in rule.hf], shape)
@@ -89,21 +89,26 @@ def megatron_to_hf(states: dict[str, torch.Tensor] | Sequence[dict[str, torch.Te
         states, layouts = [states], [ParallelLayout()]
     if len(states) != len(layouts):
         raise ValueError(f"megatron_to_hf: {len(states)} state dicts but {len(layouts)} layouts; give one per rank")
-    shape = attention_shape(hf_config)
     n_experts = num_experts(hf_config)
-    vocab = int(cfg(hf_config, "vocab_size"))
     used: set[tuple[int, str]] = set()
     out: dict[str, torch.Tensor] = {}
     for rule in rules(hf_config):
-        full = gather(rule.kind, _shards_of(rule, states, layouts, n_experts, used))
-        if rule.kind == VOCAB and full.shape[0] != vocab:
-            full = full[:vocab].clone()
-        out.update(zip(rule.hf, _split(rule, full, shape)))
+        out.update(rule_to_hf(rule, _shards_of(rule, states, layouts, n_experts, used), hf_config))
     for i, layout in enumerate(layouts):
         if _has_output_copy_of_embedding(hf_config, layout):
             used.add((i, OUTPUT.megatron))
     _check_all_used(states, used)
     return out
+
+
+def rule_to_hf(rule: Rule, shards: list[torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """One megatron tensor, from its TP shards in TP-rank order, as the HF tensors it holds: gathered, its vocab
+    padding dropped, q/k/v or gate/up split apart."""
+    full = gather(rule.kind, shards)
+    vocab = int(cfg(hf_config, "vocab_size"))
+    if rule.kind == VOCAB and full.shape[0] != vocab:
+        full = full[:vocab].clone()
+    return dict(zip(rule.hf, _split(rule, full, attention_shape(hf_config))))
 
 
 def _shards_of(rule: Rule, states: Sequence[dict], layouts: Sequence[ParallelLayout], n_experts: int,
@@ -112,14 +117,14 @@ def _shards_of(rule: Rule, states: Sequence[dict], layouts: Sequence[ParallelLay
     by_tp: dict[int, torch.Tensor] = {}
     tp_size = None
     for i, (state, layout) in enumerate(zip(states, layouts)):
-        name = _local_name(rule, layout, n_experts)
+        name = local_name(rule, layout, n_experts)
         if name is None:
             continue
         if name not in state:
             raise KeyError(f"rank {i} ({layout}) should hold {name!r} (HF {rule.hf[0]}) but its state dict does not; "
                            "do the layouts match the ranks the states came from?")
         used.add((i, name))
-        tp_rank, tp_size = _tp_of(rule, layout)
+        tp_rank, tp_size = shard_rank(rule, layout)
         by_tp.setdefault(tp_rank, state[name])
     if tp_size is None or len(by_tp) != tp_size:
         raise KeyError(f"{rule.hf[0]}: TP shards {sorted(by_tp)} of {tp_size} found in the given ranks; "
@@ -127,7 +132,7 @@ def _shards_of(rule: Rule, states: Sequence[dict], layouts: Sequence[ParallelLay
     return [by_tp[r] for r in range(tp_size)]
 
 
-def _local_name(rule: Rule, layout: ParallelLayout, n_experts: int) -> str | None:
+def local_name(rule: Rule, layout: ParallelLayout, n_experts: int) -> str | None:
     """`rule`'s megatron name on the rank at `layout`, or None when another stage or EP rank holds it."""
     if rule.megatron == EMBEDDING.megatron and not layout.is_first_stage:
         return None
@@ -145,14 +150,16 @@ def _local_name(rule: Rule, layout: ParallelLayout, n_experts: int) -> str | Non
     return rule.megatron_name(local_layer, local_expert)
 
 
-def _tp_of(rule: Rule, layout: ParallelLayout) -> tuple[int, int]:
+def shard_rank(rule: Rule, layout: ParallelLayout) -> tuple[int, int]:
+    """(rank, size) of the tensor parallelism that splits `rule`'s tensor on the rank at `layout`: expert TP for
+    routed experts, dense TP for the rest."""
     return layout.expert_tp if rule.expert is not None else (layout.tp_rank, layout.tp_size)
 
 
 def _shard_rule(rule: Rule, name: str, full: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     if rule.kind == VOCAB:
         full = pad_vocab(full, layout.padded_vocab_size)
-    return shard(rule.kind, name, full, *_tp_of(rule, layout))
+    return shard(rule.kind, name, full, *shard_rank(rule, layout))
 
 
 def _fuse(rule: Rule, parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor:

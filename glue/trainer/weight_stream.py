@@ -1,0 +1,217 @@
+"""The weight bridge's source on the trainer, bucket by bucket: a bucket's HF tensors are gathered from the ranks that
+hold their shards just before it is packed (an all-gather inside the owning TP or expert-TP group, then a
+point-to-point send to the source rank from other pipeline stages and expert-parallel ranks) and dropped once it is
+sent. No rank holds more than its own shard plus about a bucket, and nothing of the model is copied to host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SOURCE_RANK = 0  # the trainer rank that sends every bucket (pp, tp, dp, ep all 0)
+
+
+@dataclass(frozen=True)
+class Coords:
+    """A trainer rank's place, as megatron's parallel state reports it."""
+
+    pp: int
+    tp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Where one converter rule's tensor lives: its pipeline stage and, for a routed expert, its EP rank; the
+    owning group's leader (TP or expert-TP rank 0 of the first data-parallel replica) assembles it."""
+
+    stage: int
+    ep_rank: int | None
+    leader: int  # global rank
+
+
+class WeightStream:
+    """Per-bucket HF tensors of a megatron-core model on the source rank. Every trainer rank calls `bucket(names)`
+    with the same names in the same (bucket) order; `reset()` starts a new sync."""
+
+    def __init__(self, model: torch.nn.Module, hf_config: Any, place: Any):
+        from megatron.core import parallel_state as ps
+
+        from weight_sync.convert import num_experts, rules
+
+        self.model, self.hf_config, self.place = model, hf_config, place
+        self.rank = torch.distributed.get_rank()
+        self.n_experts = num_experts(hf_config)
+        mine = Coords(pp=place.pp_rank, tp=place.tp_rank, dp=place.dp_rank, ep=place.ep_rank, etp=place.etp_rank,
+                      edp=ps.get_expert_data_parallel_rank())
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        self.coords: list[Coords] = everyone
+        self.me = mine
+        self.rules = rules(hf_config)
+        self.rule_of = {name: i for i, rule in enumerate(self.rules) for name in rule.hf}
+        self.producers = [self._producer(rule) for rule in self.rules]
+        self.groups = {"dense": ps.get_tensor_model_parallel_group(), "expert": ps.get_expert_tensor_parallel_group()}
+        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.tensor_sums: bool = False
+        self._made: set[int] = set()  # rules produced in this sync (their HF names may span two buckets)
+        self._ready: dict[str, torch.Tensor] = {}  # source rank: produced HF tensors not yet in a bucket
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == SOURCE_RANK
+
+    def reset(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensor_sums: bool = False) -> None:
+        """A new sync: nothing produced yet. `specs`: (HF name, dtype, shape) of every tensor, for the source's
+        receive buffers."""
+        self.specs = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
+        self.tensor_sums = tensor_sums
+        self._made.clear()
+        self._ready.clear()
+
+    def bucket(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Collective over every trainer rank: the HF tensors `names` on the source rank, {} on the others. Only
+        the ranks that hold a shard of a tensor, and the source, take part in producing it."""
+        sends: list[tuple[Any, torch.Tensor]] = []
+        for index in dict.fromkeys(self.rule_of[name] for name in names):
+            if index in self._made:
+                continue
+            self._made.add(index)
+            self._ready.update(self._produce(index, sends))
+        for request, _ in sends:  # the tensors stay referenced until their sends complete
+            request.wait()
+        return {name: self._ready.pop(name) for name in names} if self.is_source else {}
+
+    # ---- one rule
+    def _producer(self, rule: Any) -> Producer:
+        from weight_sync.convert import local_name
+
+        p = self.place
+        stages = range(p.pp_size)
+        if rule.expert is None:
+            stage = next(s for s in stages if local_name(rule, p.layout(tp_rank=0, stage=s), self.n_experts))
+            leader = self._rank_where(pp=stage, tp=0, dp=0)
+            return Producer(stage=stage, ep_rank=None, leader=leader)
+        ep_rank = rule.expert // (self.n_experts // p.ep_size)
+        stage = next(s for s in stages
+                     if local_name(rule, p.layout(member=(ep_rank, 0), stage=s), self.n_experts))
+        return Producer(stage=stage, ep_rank=ep_rank, leader=self._rank_where(pp=stage, ep=ep_rank, etp=0, edp=0))
+
+    def _rank_where(self, **coords: int) -> int:
+        matches = [r for r, c in enumerate(self.coords) if all(getattr(c, k) == v for k, v in coords.items())]
+        assert matches, f"no trainer rank at {coords}"
+        return matches[0]
+
+    def _holds(self, producer: Producer) -> bool:
+        """Is this rank in the group that assembles the rule (the first replica's TP or expert-TP group)?"""
+        me = self.me
+        if me.pp != producer.stage:
+            return False
+        if producer.ep_rank is None:
+            return me.dp == 0
+        return me.ep == producer.ep_rank and me.edp == 0
+
+    def _produce(self, index: int, sends: list) -> dict[str, torch.Tensor]:
+        from weight_sync.convert import local_name, rule_to_hf, shard_rank
+
+        rule, producer = self.rules[index], self.producers[index]
+        if self._holds(producer):
+            layout = self.place.layout()
+            shard = dict(self.model.named_parameters())[local_name(rule, layout, self.n_experts)].data
+            rank, size = shard_rank(rule, layout)
+            shards = [shard]
+            if size > 1:
+                shards = [torch.empty_like(shard) for _ in range(size)]
+                group = self.groups["dense" if rule.expert is None else "expert"]
+                torch.distributed.all_gather(shards, shard.contiguous(), group=group)
+            if rank != 0:
+                return {}
+            tensors = rule_to_hf(rule, shards, self.hf_config)
+            if self.is_source:
+                return tensors
+            for name in rule.hf:
+                tensor = tensors[name].contiguous()
+                sends.append((torch.distributed.isend(tensor, dst=SOURCE_RANK), tensor))
+            return {}
+        if not self.is_source:
+            return {}
+        received = {}
+        for name in rule.hf:
+            dtype, shape = self.specs[name]
+            received[name] = torch.empty(shape, dtype=dtype, device=self._device())
+            torch.distributed.recv(received[name], src=producer.leader)
+        return received
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+class TrainerWeightSource:
+    """One trainer rank's side of the weight bridge's source calls (weight_sync.transports.WeightSource). Every
+    rank takes part in every call; rank 0 holds the channels (weight_sync.source.BucketSource) and sends."""
+
+    def __init__(self, model: torch.nn.Module, hf_config: Any, place: Any):
+        self.model, self.hf_config, self.place = model, hf_config, place
+        self.rank = torch.distributed.get_rank()
+        self.bucket_names: dict[str, list[list[str]]] = {}  # channel -> the HF names of each of its buckets
+        self.staged_version: int | None = None  # the version stage() was called at, for send()'s guard
+        self._stream: WeightStream | None = None
+        self._source: Any = None  # weight_sync.source.BucketSource, rank 0 only
+
+    def open(self, name: str, spec: dict[str, Any]) -> None:
+        """Every rank learns the channel's buckets; rank 0 opens it (broadcast: blocks until every engine joined)."""
+        self.bucket_names[name] = [list(layout["names"]) for layout in spec["layouts"]]
+        if self.rank == SOURCE_RANK:
+            if self._source is None:
+                from weight_sync.source import BucketSource
+
+                self._source = BucketSource()
+            self._source.open_channel(name, spec)
+
+    def stage(self, version: int, with_tensor_checksums: bool) -> None:
+        """Start a sync of the weights at `version`: nothing is gathered yet (each bucket is, when it is sent).
+        Collective the first time (the stream learns every rank's coordinates)."""
+        from glue.trainer.parallel import hf_weight_specs
+
+        if self._stream is None:
+            self._stream = WeightStream(self.model, self.hf_config, self.place)
+        self._stream.reset(hf_weight_specs(self.model, self.hf_config, self.place), with_tensor_checksums)
+        self.staged_version = version
+
+    def send(self, channel: str, index: int, version: int) -> dict[str, Any]:
+        """Collective: gather bucket `index` of `channel` (weight_stream.WeightStream) and, on rank 0, send it;
+        rank 0 answers with what the channel reports (checksum, handle or path, timings) plus, when staged with
+        tensor checksums, `tensor_sums` of the bucket's tensors. Refuses once a train step ran since `stage`: the
+        bucket would carry that step's weights under the staged version's tag."""
+        if self.staged_version != version:
+            staged = "nothing is staged" if self.staged_version is None else f"version {self.staged_version} was staged"
+            raise RuntimeError(f"send_weight_bucket: {staged} but the trainer is at version {version}; call "
+                               "stage_weights again and send every bucket before the next train_step")
+        if channel not in self.bucket_names:
+            raise RuntimeError(f"weight channel {channel!r} is not open (open: {sorted(self.bucket_names)})")
+        assert self._stream is not None, "stage() makes the stream"
+        tensors = self._stream.bucket(self.bucket_names[channel][index])
+        if self.rank != SOURCE_RANK:
+            return {}
+        out = self._source.send_bucket(channel, index, tensors)
+        if self._stream.tensor_sums:
+            from weight_sync.source import tensor_checksum
+
+            out["tensor_sums"] = {name: tensor_checksum(t) for name, t in tensors.items()}
+        return out
+
+    def drop_staged(self) -> None:
+        """Forget the staged sync (offload: the next sync stages again)."""
+        self.staged_version = None
+
+    def close(self, name: str | None = None) -> None:
+        """Close one channel, or every channel."""
+        for channel in [name] if name is not None else list(self.bucket_names):
+            self.bucket_names.pop(channel, None)
+            if self._source is not None:
+                self._source.close_channel(channel)
