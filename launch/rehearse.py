@@ -68,7 +68,7 @@ def script_recipe(name: str, scratch: Path) -> Recipe:
     seen = dict(item.split("=", 1) for item in (scratch / "env").read_text().split("\0") if "=" in item)
     own = {k: v for k, v in seen.items() if env.get(k) != v and k not in ("PWD", "OLDPWD", "SHLVL", "_")}
     notes = []
-    if "multi_node" in (REPO / name).read_text() or name.endswith("multi_node.sh"):
+    if "multi_node.sh" in (REPO / name).read_text():  # multi_node.sh names itself in its usage lines
         notes.append("multi-node script rehearsed on one node: the sluice command it runs on the head, against a "
                      "local Ray (its `ray start` on each node and its waits are not rehearsed)")
     return Recipe(name=name, argv=argv, env=own, notes=notes)
@@ -139,6 +139,8 @@ def run_sluice(command: list[str], folder: Path, *, env: dict[str, str], timeout
 
 
 def stop(proc: subprocess.Popen) -> int | None:
+    """Stop a sluice that ran past its limit: SIGTERM twice (after the step, then at once), then SIGKILL to the
+    process group it leads; returns its exit code."""
     for _ in range(2):
         proc.send_signal(signal.SIGTERM)
         try:
