@@ -205,6 +205,9 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
             "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
     if tiny["tokenizer"]:
         tiny["vocab_size"] = TEXT_VOCAB
+    if family == "qwen3_moe":  # experts in kind: two on every expert-parallel rank, each token routed to two
+        ep = edit.get("trainer.expert_model_parallel_size", 1) or 1
+        tiny.update(num_experts=2 * max(ep, 2), moe_top_k=2)
     edit.set("model.path", None, f"the checkpoint swapped for a tiny random {family} (model.tiny)")
     edit.set("model.tiny", tiny, f"a tiny {family} of the recipe's family"
              + (" with a byte-level BPE tokenizer and ChatML template (the task tokenizes text)"

@@ -70,7 +70,8 @@ def test_the_moe_script_keeps_expert_parallelism_its_router_settings_and_engine_
     assert (t["tensor_model_parallel_size"], t["expert_model_parallel_size"], t["expert_tensor_parallel_size"],
             t["data_parallel_size"]) == (2, 2, 1, 1)
     assert record.scaled["trainer.expert_model_parallel_size"]["from"] == 8
-    assert shrunk.raw["model"]["tiny"]["family"] == "qwen3_moe"
+    tiny = shrunk.raw["model"]["tiny"]
+    assert (tiny["family"], tiny["num_experts"], tiny["moe_top_k"]) == ("qwen3_moe", 4, 2)
     assert shrunk.raw["cluster"]["engine_tensor_parallel_size"] == 2
     assert record.kept["trainer.megatron.sequence_parallel"] is True  # megatron-core needs it for MoE with TP > 1
     assert record.kept["trainer.megatron.moe_router_dtype"] == "fp32"
