@@ -80,6 +80,7 @@ class EngineClient:
         self.retry_backoff_s = retry_backoff_s
         self.connect_retries = 0  # metric: generate requests sent again after a connection error or a 502-504
         self.pauses = 0  # pause_generation calls so far: a generate spanning one must say where versions change
+        self._pause_modes: list[str] = []  # the mode of each pause so far, in order
         self._calls_by_pause: dict[int, int] = {}  # generate calls in flight, by the pause count when they started
         self._session: "aiohttp.ClientSession | None" = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -194,11 +195,16 @@ class EngineClient:
 
     def _checked_versions(self, answer: Any, pauses_before: int) -> Any:
         """Refuse an answer that a sync may have split without saying where: SGLang servers report one
-        `weight_version` per request, which is right only if no weights changed while it ran (or it was aborted
-        by the pause). The embedded engine reports per-token `weight_versions` spans."""
+        `weight_version` per request, which is right only if no weights changed while it ran. The embedded engine
+        reports per-token `weight_versions` spans. An answer is whole on one version if no pause came while it was
+        out, if it was aborted by the pause, or if every pause since it was sent was an "abort" one: such a pause
+        ends every request the engine holds, so an answer that finished normally reached the engine after it (it
+        waited behind the pause) and ran wholly on the weights after it, the version in its meta_info."""
+        if self.pauses == pauses_before or all(mode == "abort" for mode in self._pause_modes[pauses_before:]):
+            return answer
         for output in answer if isinstance(answer, list) else [answer]:
             meta = output.get("meta_info") if isinstance(output, dict) else None
-            if not isinstance(meta, dict) or meta.get("weight_versions") or self.pauses == pauses_before:
+            if not isinstance(meta, dict) or meta.get("weight_versions"):
                 continue
             finish = meta.get("finish_reason")
             if (finish.get("type") if isinstance(finish, dict) else finish) != "abort":
@@ -245,6 +251,7 @@ class EngineClient:
         reason abort), "retract" / "in_place" (keep them; they resume on continue, on the new weights if the
         weights changed meanwhile). "retract" is the default because SGLang can flush its cache in that mode."""
         self.pauses += 1
+        self._pause_modes.append(mode)
         self._call_all("/pause_generation", body={"mode": mode})
 
     def continue_generation(self) -> None:
