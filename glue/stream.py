@@ -63,6 +63,7 @@ class RolloutStream:
         self._error: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._producer: asyncio.Task | None = None
+        self._admitted_before: dict[int, tuple[int, int]] = {}  # group id -> (deadline, start version) to restore
 
     def start(self) -> None:
         self._idle_at_last_metrics = self.idle.read()
@@ -92,7 +93,9 @@ class RolloutStream:
     def _start_group(self) -> None:
         deadline = self.gate.admit()
         group_id, coroutine = self.manager.next_group()
-        self.buffer.started(group_id, deadline=deadline, start_version=self.gate.v_engine)
+        # a group a resumed run issues again keeps the bound it was admitted under: its tokens are that old
+        deadline, start_version = self._admitted_before.pop(group_id, (deadline, self.gate.v_engine))
+        self.buffer.started(group_id, deadline=deadline, start_version=start_version)
         task = asyncio.ensure_future(coroutine)
         self._tasks[group_id] = task
         task.add_done_callback(lambda t, gid=group_id: self._on_done(gid, t))
@@ -178,12 +181,15 @@ class RolloutStream:
     def resume_state(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this stream: the task's cursor, the finished groups waiting in the
         buffer (whole: tokens, logprobs, versions, rewards), and the ids of the groups still generating, which a
-        resumed run issues again. Taken on the event loop."""
+        resumed run issues again, with the deadline and start version each was admitted under. Taken on the event
+        loop."""
         finished = [{"group": e.group.to_dict(), "deadline": e.deadline, "start_version": e.start_version}
                     for e in sorted(self.buffer.in_queue, key=lambda e: e.finished_order)]
-        in_flight = sorted(e.group_id for e in self.buffer.in_flight)
-        return {"groups_drawn": self.manager.groups_drawn, "finished": finished, "reissue": in_flight,
-                "partial": self.manager.partial_samples(in_flight)}
+        in_flight = sorted(self.buffer.in_flight, key=lambda e: e.group_id)
+        ids = [e.group_id for e in in_flight]
+        return {"groups_drawn": self.manager.groups_drawn, "finished": finished, "reissue": ids,
+                "admitted": {str(e.group_id): [e.deadline, e.start_version] for e in in_flight},
+                "partial": self.manager.partial_samples(ids)}
 
     async def checkpoint_state(self, fleet: Any) -> dict[str, Any]:
         """`resume_state()` with the tokens generated so far by the groups in flight: generation is paused with
@@ -201,8 +207,12 @@ class RolloutStream:
 
     def resume(self, state: dict[str, Any], version: int, trained_groups: int) -> None:
         """Continue from a checkpoint: trainer and engines at `version`, `trained_groups` already trained; the
-        buffer's finished groups come back as they were, the ones that were generating are issued again."""
+        buffer's finished groups come back as they were, the ones that were generating are issued again under the
+        deadlines they were admitted with (a fresh one would let their old tokens train over-stale, or be dropped)."""
         self.manager.resume(state["groups_drawn"], state["reissue"], state.get("partial"))
+        # checkpoints before 2026-11-25 lack "admitted": those groups get fresh deadlines, as they did then
+        self._admitted_before = {int(gid): (int(deadline), int(start))
+                                 for gid, (deadline, start) in state.get("admitted", {}).items()}
         self.gate.v_train = self.gate.v_engine = version
         self.gate.admitted = trained_groups
         for entry in state.get("finished", []):  # checkpoints before 2026-11-23 re-issued these too
