@@ -32,6 +32,9 @@ class RolloutContext:
     reward_fn: Callable[[Sample], float | dict | Awaitable[float | dict]]  # the task's reward
     group_id: int  # id of the group being generated; put it on every sample
     partial_rollouts: str = "resume"  # an aborted generation: "resume" from the tokens so far, or "restart" it
+    # an aborted generation is continued at most this many times (`resume_limit`); one still aborted then is given up
+    # (status ABORTED, metadata["resume_limit_hit"] = 1: counted in rollout/resume_limit_drops)
+    max_resumes: int = 8
     seed: int | None = None  # set in deterministic mode (run.deterministic): the group's sampling seed
     error_masking: bool = False  # rollout.error_masking: a failed agent turn's tokens get loss_mask 0 (multi_turn)
     task: Any = None  # the task object, for rollout functions that need more than its reward (multi_turn's make_env)
@@ -59,6 +62,14 @@ class RolloutContext:
         """Extra keyword arguments for `client.generate` continuing `sample`: with routing replay on, the first
         position whose MoE routing the answer must bring (`routed_experts_start_len`); none otherwise."""
         return {} if self.routed_experts is None else {"routed_experts_start_len": start_len_for(sample)}
+
+
+def resume_limit(max_staleness: int) -> int:
+    """How often a run continues an aborted generation (`RolloutContext.max_resumes`): each of the
+    `max_staleness + 1` versions a group may live through can pause it twice, for its sync and for a checkpoint. A
+    sample that spans more syncs holds tokens too stale to train anyway, so the limit never drops a long answer that
+    could still be trained (a fixed limit dropped exactly the longest ones)."""
+    return 2 * (max_staleness + 1)
 
 
 async def score(ctx: RolloutContext, sample: Sample) -> None:
@@ -139,7 +150,7 @@ class RolloutManager:
 
     def __init__(self, *, function_path: str, task_path: str, client: GenerateClient, sampling_params: dict,
                  prompts_per_step: int, samples_per_prompt: int, seed: int, task_args: dict | None = None,
-                 partial_rollouts: str = "resume", group_timeout_s: float | None = None,
+                 partial_rollouts: str = "resume", group_timeout_s: float | None = None, max_resumes: int = 8,
                  deterministic: bool = False, error_masking: bool = False,
                  routed_experts: RoutedExpertsLayout | None = None):
         self.function_path, self.task_path = function_path, task_path
@@ -149,6 +160,7 @@ class RolloutManager:
         self.client, self.sampling_params = client, dict(sampling_params)
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.partial_rollouts, self.group_timeout_s = partial_rollouts, group_timeout_s
+        self.max_resumes = max_resumes  # RolloutContext.max_resumes of every group
         self.seed, self.deterministic = seed, deterministic
         self.error_masking = error_masking
         self.routed_experts = routed_experts  # rollout.return_routed_experts: the model's routing layout, or None
@@ -234,6 +246,7 @@ class RolloutManager:
     async def _run_function(self, group_id: int, prompt: dict, where: str) -> list[Sample]:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
                              reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts,
+                             max_resumes=self.max_resumes,
                              seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
                              error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
                              resumed=self._resumed.pop(group_id, {}))

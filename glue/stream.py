@@ -54,6 +54,8 @@ class RolloutStream:
         self.failed_groups = 0  # over the run
         self.lost_samples = 0  # samples of groups that failed because the fleet could not serve them, over the run
         self._lost_at_last_metrics = 0
+        self.resume_limit_drops = 0  # samples given up after RolloutContext.max_resumes continuations, over the run
+        self._resume_drops_at_last_metrics = 0
         self._failed_this_step: list[Group] = []
         self._failed_at_last_metrics = 0
         self.idle = IdleClock()
@@ -113,6 +115,7 @@ class RolloutStream:
         self._changed.set()
 
     def _accept(self, group: Group) -> None:
+        self.resume_limit_drops += sum(s.metadata.get("resume_limit_hit", 0) for s in group.samples)
         if group.error is not None:
             self._count_failure(group)
         trainable = [s for s in group.samples if is_trainable(s)]
@@ -224,7 +227,8 @@ class RolloutStream:
     def metrics(self, step_s: float) -> dict[str, float]:
         """Where work waits and how far behind it is, for a step that took `step_s`: staleness of groups still
         generating vs finished in the buffer (versions behind the trainer, from the engines' version at their
-        start), the engines' lag, drops, and the share of the step with nothing generating."""
+        start), the engines' lag, drops (stale samples, and samples given up at the resume limit), and the share of
+        the step with nothing generating."""
         gate = self.gate
 
         def mean_lag(entries) -> float:
@@ -235,10 +239,12 @@ class RolloutStream:
         in_flight, in_queue = self.buffer.in_flight, self.buffer.in_queue
         failed, self._failed_at_last_metrics = self.failed_groups - self._failed_at_last_metrics, self.failed_groups
         lost, self._lost_at_last_metrics = self.lost_samples - self._lost_at_last_metrics, self.lost_samples
+        resume_drops = self.resume_limit_drops - self._resume_drops_at_last_metrics
+        self._resume_drops_at_last_metrics = self.resume_limit_drops
         filtered, self._filtered_at_last_metrics = (self.filtered_groups - self._filtered_at_last_metrics,
                                                     self.filtered_groups)
         return {"rollout/failed_groups": float(failed), "rollout/filtered_groups": float(filtered),
-                "rollout/lost_samples": float(lost),
+                "rollout/lost_samples": float(lost), "rollout/resume_limit_drops": float(resume_drops),
                 "staleness/in_flight": mean_lag(in_flight), "staleness/in_queue": mean_lag(in_queue),
                 "async/in_flight_groups": float(len(in_flight)), "async/buffer_groups": float(len(in_queue)),
                 "async/dropped_stale": float(gate.dropped_stale), "async/syncs": float(gate.syncs),

@@ -338,7 +338,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     check_paths(placement, {"the model directory": model_path})
     from glue.engine_client import EngineClient
     from glue.fleet import RolloutFleet
-    from glue.rollout import RolloutManager
+    from glue.rollout import RolloutManager, resume_limit
     from glue.routed_experts import RoutedExpertsLayout
     from glue.trainer.group import TrainerGroup
     import weight_sync
@@ -384,6 +384,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                              prompts_per_step=cfg.rollout.prompts_per_step,
                              samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
                              partial_rollouts=cfg.sync.partial_rollouts,
+                             max_resumes=resume_limit(cfg.sync.max_staleness),
                              group_timeout_s=cfg.rollout.group_timeout_s, deterministic=cfg.run.deterministic,
                              error_masking=cfg.rollout.error_masking,
                              routed_experts=RoutedExpertsLayout.from_model_dir(model_path)

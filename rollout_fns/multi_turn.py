@@ -17,7 +17,6 @@ from glue.types import Sample, SampleStatus
 from rollout_fns.envs import Action, Environment, StepResult, as_step_result
 from rollout_fns.text_data import TextDataTask
 
-MAX_RESUMES = 4  # an aborted generation (a weight sync's pause) is continued at most this many times per turn
 OBSERVATION_ROLES = ("tool", "user")
 
 
@@ -163,8 +162,9 @@ class Episode:
     async def generate_turn(self, start: int) -> None:
         """Generate one assistant turn from prompt + response so far, continuing it after an abort (or, with
         partial_rollouts "restart", generating the turn again). With `ctx.routed_experts` each request asks for the
-        routing from the first position the sample has none for, so the observation tokens it prefills get theirs."""
-        for _ in range(1 + MAX_RESUMES):
+        routing from the first position the sample has none for, so the observation tokens it prefills get theirs.
+        At most `ctx.max_resumes` continuations per turn."""
+        for _ in range(1 + self.ctx.max_resumes):
             params = self.ctx.sampling_for(self.sample.index)
             limit = self.turn_limit(start)
             if limit is not None:
@@ -181,6 +181,7 @@ class Episode:
             elif self.turn_limit(start) == 0:
                 self.sample.status = SampleStatus.TRUNCATED
                 return
+        self.meta["resume_limit_hit"] = 1  # still aborted after ctx.max_resumes continuations: given up
 
     async def step(self, env: Environment, turn: int, tokens: list[int]) -> tuple[StepResult, str | None]:
         """Parse the turn and step the environment; (its result, why the turn failed or None). A malformed turn,

@@ -7,8 +7,6 @@ import asyncio
 from glue.rollout import RolloutContext, append_generation, score
 from glue.types import Sample, SampleStatus
 
-MAX_RESUMES = 4  # an aborted generation (e.g. around a weight sync) is continued at most this many times
-
 
 async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) -> list[Sample]:
     """Sample `num_samples` responses to `prompt["prompt_tokens"]` concurrently and score each with the task."""
@@ -21,7 +19,8 @@ async def generate_one(ctx: RolloutContext, prompt: dict, index: int) -> Sample:
     `ctx.partial_rollouts == "restart"` the partial response is thrown away (counted in
     metadata["discarded_tokens"]) and generation starts again from the prompt, so every token has one version.
     With `ctx.routed_experts` (rollout.return_routed_experts) each request asks for the MoE routing of the positions
-    the sample has none for yet, so a resumed sample's routing is its requests' routing concatenated."""
+    the sample has none for yet, so a resumed sample's routing is its requests' routing concatenated. A generation
+    still aborted after `ctx.max_resumes` continuations is given up (ABORTED, metadata["resume_limit_hit"])."""
     sample = ctx.track(ctx.resumed.get(index) or Sample(
         prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index,
         metadata={k: v for k, v in prompt.items() if k != "prompt_tokens"}, status=SampleStatus.ABORTED))
@@ -33,7 +32,10 @@ async def generate_one(ctx: RolloutContext, prompt: dict, index: int) -> Sample:
         output = await ctx.client.generate(sample.prompt_tokens + sample.response_tokens, params,
                                            **ctx.routing_request(sample))
         append_generation(sample, output, ctx.routed_experts)
-        if sample.status is not SampleStatus.ABORTED or sample.metadata.get("resumes", 0) >= MAX_RESUMES:
+        if sample.status is not SampleStatus.ABORTED:
+            break
+        if sample.metadata.get("resumes", 0) >= ctx.max_resumes:
+            sample.metadata["resume_limit_hit"] = 1
             break
         sample.metadata["resumes"] = sample.metadata.get("resumes", 0) + 1
         if ctx.partial_rollouts == "restart":

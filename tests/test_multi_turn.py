@@ -372,3 +372,28 @@ def test_multi_turn_modules_import_no_backend():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert out.strip() == "[]"
+
+
+def test_a_turn_spanning_more_syncs_than_four_is_kept_and_one_past_the_resume_limit_is_given_up():
+    """Issue 26 item 7 for agents: a turn's continuations follow the staleness bound (resume_limit), not a constant
+    4; a turn still aborted at the limit ends the episode ABORTED, marked for rollout/resume_limit_drops."""
+    from glue.rollout import resume_limit
+    from test_rollout_fns import ScriptedAborts
+
+    class OneTurnEnv(FlakyEnv):
+        async def step(self, action):
+            return StepResult(observation=None, reward=1.0, done=True)
+
+    task = ProtocolTask(None, OneTurnEnv, max_turns=1)
+
+    def episode(aborts: int, max_resumes: int):
+        ctx = RolloutContext(client=ScriptedAborts(aborts), sampling_params={"max_new_tokens": 24},
+                             reward_fn=task.reward, group_id=0, task=task, max_resumes=max_resumes)
+        [sample] = asyncio.run(generate_group(ctx, {"prompt_tokens": [1, 2]}, 1))
+        return sample
+
+    kept = episode(aborts=6, max_resumes=resume_limit(6))
+    assert kept.status is SampleStatus.COMPLETED and len(kept.response_tokens) == 24
+    assert "resume_limit_hit" not in kept.metadata
+    given_up = episode(aborts=100, max_resumes=2)
+    assert given_up.status is SampleStatus.ABORTED and given_up.metadata["resume_limit_hit"] == 1

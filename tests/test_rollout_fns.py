@@ -157,6 +157,41 @@ def test_an_aborted_generation_resumes_or_restarts_per_the_partial_rollout_setti
         assert sample.versions == [2] * 8 and sample.metadata["discarded_tokens"] == 6
 
 
+def test_a_generation_spanning_more_syncs_than_four_is_kept_when_the_staleness_limit_allows_them():
+    """Issue 26 item 7: a fixed limit of 4 continuations dropped exactly the longest answers of a run with
+    max_staleness > 4; the limit follows the staleness bound (resume_limit: 2 x (max_staleness + 1))."""
+    from glue.rollout import resume_limit
+
+    client = ScriptedAborts(aborts=6)  # six syncs' pauses while it generates: fine under max_staleness 6
+    ctx = RolloutContext(client=client, sampling_params={"max_new_tokens": 24}, reward_fn=lambda s: 0.0, group_id=0,
+                         max_resumes=resume_limit(6))
+    sample = asyncio.run(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
+    assert sample.status is SampleStatus.TRUNCATED and len(sample.response_tokens) == 24
+    assert sample.versions == [v for v in range(6) for _ in range(3)] + [6] * 6
+    assert "resume_limit_hit" not in sample.metadata
+
+
+def test_a_generation_past_the_resume_limit_is_given_up_and_counted_in_a_metric():
+    from glue.buffer import RolloutBuffer
+    from glue.staleness import StalenessGate
+    from glue.stream import RolloutStream
+    from glue.types import Group
+
+    client = ScriptedAborts(aborts=100)
+    ctx = RolloutContext(client=client, sampling_params={"max_new_tokens": 24}, reward_fn=lambda s: 0.0, group_id=0,
+                         max_resumes=2)
+    sample = asyncio.run(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
+    assert len(client.inputs) == 3 and sample.status is SampleStatus.ABORTED
+    assert sample.metadata["resume_limit_hit"] == 1
+    stream = RolloutStream(manager=None, gate=StalenessGate(groups_per_step=1, max_staleness=1),
+                           buffer=RolloutBuffer(groups_per_step=1), max_groups=4)
+    stream.buffer.started(0, deadline=1, start_version=0)
+    stream.gate.admit()
+    stream._accept(Group(group_id=0, samples=[sample]))
+    assert stream.metrics(1.0)["rollout/resume_limit_drops"] == 1.0
+    assert stream.metrics(1.0)["rollout/resume_limit_drops"] == 0.0  # per step
+
+
 def test_rollout_manager_runs_every_group_with_consecutive_ids_and_validated_samples(engine_url):
     client = EngineClient(engine_url, [engine_url])
     manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",
