@@ -62,6 +62,8 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
         "rollout/aborted": float(sum(s.status is SampleStatus.ABORTED for s in samples)),
         "rollout/discarded_tokens": float(sum(s.metadata.get("discarded_tokens", 0) for s in samples)),
         "rollout/aborts_without_routing": float(sum(s.metadata.get("aborts_without_routing", 0) for s in samples)),
+        # answers stamped with one meta_info.weight_version (no per-token spans), over the step's samples
+        "rollout/single_version_answers": float(sum(s.metadata.get("single_version_answers", 0) for s in samples)),
         "rollout/error_turns": float(sum(s.metadata.get("error_turns", 0) for s in samples)),  # failed agent turns
         "rollout/masked_error_turns": float(sum(s.metadata.get("masked_error_turns", 0) for s in samples)),
         "rollout/zero_std_group_frac": flat_groups / len(groups),

@@ -96,9 +96,10 @@ def reward_threads() -> ThreadPoolExecutor:
 
 def append_generation(sample: Sample, output: dict, routed_experts: RoutedExpertsLayout | None = None) -> None:
     """Append one /generate answer to `sample`: response tokens, their rollout logprobs, the weight version of
-    each token (SGLang's `meta_info.weight_versions` spans when present, else `meta_info.weight_version`), the
-    status from `meta_info.finish_reason`, and with a `routed_experts` layout the MoE routing of the positions the
-    answer ran (`meta_info.routed_experts`, asked for with `RolloutContext.routing_request`). An aborted answer
+    each token (SGLang's `meta_info.weight_versions` spans when present, else `meta_info.weight_version`, counted
+    in `metadata["single_version_answers"]`: right only for an answer no weight change split, which `EngineClient`
+    checks and other clients may not), the status from `meta_info.finish_reason`, and with a `routed_experts`
+    layout the MoE routing of the positions the answer ran (`meta_info.routed_experts`, asked for with `RolloutContext.routing_request`). An aborted answer
     without that routing (SGLang's abort from its waiting queue) adds nothing: the sample stays aborted and its
     tokens are generated again (`metadata["aborts_without_routing"]`, `metadata["discarded_tokens"]`)."""
     tokens = list(output.get("output_ids") or [])
@@ -119,6 +120,8 @@ def append_generation(sample: Sample, output: dict, routed_experts: RoutedExpert
     if any(int(e[1]) != t for e, t in zip(entries, tokens)):
         raise ValueError("engine answer: output_token_logprobs token ids differ from output_ids")
     logprobs = [float(e[0]) for e in entries]
+    if tokens and not meta.get("weight_versions"):  # stamped from the answer's one version: counted, not hidden
+        sample.metadata["single_version_answers"] = sample.metadata.get("single_version_answers", 0) + 1
     for version, start, end in _version_spans(meta, len(tokens)):
         sample.append_response(tokens[start:end], logprobs[start:end], version)
     if routed_experts is not None:
@@ -141,7 +144,8 @@ def _version_spans(meta: dict, n: int) -> list[tuple[int, int, int]]:
         return out
     if "weight_version" not in meta:
         raise ValueError("engine answer has no meta_info.weight_version; sluice needs it to track staleness")
-    # One version for the whole answer: the client refuses answers a sync may have split (EngineClient.generate).
+    # One version for the whole answer: the client refuses answers a sync may have split (EngineClient.generate);
+    # append_generation counts these answers (rollout/single_version_answers).
     return [(weight_version_to_int(meta["weight_version"]), 0, n)]
 
 

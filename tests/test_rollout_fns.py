@@ -192,6 +192,29 @@ def test_a_generation_past_the_resume_limit_is_given_up_and_counted_in_a_metric(
     assert stream.metrics(1.0)["rollout/resume_limit_drops"] == 0.0  # per step
 
 
+def test_an_answer_without_per_token_spans_is_stamped_with_its_one_version_and_counted():
+    """Issue 26 item 8: the single-version fallback of append_generation is visible (rollout/single_version_answers);
+    an answer with spans is not counted; one with neither says what is missing."""
+    from glue.batch import rollout_metrics
+    from glue.rollout import append_generation
+    from glue.types import Group
+
+    def answer(**meta):
+        return {"output_ids": [7, 8, 9], "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in (7, 8, 9)],
+                                                        "finish_reason": {"type": "stop"}, **meta}}
+
+    one, spanned = Sample(prompt_tokens=[1], group_id=0, index=0), Sample(prompt_tokens=[1], group_id=0, index=1)
+    one.reward = spanned.reward = 0.0
+    append_generation(one, answer(weight_version="3"))
+    append_generation(spanned, answer(weight_version="4", weight_versions=[
+        {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]))
+    assert one.versions == [3, 3, 3] and one.metadata["single_version_answers"] == 1
+    assert spanned.versions == [3, 4, 4] and "single_version_answers" not in spanned.metadata
+    assert rollout_metrics([Group(group_id=0, samples=[one, spanned])])["rollout/single_version_answers"] == 1.0
+    with pytest.raises(ValueError, match="no meta_info.weight_version"):
+        append_generation(Sample(prompt_tokens=[1], group_id=0, index=2), answer())
+
+
 def test_rollout_manager_runs_every_group_with_consecutive_ids_and_validated_samples(engine_url):
     client = EngineClient(engine_url, [engine_url])
     manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",
