@@ -61,6 +61,7 @@ class WeightStream:
         self.tensor_sums: bool = False
         self._made: set[int] = set()  # rules produced in this sync (their HF names may span two buckets)
         self._ready: dict[str, torch.Tensor] = {}  # source rank: produced HF tensors not yet in a bucket
+        self.peak_bytes = 0  # the most bytes of gathered HF tensors the source held at once (a bench figure)
 
     @property
     def is_source(self) -> bool:
@@ -85,6 +86,8 @@ class WeightStream:
             self._ready.update(self._produce(index, sends))
         for request, _ in sends:  # the tensors stay referenced until their sends complete
             request.wait()
+        held = sum(t.numel() * t.element_size() for t in self._ready.values())
+        self.peak_bytes = max(self.peak_bytes, held)
         return {name: self._ready.pop(name) for name in names} if self.is_source else {}
 
     # ---- one rule

@@ -78,3 +78,90 @@ def test_health_sweep_over_64_stand_in_engines_with_4_hung():
     write_section({"health_sweep_s": round(sweep_s, 3), "health_timeout_s": watch.health_timeout_s,
                    "health_engines": len(fleet.engine_urls), "health_hung_found": sorted(hung)})
     assert sorted(hung) == [5, 21, 42, 60] and sweep_s <= 2 * watch.health_timeout_s
+
+
+MOE_SIZES = {  # the same tiny Qwen3-MoE twice, the second with twice the experts (most of an MoE's bytes)
+    "8_experts": dict(family="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, intermediate_size=1024, num_experts=8),
+    "16_experts": dict(family="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, intermediate_size=1024, num_experts=16),
+}
+
+
+def _memory(actor, reset: bool) -> int:
+    """The actor process's resident-memory high-water mark (VmHWM), or with `reset` its resident bytes now
+    (VmRSS) after resetting the mark. The function is made here so Ray ships it by value."""
+    import ray
+
+    def read(worker, reset=reset):
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        key = "VmRSS:" if reset else "VmHWM:"
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    return ray.get(actor.__ray_call__.remote(read))
+
+
+def test_sync_memory_per_model_size(tmp_path_factory, engine_processes):
+    """EP=2 (DP=2) trainer on Ray, one embedded engine, broadcast syncs in 256 KiB buckets, at two model sizes:
+    the largest trainer rank's resident-memory growth during the second sync (VmHWM after minus VmRSS before; the
+    first one also builds the channel's buffers) and the most
+    bytes of gathered tensors the source held at once; beside it, the same growth for the whole-model gather the
+    sync used before streaming (`full_hf_state`)."""
+    import ray
+
+    from glue.config import SyncConfig
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.group import TrainerGroup
+    from loss import LossConfig
+    from weight_sync.bridge import make_bridge
+
+    bucket = 256 << 10
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        for name, shape in MOE_SIZES.items():
+            model = save_tiny_model(str(tmp_path_factory.mktemp(name)), seed=0, **shape)
+            engine = engine_processes.start(model)
+            cfg = TrainerConfig(data_parallel_size=2, expert_model_parallel_size=2, micro_batch_size=2,
+                                num_cpus_per_worker=1)
+            group = TrainerGroup(model, cfg, LossConfig())
+            try:
+                model_bytes = sum(int(torch_numel(s)) * 4 for _, _, s in group.hf_weight_specs())
+                bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=bucket), source=group,
+                                     engine_urls=[engine])
+                try:
+                    bridge.sync(1)  # the first sync also builds the channel's buffers and the stream's tables
+                    before = [_memory(a, reset=True) for a in group._actors]
+                    bridge.sync(2)
+                    extra = max(_memory(a, reset=False) - b for a, b in zip(group._actors, before))
+                    held = ray.get(group._actors[0].__ray_call__.remote(
+                        lambda worker: worker._weight_source._stream.peak_bytes))
+                finally:
+                    bridge.close()
+                before = [_memory(a, reset=True) for a in group._actors]
+                group.full_hf_state()
+                whole_gather_extra = max(_memory(a, reset=False) - b for a, b in zip(group._actors, before))
+            finally:
+                group.shutdown()
+            rows.append({"model": name, "model_bytes": model_bytes, "bucket_bytes": bucket,
+                         "max_rank_extra_bytes": extra, "rank0_host_copy_bytes": held,
+                         "whole_gather_extra_bytes": whole_gather_extra})
+    finally:
+        ray.shutdown()
+    write_section({"sizes": rows})
+    small, large = rows
+    growth = (large["max_rank_extra_bytes"] - small["max_rank_extra_bytes"]) / (large["model_bytes"] - small["model_bytes"])
+    assert all(r["rank0_host_copy_bytes"] <= r["bucket_bytes"] * 2 for r in rows), rows
+    assert growth < 0.5, (growth, rows)
+
+
+def torch_numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
