@@ -110,9 +110,10 @@ class _Editor:
 def shrink(raw: dict[str, Any], *, data_dir: str | Path, engine: str = "sglang_strict", steps: int = STEPS,
            name_hint: str = "") -> Shrunk:
     """`raw` (a recipe's merged config mapping) shrunk for a CPU rehearsal of `steps` steps on `engine`
-    ("sglang_strict", or "embedded" before strict engines exist), data files under `data_dir`. `name_hint` (the
-    recipe's file name) helps name the checkpoint family when model.path is not on this machine. Pure apart from
-    reading model.path/config.json when it exists; the stand-in data is written by `write_data`."""
+    ("sglang_strict", or "embedded": the lenient engine, sluice's own semantics), data files under `data_dir`.
+    `name_hint` (the recipe's file name) helps name the checkpoint family when model.path is not on this machine.
+    Writes nothing: it reads model.path/config.json when it exists, imports the task class (does it take a tokenizer,
+    does it write its own data) and asks the embedded engine's parser; the stand-in data is written by `write_data`."""
     if engine not in ("sglang_strict", "embedded"):
         raise ValueError(f"shrink: engine must be 'sglang_strict' or 'embedded', got {engine!r}")
     original = copy.deepcopy(raw)
@@ -148,7 +149,7 @@ def _shrink_cluster(edit: _Editor, engine: str) -> None:
             edit.set(f"cluster.{key}", None, "follows the shrunk layout")
     edit.drop("cluster.node_ip", "one node: the loopback address")
     edit.set("cluster.engine", engine, "SGLang semantics on CPU" if engine == "sglang_strict" else
-             "the embedded engine (strict SGLang engines not available in this build)")
+             "the lenient embedded engine (sluice's own semantics)")
     tp = edit.get("cluster.engine_tensor_parallel_size", 1)
     if tp > 1:
         to = MAX_PARALLEL if engine == "sglang_strict" else 1
