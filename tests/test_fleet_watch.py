@@ -33,9 +33,24 @@ async def generate_until(client: EngineClient, done, answers: list, limit_s: flo
 
 
 @pytest.mark.slow
-def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_lost(fleet):
+def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_lost(fleet, tiny_model_dir):
+    """Through the run's own repair (engine_repair) and a real broadcast bridge: the hung engine still holds its
+    side of the weight group, so its removal must not wait on it, and the replacement gets the fleet's weights."""
+    from transformers import AutoModelForCausalLM
+
+    from glue.config import SyncConfig
+    from glue.fleet_watch import engine_repair
+    from weight_sync.bridge import make_bridge
+    from weight_sync.engine_calls import weight_version
+    from weight_sync.source import LocalWeightSource
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
+    bridge = make_bridge(SyncConfig(transport="broadcast", verify="checksum", timeout_s=60.0), source=source,
+                         engine_urls=list(fleet.engine_urls))
+    bridge.sync(1)
     client = EngineClient(fleet.router_url, fleet.engine_urls)
-    watch = FleetWatch(fleet, repair=lambda i: fleet.replace_engine(i), client=client, poll_s=0.2,
+    watch = FleetWatch(fleet, repair=engine_repair(fleet, bridge), client=client, poll_s=0.2,
                        health_interval_s=0.5, health_timeout_s=1.0, health_failures=2)
     hung_pid, hung_url = fleet.pids[0], fleet.engine_urls[0]
     answers: list = []
@@ -54,7 +69,15 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
         await watch.run(training)
         await client.close()
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+        assert sorted(bridge.engine_urls) == sorted(fleet.engine_urls)  # the hung one left, its replacement joined
+        assert [weight_version(u, 10) for u in fleet.engine_urls] == ["1", "1"]
+        assert bridge.left_behind == 1  # the hung engine could not leave the weight group: counted
+        assert len(source._source.channels) == 1  # the source closed its side of the old group (it leaked)
+        bridge.sync(2)  # the group rebuilt around the replacement syncs
+    finally:
+        bridge.close()
     assert watch.restarts == 1
     assert fleet.engine_urls[0] != hung_url and fleet.engine_urls[1] not in (hung_url,)
     assert not is_alive(hung_pid), "the hung engine was not killed"
