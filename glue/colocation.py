@@ -60,14 +60,17 @@ class Colocated:
     (the trainer is still resident, so it is the bridge's source), then the trainer offloads and the engines take
     their KV cache back. Before training: engines release weights and KV cache, the trainer onloads.
 
-    `sync(version)` only records the version: after training the engines hold no weights to update, so the
-    transfer happens in the next `before_rollout`, where a resumed engine needs it anyway."""
+    `sync(version)` after training only records the version: the engines hold no weights to update then, so the
+    transfer happens in the next `before_rollout`, where a resumed engine needs it anyway. A sync while the engines
+    hold their weights and the trainer is resident (a resumed run's first, before any phase) transfers at once:
+    no `before_rollout` would, and the engines would generate with their start-up weights."""
 
     def __init__(self, *, trainer: OffloadableTrainer, bridge: Any, engine_urls: Sequence[str],
                  timeout_s: float = 300.0, api_key: str | None = None, admin_api_key: str | None = None):
         self.trainer, self.bridge, self.engine_urls, self.timeout_s = trainer, bridge, engine_urls, timeout_s
         self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)  # the engines' SGLang keys
         self._engines_released = False
+        self._trainer_offloaded = False  # the trainer starts resident; before_rollout offloads it
         self._version: int | None = None
         self._metrics: dict[str, float] = {}
 
@@ -77,6 +80,7 @@ class Colocated:
             self.bridge.sync(self._version if self._version is not None else self.trainer.version)
             self._metrics.update(sync_metrics(self.bridge))
         self._metrics["colocation/trainer_bytes_in_rollout"] = float(self.trainer.offload())
+        self._trainer_offloaded = True
         if self._engines_released:
             self._engines("/resume_memory_occupation", [KV_CACHE])
             self._engines_released = False
@@ -87,9 +91,13 @@ class Colocated:
         self._engines_released = True
         self._record_engine_bytes("colocation/engine_weight_bytes_in_train")
         self._metrics["colocation/trainer_bytes_in_train"] = float(self.trainer.onload())
+        self._trainer_offloaded = False
 
     def sync(self, version: int) -> None:
         self._version = version
+        if not self._engines_released and not self._trainer_offloaded:
+            self.bridge.sync(version)
+            self._metrics.update(sync_metrics(self.bridge))
 
     def metrics(self) -> dict[str, float]:
         """Bytes each side held at the start of this step's phases (0 = released / offloaded), and the figures of

@@ -91,3 +91,49 @@ def test_a_colocated_cpu_run_swaps_trainer_and_engine_memory_around_each_phase_a
     assert params > 0
     # Later steps bring back params + AdamW's two moments per parameter; gradients were dropped.
     assert [r["colocation/trainer_bytes_in_train"] for r in records[1:]] == [3 * params, 3 * params]
+
+
+def test_a_resumed_colocated_run_brings_the_engines_to_the_checkpoints_weights_before_its_first_rollout(
+        engine_processes, tiny_model_dir, tmp_path):
+    """Issue 26 item 1: runner.restore syncs through the colocation (glue.controller.sync_weights) before any phase
+    ran; the engines hold their start-up weights then, and must hold the checkpoint's, under its version, when the
+    first rollout starts. The trainer here is a state dict with the checkpoint's weights (a LocalWeightSource) that
+    counts its offloads; engine, bridge, client and colocation are the run's own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from glue.colocation import Colocated
+    from glue.config import SyncConfig
+    from glue.controller import sync_weights
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from glue.engine_client import EngineClient
+    from weight_sync.bridge import make_bridge
+    from weight_sync.engine_calls import weight_checksums, weight_version
+    from weight_sync.source import LocalWeightSource, tensor_checksum
+
+    class CheckpointedTrainer(LocalWeightSource):
+        def __init__(self, tensors, version):
+            super().__init__(tensors)
+            self.version, self.offloads = version, 0
+
+        def offload(self) -> int:
+            self.offloads += 1
+            return 0
+
+        def onload(self) -> int:
+            return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "seed3", seed=3), dtype=torch.float32)
+    trainer = CheckpointedTrainer({n: p.detach().clone() for n, p in model.named_parameters()}, version=4)
+    url = engine_processes.start(tiny_model_dir, "--num-threads", "1")
+    bridge = make_bridge(SyncConfig(transport="broadcast", verify="checksum"), source=trainer, engine_urls=[url])
+    client = EngineClient(url, [url])
+    try:
+        colocation = Colocated(trainer=trainer, bridge=bridge, engine_urls=[url])
+        sync_weights(client, colocation, trainer.version)  # what runner.restore does
+        colocation.before_rollout()  # the loop's first call
+        assert weight_version(url, 30) == "4"
+        assert weight_checksums(url, 30) == {n: tensor_checksum(t) for n, t in trainer.tensors.items()}
+        assert trainer.offloads >= 1 and "sync/bytes" in colocation.metrics()
+    finally:
+        bridge.close()
