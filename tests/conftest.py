@@ -158,6 +158,12 @@ class EngineProcesses:
         _wait_healthy(url, proc, log_path, timeout_s)
         return url
 
+    def start_sglang_stand_in(self, model_dir: str, *extra_args: str, timeout_s: float = 90.0) -> str:
+        """`start` with `--sglang-strict`: an engine standing in for a real SGLang server answers exactly as SGLang
+        0.5.23 does (no bucket checksums, no test hooks, SGLang's abort and version semantics). Tests of sluice's
+        own code against engines use this; tests of the embedded engine's extras call `start`."""
+        return self.start(model_dir, "--sglang-strict", *extra_args, timeout_s=timeout_s)
+
     def log_of(self, url: str) -> str:
         """What the engine at `url` has written so far."""
         return (self.log_dir / f"engine-{url.rsplit(':', 1)[1]}.log").read_text(errors="replace")

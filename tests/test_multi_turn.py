@@ -27,7 +27,7 @@ from test_rollout_fns import run
 
 @pytest.fixture(scope="module")
 def engine_url(engine_processes, text_model_dir):
-    return engine_processes.start(text_model_dir, "--num-threads", "1")
+    return engine_processes.start_sglang_stand_in(text_model_dir, "--num-threads", "1")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ OBSERVATION = [9, 10, 11]  # the token ids every environment step answers with
 
 @pytest.fixture(scope="module")
 def engine_url(engine_processes, tiny_moe_model_dir):
-    return engine_processes.start(tiny_moe_model_dir, "--num-threads", "1", "--enable-return-routed-experts")
+    return engine_processes.start_sglang_stand_in(tiny_moe_model_dir, "--num-threads", "1", "--enable-return-routed-experts")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ SAMPLING = {"max_new_tokens": 160, "temperature": 1.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(engine_processes, tiny_model_dir):
-    return engine_processes.start(tiny_model_dir, "--enable-deterministic-inference")
+    return engine_processes.start_sglang_stand_in(tiny_model_dir, "--enable-deterministic-inference")
 
 
 def manager(client: EngineClient) -> RolloutManager:

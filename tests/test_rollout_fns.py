@@ -51,7 +51,7 @@ async def returns_a_dict(ctx, prompt, num_samples):
 
 @pytest.fixture(scope="module")
 def engine_url(engine_processes, tiny_model_dir):
-    return engine_processes.start(tiny_model_dir, "--num-threads", "1")
+    return engine_processes.start_sglang_stand_in(tiny_model_dir, "--num-threads", "1")
 
 
 def run(client: EngineClient, coro):
@@ -101,15 +101,17 @@ def test_a_generation_aborted_by_a_pause_resumes_and_carries_both_weight_version
     ctx = RolloutContext(client=counting, sampling_params={"max_new_tokens": N, "temperature": 1.0, "ignore_eos": True},
                          reward_fn=lambda s: 0.0, group_id=0)
 
-    def forward_count() -> int:
+    def running() -> int:  # SGLang's /get_server_info internal state: requests being decoded
         info = json.loads(urllib.request.urlopen(f"{engine_url}/get_server_info").read())
-        return info["internal_states"][0]["forward_count"]
+        return info["internal_states"][0]["num_running_reqs"]
+
+    initial = json.loads(urllib.request.urlopen(f"{engine_url}/model_info").read())["weight_version"]
 
     async def scenario():
-        start = forward_count()
         task = asyncio.ensure_future(generate_one(ctx, {"prompt_tokens": [0, 4]}, 0))
-        while not task.done() and forward_count() < start + 20:  # abort once tokens are flowing
+        while not task.done() and not running():
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # abort once tokens are flowing
         await asyncio.to_thread(client.pause_generation, "abort")
         await asyncio.to_thread(post, f"{engine_url}/update_weight_version",
                                 {"new_version": "1", "abort_all_requests": False})
@@ -123,7 +125,7 @@ def test_a_generation_aborted_by_a_pause_resumes_and_carries_both_weight_version
     first_new = sample.versions.index(1)
     assert 0 < first_new < N
     assert sample.versions == [0] * first_new + [1] * (N - first_new)
-    post(f"{engine_url}/update_weight_version", {"new_version": "0", "abort_all_requests": False})
+    post(f"{engine_url}/update_weight_version", {"new_version": initial, "abort_all_requests": False})
 
 
 class ScriptedAborts:
