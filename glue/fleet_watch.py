@@ -11,7 +11,8 @@ retries of the router's 502-504). The generated tokens of those requests went do
 again from the prompt (or from the tokens a partial rollout already holds).
 
 A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
-again (`guarded_sync`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
+again (`guarded_sync`). A repair gathers the trainer's weights only between train steps and checkpoints
+(`trainer_turn`, `guarded_train`), and a new engine gets the version the fleet holds (`engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
 for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
 unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count. The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
 when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
