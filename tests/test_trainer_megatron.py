@@ -102,11 +102,19 @@ def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, *, loss_
     loss_cfg = loss_cfg or LossConfig(entropy_coef=ENTROPY_COEF)
     procs = [ctx.Process(target=_worker_main, args=(r, world, port, model_path, cfg, loss_cfg, steps, batch, results))
              for r in range(world)]
+    before, entropy, metrics, after, weights = results_of_ranks(procs, results)[0]
+    return {"before": before, "entropy": entropy, "metrics": metrics[-1], "all_metrics": metrics, "after": after,
+            "weights": weights}
+
+
+def results_of_ranks(procs: list, results) -> dict[int, list]:
+    """Start the spawned rank processes, collect what each puts on `results` (pickled `(rank, *values)`), join
+    them; a rank that dies fails the test, and every process is stopped by its own handle whatever happens."""
     try:
         for p in procs:
             p.start()
         outs = {}
-        while len(outs) < world:
+        while len(outs) < len(procs):
             try:
                 rank, *rest = pickle.loads(results.get(timeout=5))
                 outs[rank] = rest
@@ -115,9 +123,7 @@ def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, *, loss_
                 assert not dead, f"trainer rank(s) died: exit codes {[p.exitcode for p in dead]}"
         for p in procs:
             p.join(timeout=60)
-        before, entropy, metrics, after, weights = outs[0]
-        return {"before": before, "entropy": entropy, "metrics": metrics[-1], "all_metrics": metrics, "after": after,
-                "weights": weights}
+        return outs
     finally:
         for p in procs:
             if p.is_alive():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
-import queue
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 from glue.embedded_engine.tiny_model import save_tiny_model
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_trainer_megatron import _free_port
+from test_trainer_megatron import _free_port, results_of_ranks
 
 BUCKET_BYTES = 12 << 10  # small buckets: several per stage, and fused q/k/v split across two of them
 
@@ -45,25 +44,7 @@ def stream_on_ranks(model_path: str, **layout) -> dict:
     cfg = TrainerConfig(**{"micro_batch_size": 2, "num_cpus_per_worker": 1, **layout})
     procs = [ctx.Process(target=_stream_rank, args=(r, cfg.world_size, port, model_path, cfg, results))
              for port in [_free_port()] for r in range(cfg.world_size)]
-    try:
-        for p in procs:
-            p.start()
-        outs = {}
-        while len(outs) < cfg.world_size:
-            try:
-                rank, *rest = pickle.loads(results.get(timeout=5))
-                outs[rank] = rest
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"trainer rank(s) died: exit codes {[p.exitcode for p in dead]}"
-        for p in procs:
-            p.join(timeout=60)
-        return outs
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    return results_of_ranks(procs, results)
 
 
 @pytest.mark.parametrize("family, layout", [
