@@ -178,9 +178,9 @@ class BroadcastTransport(_Base):
         """Bucket by bucket, the source and every engine enter the bucket's broadcast together; the next bucket's
         requests go out once every engine has answered, so each engine takes them in order (a request carries no
         bucket index). The overlap is the source's: it packs ahead of the wire (`weight_sync.source`)."""
-        name = self.groups.get(tuple(urls))
-        if name is None:
-            raise WeightSyncError(f"no weight group for engines {list(urls)}; call connect() with that list first")
+        if tuple(urls) not in self.groups:  # never connected, or dropped by a failed transfer: a fresh group
+            self.connect(urls)
+        name = self.groups[tuple(urls)]
         result = Transfer(engines={url: [] for url in urls})
         for layout in self.layouts:
             payload = {**layout.to_json(), "group_name": name, "load_format": "flattened_bucket",
@@ -189,11 +189,13 @@ class BroadcastTransport(_Base):
             calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
             calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s,
                                                   self.key) for url in urls]
+            aborted: list[bool] = []
             try:
-                sent, *answers = self._together(calls, on_failure=lambda: self._abort(name))
+                sent, *answers = self._together(calls, on_failure=lambda: aborted.append(True) or self._abort(name))
             except Exception as err:
-                for problem in self._drop_group(tuple(urls)):
-                    err.add_note(problem)
+                if aborted:  # members were told to leave a broadcast midway: the group is spent, a fresh one follows
+                    for problem in self._drop_group(tuple(urls)):
+                        err.add_note(problem)
                 raise
             result.add_source(sent)
             result.add_engines(urls, answers, 1)
