@@ -61,8 +61,6 @@ def compute_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    versions: torch.Tensor | None = None,
-    current_version: int | None = None,
     ewma_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss. All per-token inputs are [B, T]; returns (scalar loss, metrics incl. "clipfrac").
@@ -71,15 +69,17 @@ def compute_policy_loss(
     r (pi_theta / old: cfg.policy_loss's clip). Pass num_global_tokens / num_global_seqs (see
     count_tokens_and_seqs, summed over micro-batches and ranks) to make summed micro-batch gradients equal the full
     batch's. Metrics: ratios and fractions are means over this micro-batch's valid tokens; "pg_loss" is this
-    micro-batch's share of the policy term (shares sum to the batch's). seq_ids [B, T] marks packed sequences (default: one per row). versions [B, T] + current_version give
-    PPO-EWMA its per-token number of decay steps; ewma_logprobs is its previous state (default: rollout logprobs).
+    micro-batch's share of the policy term (shares sum to the batch's). seq_ids [B, T] marks packed sequences (default:
+    one per row). ewma_logprobs [B, T] is PPO-EWMA's state before this evaluation (default: the rollout logprobs); the
+    proximal policy used, which is the state to carry to the sample's next evaluation, is
+    `ewma_proximal_logprobs(state=ewma_logprobs, logprobs=logprobs, beta=cfg.ewma_beta)`.
     """
     mask = mask.to(logprobs.dtype)
     valid = mask > 0
     advantages = torch.where(valid, advantages.to(logprobs.dtype), 0.0)
     seqs = Sequences.from_mask(mask, seq_ids)
     old = resolve_old_logprobs(cfg, logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
-                               mask=mask, versions=versions, current_version=current_version, ewma_logprobs=ewma_logprobs)
+                               mask=mask, ewma_logprobs=ewma_logprobs)
     weight, metrics = apply_correction(cfg, old_logprobs=old, rollout_logprobs=rollout_logprobs, mask=mask, seqs=seqs)
     per_token, policy_metrics = POLICY_LOSSES[cfg.policy_loss](
         cfg, logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask, seqs=seqs

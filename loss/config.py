@@ -61,7 +61,7 @@ class LossConfig:
     correction_low: float = 0.5  # lower threshold on the discrepancy ratio (mis masks above high only; tis truncates at high)
     correction_high: float = 2.0  # upper threshold on the discrepancy ratio
     old_logprobs_from: str = "given"  # name in OLD_LOGPROB_SOURCES: given, rollout, ewma
-    ewma_beta: float = 0.5  # ewma: decay of the proximal policy per policy version, in [0, 1)
+    ewma_beta: float = 0.5  # ewma: decay of a sample's proximal policy per trainer evaluation of it, in [0, 1)
     # --- KL and entropy terms, and aggregation ---
     kl_estimator: str = "k3"  # name in KL_ESTIMATORS: k1, k2, k3
     kl_loss_coef: float = 0.0  # > 0: add coef * KL(pi_theta || pi_ref) to the loss (needs ref_logprobs)

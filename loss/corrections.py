@@ -133,20 +133,29 @@ def ratio_metrics(prefix: str, log_ratio: torch.Tensor, mask: torch.Tensor) -> d
     }
 
 
-def ewma_proximal_logprobs(*, anchor: torch.Tensor, logprobs: torch.Tensor, beta: float, steps: torch.Tensor | int = 1) -> torch.Tensor:
-    """PPO-EWMA in log space: `steps` updates of log pi_prox <- beta log pi_prox + (1 - beta) log pi_theta.
+def ewma_proximal_logprobs(*, state: torch.Tensor, logprobs: torch.Tensor, beta: float) -> torch.Tensor:
+    """PPO-EWMA, one evaluation: state in [B, T] -> state out [B, T], which is also this evaluation's proximal policy.
 
-    Closed form beta^d * anchor + (1 - beta^d) * sg(log pi_theta) per token, where the anchor is the previous EWMA
-    state (or the rollout logprobs) and the current policy stands in for the versions in between, the only one
-    evaluable without old logits. Detached: the proximal policy is a constant of the loss.
+        log pi_prox <- beta * log pi_prox + (1 - beta) * sg(log pi_theta)
+
+    per token, in log space as seed 001's revised PPO-EWMA (its "log-linear" proxy: a geometric mixture of the
+    policies; Hilton et al. 2022 average the weights instead, which needs a second model). The state of a sample
+    starts at its rollout logprobs (the behaviour policy: each token under the version that generated it) and takes
+    one update each time a trainer policy evaluates the sample, i.e. once per optimizer step that trains it
+    (`trainer.num_epochs` per train_step). After evaluations l_1..l_n of rollout logprobs r:
+
+        log pi_prox_n = beta^n * r + (1 - beta) * sum_k beta^(n - k) * l_k
+
+    Versions that passed while the sample waited in the buffer never evaluated it and have no term (sluice has no
+    logprobs of theirs: the missing old logits). Detached: the proximal policy is a constant of the loss.
     """
-    decay = torch.as_tensor(beta, dtype=logprobs.dtype, device=logprobs.device) ** torch.as_tensor(steps, device=logprobs.device)
-    return (decay * anchor.detach() + (1 - decay) * logprobs.detach()).detach()
+    return (beta * state.detach() + (1 - beta) * logprobs.detach()).detach()
 
 
 def resolve_old_logprobs(cfg: "LossConfig", *, logprobs, old_logprobs, rollout_logprobs, mask,
-                         versions=None, current_version=None, ewma_logprobs=None) -> torch.Tensor:
-    """The training-side old (proximal) logprobs per cfg.old_logprobs_from, detached."""
+                         ewma_logprobs=None) -> torch.Tensor:
+    """The training-side old (proximal) logprobs per cfg.old_logprobs_from, detached; `ewma_logprobs` is PPO-EWMA's
+    state before this evaluation (None: the rollout logprobs, a sample no trainer policy has evaluated yet)."""
     source = cfg.old_logprobs_from
     if source == "given":
         if old_logprobs is None:
@@ -155,16 +164,14 @@ def resolve_old_logprobs(cfg: "LossConfig", *, logprobs, old_logprobs, rollout_l
         return old_logprobs.detach()
     if source == "rollout":
         return rollout_logprobs.detach()
-    steps: torch.Tensor | int = 1
-    if versions is not None and current_version is not None:
-        steps = (current_version - versions.long()).clamp(min=0)
-    anchor = ewma_logprobs if ewma_logprobs is not None else rollout_logprobs
-    anchor = torch.where(mask > 0, anchor, logprobs.detach())  # padding: any finite value, it is masked later
-    return ewma_proximal_logprobs(anchor=anchor, logprobs=logprobs, beta=cfg.ewma_beta, steps=steps)
+    state = ewma_logprobs if ewma_logprobs is not None else rollout_logprobs
+    state = torch.where(mask > 0, state, logprobs.detach())  # padding: any finite value, it is masked later
+    return ewma_proximal_logprobs(state=state, logprobs=logprobs, beta=cfg.ewma_beta)
 
 
 OLD_LOGPROB_SOURCES: dict[str, str] = {
     "given": "the caller's old_logprobs (recomputed before the update, or exact per-version snapshots)",
     "rollout": "the engine's rollout logprobs (no separate discrepancy factor: rho = 1)",
-    "ewma": "PPO-EWMA proximal policy in log space (decay ewma_beta), for when exact old logprobs are missing",
+    "ewma": "PPO-EWMA proximal policy: per sample, the EWMA in log space (decay ewma_beta) of its rollout logprobs and "
+            "the trainer policies that evaluated it, for when exact old logprobs are missing",
 }

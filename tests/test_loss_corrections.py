@@ -125,31 +125,41 @@ def test_missing_old_logprobs_with_the_given_source_says_how_to_fix_it():
                             rollout_logprobs=torch.zeros(1, 2), advantages=torch.ones(1, 2), mask=torch.ones(1, 2))
 
 
-def test_ewma_proximal_logprob_is_beta_to_the_staleness_times_anchor_plus_the_rest_current():
-    anchor = torch.tensor([[-2.0, -2.0, -2.0]], dtype=F64)
-    current = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
-    prox = loss.ewma_proximal_logprobs(anchor=anchor, logprobs=current, beta=0.5, steps=torch.tensor([[0, 1, 2]]))
-    # d = 0: the anchor; d = 1: 0.5 * -2 + 0.5 * -1; d = 2: 0.25 * -2 + 0.75 * -1
-    assert torch.allclose(prox, torch.tensor([[-2.0, -1.5, -1.25]], dtype=F64))
-    # two single steps equal one step of 2
-    one = loss.ewma_proximal_logprobs(anchor=anchor, logprobs=current, beta=0.5)
-    two = loss.ewma_proximal_logprobs(anchor=one, logprobs=current, beta=0.5)
-    assert torch.allclose(two[0, 2], prox[0, 2])
+def test_ppo_ewma_proximal_policy_is_the_running_average_of_the_policies_a_sample_was_evaluated_under():
+    """Three evaluations of one sample at decay 0.5: rollout logprobs r, then three known policies l_1, l_2, l_3. At
+    evaluation n the loss trains against log pi_prox_n = 0.5^n r + 0.5 * sum_k 0.5^(n - k) l_k, and that is the state
+    carried to evaluation n + 1."""
+    r = torch.tensor([[-2.0, -1.0]], dtype=F64)
+    policies = [torch.tensor(lp, dtype=F64) for lp in ([[-1.0, -2.0]], [[-0.5, -1.5]], [[-0.25, -3.0]])]
+    expected = [0.5 ** n * r + 0.5 * sum(0.5 ** (n - k) * policies[k - 1] for k in range(1, n + 1)) for n in (1, 2, 3)]
+    # token 0 by hand: -1.5, then 0.25 * -2 + 0.25 * -1 + 0.5 * -0.5 = -1.0, then -0.25 - 0.125 - 0.125 - 0.125
+    assert [e[0, 0].item() for e in expected] == [-1.5, -1.0, -0.625]
+    # no clip (ratio bounds [0, 101]), A = -1, N = 1: d loss / d logp_t = pi_theta / pi_prox gives pi_prox back
+    cfg = LossConfig(old_logprobs_from="ewma", ewma_beta=0.5, clip_low=1.0, clip_high=100.0)
+    state = None  # the first evaluation starts from the rollout logprobs
+    for n, (policy, want) in enumerate(zip(policies, expected), start=1):
+        logprobs = policy.clone().requires_grad_(True)
+        out, _ = compute_policy_loss(cfg, logprobs=logprobs, old_logprobs=None, rollout_logprobs=r,
+                                     advantages=-torch.ones_like(r), mask=torch.ones_like(r), num_global_tokens=1,
+                                     ewma_logprobs=state)
+        out.backward()
+        assert torch.allclose(policy - logprobs.grad.log(), want), f"proximal policy of evaluation {n}"
+        state = loss.ewma_proximal_logprobs(state=r if state is None else state, logprobs=logprobs, beta=0.5)
+        assert torch.allclose(state, want), f"state after evaluation {n}"
+        assert not state.requires_grad
 
 
 def test_ppo_ewma_in_the_loss_splits_the_total_ratio_into_its_two_factors():
     rollout = torch.tensor([[-2.0, -2.0]], dtype=F64)
     logprobs = torch.tensor([[-1.0, -1.5]], dtype=F64, requires_grad=True)
-    cfg = LossConfig(old_logprobs_from="ewma", ewma_beta=0.5)
-    versions, current = torch.tensor([[3, 2]]), 4  # staleness d = 1 and 2
+    cfg = LossConfig(old_logprobs_from="ewma", ewma_beta=0.25)
     _, m = compute_policy_loss(cfg, logprobs=logprobs, old_logprobs=None, rollout_logprobs=rollout,
-                               advantages=torch.ones(1, 2, dtype=F64), mask=torch.ones(1, 2),
-                               versions=versions, current_version=current)
-    # log prox = b^d * rollout + (1 - b^d) * logp; staleness log-ratio = b^d (logp - rollout),
-    # discrepancy log-ratio = (1 - b^d)(logp - rollout): their product is the total ratio
+                               advantages=torch.ones(1, 2, dtype=F64), mask=torch.ones(1, 2))
+    # first evaluation: log prox = b * rollout + (1 - b) * logp; staleness log-ratio = b (logp - rollout),
+    # discrepancy log-ratio = (1 - b)(logp - rollout): their product is the total ratio
     gap = [1.0, 0.5]
-    stale = [0.5 * gap[0], 0.25 * gap[1]]
-    disc = [0.5 * gap[0], 0.75 * gap[1]]
+    stale = [0.25 * g for g in gap]
+    disc = [0.75 * g for g in gap]
     assert m["staleness/ratio_max"].item() == pytest.approx(math.exp(max(stale)))
     assert m["staleness/ratio_min"].item() == pytest.approx(math.exp(min(stale)))
     assert m["discrepancy/ratio_max"].item() == pytest.approx(math.exp(max(disc)))

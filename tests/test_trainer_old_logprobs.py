@@ -1,7 +1,8 @@
 """Where the trainer's old (proximal) logprobs come from, on CPU with megatron-core on gloo (one spawned rank):
 `snapshot` gives each token its logprob under the exact weights of the version that generated it, `recompute` the
-current weights', and a loss that takes them from the rollout or its EWMA gets no old-logprob forward at all. Also
-the policy-version unit (one per train_step) and the weight bridge's guard against a step between stage and send."""
+current weights', and a loss that takes them from the rollout or its EWMA gets no old-logprob forward at all (the
+EWMA's per-sample state carries from epoch to epoch). Also the policy-version unit (one per train_step) and the
+weight bridge's guard against a step between stage and send."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -232,7 +233,32 @@ def _source_scenario(model_dir: str) -> dict:
             mixed = with_versions(make_batch(), lambda b, t: t % 2)
             out["recomputed"] = (worker.compute_old_logprobs(mixed), worker.compute_logprobs(mixed))
         stop_worker(worker)
+    out["ewma_epochs"] = _ewma_states_over_three_epochs(model_dir)
     return out
+
+
+def _ewma_states_over_three_epochs(model_dir: str) -> list[tuple]:
+    """(logprobs, rollout logprobs, mask, PPO-EWMA state passed in) of each loss call of one train_step with three
+    epochs, read by wrapping loss.compute_policy_loss (the worker looks it up at each call)."""
+    import loss
+
+    calls, real = [], loss.compute_policy_loss
+
+    def recorded(cfg, **kwargs):
+        state = kwargs.get("ewma_logprobs")
+        calls.append((kwargs["logprobs"].detach().clone(), kwargs["rollout_logprobs"].clone(), kwargs["mask"].clone(),
+                      None if state is None else state.clone()))
+        return real(cfg, **kwargs)
+
+    loss.compute_policy_loss = recorded
+    try:
+        worker = start_worker(model_dir, LossConfig(old_logprobs_from="ewma", ewma_beta=0.5, correction="icepop"),
+                              num_epochs=3)
+        worker.train_step(make_batch(rollout_logprobs_from=model_dir))  # near the policy: the clip lets it move
+        stop_worker(worker)
+    finally:
+        loss.compute_policy_loss = real
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +274,18 @@ def test_old_logprobs_taken_from_the_rollout_or_the_ewma_run_no_old_logprob_forw
         assert "train/train_rollout_logprob_abs_diff" not in source_runs[source]["metrics"], source
         assert source_runs[source]["metrics"]["weights/version"] == 1.0
     assert "train/train_rollout_logprob_abs_diff" in source_runs["given"]["metrics"]
+
+
+def test_ppo_ewma_state_of_each_sample_carries_from_one_epoch_to_the_next(source_runs):
+    # one micro-batch per epoch; the state starts at the rollout logprobs and takes each epoch's policy at decay 0.5
+    (l1, rollout, mask, s0), (l2, rollout_2, _, s1), (_, rollout_3, _, s2) = source_runs["ewma_epochs"]
+    valid = mask > 0
+    assert torch.equal(rollout_2, rollout) and torch.equal(rollout_3, rollout)  # the state is a copy, not the batch's
+    assert not torch.allclose(l1[valid], l2[valid])  # the policy moved between epochs
+    assert s0 is not None and s1 is not None and s2 is not None, "the trainer passed no PPO-EWMA state to the loss"
+    assert torch.equal(s0[valid], rollout[valid])
+    assert torch.allclose(s1[valid], (0.5 * rollout + 0.5 * l1)[valid])
+    assert torch.allclose(s2[valid], (0.25 * rollout + 0.25 * l1 + 0.5 * l2)[valid])
 
 
 def test_recomputed_old_logprobs_are_the_current_weights_whatever_the_token_versions(source_runs):

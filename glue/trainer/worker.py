@@ -181,10 +181,13 @@ class TrainerWorker:
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
         replay_gaps = logprob_gaps(batch, self.compute_logprobs) if self.replay is not None else {}
         mini_batches = split_mini_batches(batch.tokens.shape[0], self.cfg.num_mini_batches)
+        # PPO-EWMA's state per token (a copy): the rollout logprobs, then one update per optimizer step that trains it
+        ewma = (batch.rollout_logprobs.to(self.device, torch.float32, copy=True)
+                if self.loss_cfg.old_logprobs_from == "ewma" else None)
         totals: dict[str, float] = {}
         for _ in range(self.cfg.num_epochs):
             for rows in mini_batches:
-                for name, value in self._optimizer_step(batch, old_logprobs, ref_logprobs, rows).items():
+                for name, value in self._optimizer_step(batch, old_logprobs, ref_logprobs, rows, ewma).items():
                     totals[name] = totals.get(name, 0.0) + value
         num_steps = self.cfg.num_epochs * len(mini_batches)
         metrics.update({f"train/{name}": value / num_steps for name, value in totals.items()})
@@ -198,7 +201,7 @@ class TrainerWorker:
         return metrics
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-                        rows: slice) -> dict[str, float]:
+                        rows: slice, ewma: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step over `rows` of the batch (this DP rank trains on its micro-batches, gradients are
         summed over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over
         micro-batches and DP ranks; `pg_loss` shares are summed)."""
@@ -209,7 +212,7 @@ class TrainerWorker:
 
         def head(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
             loss, metrics, share = self._micro_batch_loss(batch, mb, logits, old_logprobs, ref_logprobs,
-                                                          num_tokens, num_seqs)
+                                                          num_tokens, num_seqs, ewma)
             return loss, (float(loss.detach()), metrics, share)
 
         sums: dict[str, float] = {"loss": 0.0}
@@ -228,11 +231,13 @@ class TrainerWorker:
 
     def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, logits: torch.Tensor,
                           old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, num_tokens: int,
-                          num_seqs: int) -> tuple[torch.Tensor, dict[str, Any], float]:
+                          num_seqs: int, ewma: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, dict[str, Any], float]:
         """One micro-batch's loss from its logits (normalised by the mini-batch's global counts), its metrics and its
-        share of the mini-batch's trained tokens. A padding micro-batch's mask is all 0: its loss is 0 but its
-        forward and backward still meet the other ranks' collectives."""
-        from loss import compute_policy_loss
+        share of the mini-batch's trained tokens; `ewma` (PPO-EWMA's state, [B, T]) gets this evaluation's update. A
+        padding micro-batch's mask is all 0: its loss is 0 but its forward and backward still meet the other ranks'
+        collectives."""
+        from loss import compute_policy_loss, ewma_proximal_logprobs
 
         def take(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else mb.take(x).to(self.device)
@@ -244,7 +249,9 @@ class TrainerWorker:
             rollout_logprobs=take(batch.rollout_logprobs.float()), advantages=take(batch.advantages.float()),
             mask=mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
             seq_ids=None if mb.seq_ids is None else mb.seq_ids.to(self.device),
-            versions=take(batch.versions), current_version=self.version, ref_logprobs=take(ref_logprobs))
+            ewma_logprobs=take(ewma), ref_logprobs=take(ref_logprobs))
+        if ewma is not None and mb.is_real:
+            mb.put(ewma_proximal_logprobs(state=take(ewma), logprobs=logprobs, beta=self.loss_cfg.ewma_beta), ewma)
         return loss, metrics, float(mask.sum()) / max(num_tokens, 1)
 
     def _clip_gradients(self) -> float:
