@@ -10,13 +10,18 @@ The mechanism is an httpx transport inside the client, not a proxy process: it a
 (nothing is re-tokenised here). sgl-router forwards neither those body fields nor the headers, so behind a router the
 engines must return ids server-wide: SGLang's `--return-input-ids --return-output-ids` (the embedded engine does by
 default). An answer without ids is a recording problem, raised by `ChatRecorder.check()` after the run.
+
+A choice aborted by a weight sync's pause (finish_reason "abort") never reaches the agent: the transport continues it
+from prompt + tokens so far (SGLang's chat `input_ids`, sent to an engine directly because sgl-router drops that
+field) and hands the agent one stitched answer, at most `max_resumes` times; one still aborted then gives the run up.
 """
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Awaitable, Callable
 
 import openai
 
@@ -27,6 +32,8 @@ FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "tool_calls": SampleStatus.COMP
                  "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 ID_HEADERS = {"x-sglext-return-input-ids": "1", "x-sglext-return-output-ids": "1"}
 ID_FLAGS = {"logprobs": True, "return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
+# On sluice's own error answers (a completion still aborted at the resume limit): the openai client does not retry.
+GIVEN_UP_HEADERS = {"x-should-retry": "false"}
 
 
 def _httpx_module() -> Any:
@@ -41,7 +48,8 @@ httpx = _httpx_module()
 @dataclass(frozen=True, kw_only=True)
 class ChatCall:
     """One chat completion as the policy saw and produced it: `versions[i]` is the weight version of completion
-    token i; `weight_version` the answer's (for tokens appended around a call that produced none)."""
+    token i; `weight_version` the answer's (for tokens appended around a call that produced none); `resumes` how
+    often it was continued after an abort (finish_reason "abort" only when still aborted at the resume limit)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -49,6 +57,7 @@ class ChatCall:
     versions: list[int]
     weight_version: int
     finish_reason: str
+    resumes: int = 0
 
 
 class RecordingError(ValueError):
@@ -97,8 +106,12 @@ def token_versions(metadata: dict[str, Any], n: int) -> list[int]:
     return versions
 
 
+Post = Callable[[str, dict], Awaitable[tuple[Any, bytes]]]  # (url, chat body) -> (response, its body)
+
+
 class RecordingTransport(httpx.AsyncBaseTransport):
-    """Passes every request to `inner`; chat completions get SGLang's id opt-ins and their answers are recorded."""
+    """Passes every request to `inner`; chat completions get SGLang's id opt-ins, aborted choices are continued
+    (`ChatRecorder.completed`) and the answers are recorded."""
 
     def __init__(self, inner: Any, recorder: "ChatRecorder"):
         self.inner, self.recorder = inner, recorder
@@ -110,14 +123,17 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         if body.get("stream"):
             return httpx.Response(400, request=request, json={"error": {
                 "message": "sluice records chat completions whole; call with stream=false", "param": "stream"}})
-        content = json.dumps({**body, **ID_FLAGS}).encode()
-        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
-        sent = httpx.Request(request.method, request.url, headers=[*headers, *ID_HEADERS.items()], content=content,
-                             extensions=request.extensions)
-        response = await self.inner.handle_async_request(sent)
-        raw = await response.aread()
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in ("content-length", "host")]
+
+        async def post(url: Any, chat: dict) -> tuple[Any, bytes]:
+            sent = httpx.Request("POST", url, headers=[*headers, *ID_HEADERS.items()],
+                                 content=json.dumps({**chat, **ID_FLAGS}).encode(), extensions=request.extensions)
+            response = await self.inner.handle_async_request(sent)
+            return response, await response.aread()
+
+        response, raw = await post(request.url, body)
         if response.status_code == 200:
-            self.recorder.record(raw)
+            response, raw = await self.recorder.completed(response, raw, body, post)
         kept = [(k, v) for k, v in response.headers.multi_items()
                 if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
         return httpx.Response(response.status_code, headers=kept, content=raw, request=request,
@@ -130,11 +146,19 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 class ChatRecorder:
     """The client of one agent run and what it recorded: `client` is an `openai.AsyncOpenAI` on `base_url`
     (the router's or an engine's url + "/v1"); `calls` the chat completions in the order they were answered.
-    Use as `async with ChatRecorder(url) as recorder:`; then `recorder.check()` raises any recording problem."""
+    Use as `async with ChatRecorder(url) as recorder:`; then `recorder.check()` raises any recording problem.
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 3600.0, max_retries: int = 2):
+    An aborted choice is continued on one of `engine_urls` (taken in turn; the list is held, so a fleet's
+    replacements count; none: `base_url`) at most `max_resumes` times. One still aborted then is recorded with
+    finish_reason "abort", the agent gets a 503 it is told not to retry, and `gave_up` is set."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 3600.0, max_retries: int = 2,
+                 engine_urls: list[str] | None = None, max_resumes: int = 8):
         self.calls: list[ChatCall] = []
         self.problems: list[str] = []
+        self.base_url, self.engine_urls, self.max_resumes = base_url.rstrip("/"), engine_urls, max_resumes
+        self.gave_up = False
+        self._turn = itertools.count()
         http_client = openai.DefaultAsyncHttpxClient(transport=RecordingTransport(httpx.AsyncHTTPTransport(), self))
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "sluice", http_client=http_client,
                                          timeout=timeout_s, max_retries=max_retries)
@@ -145,6 +169,50 @@ class ChatRecorder:
             self.calls.extend(calls_from_answer(json.loads(raw)))
         except (RecordingError, ValueError, KeyError, TypeError) as e:
             self.problems.append(f"{type(e).__name__}: {e}")
+
+    async def completed(self, response: Any, raw: bytes, body: dict, post: Post) -> tuple[Any, bytes]:
+        """The answer for the agent to the chat `body` first answered `raw`: each aborted choice continued and
+        stitched in, the whole recorded. An error answer to a continuation is the agent's (nothing recorded)."""
+        try:
+            answer = json.loads(raw)
+            calls = calls_from_answer(answer)
+        except (RecordingError, ValueError, KeyError, TypeError) as e:
+            self.problems.append(f"{type(e).__name__}: {e}")
+            return response, raw
+        first = list(calls)
+        for index, call in enumerate(calls):
+            while call.finish_reason == "abort" and call.resumes < self.max_resumes:
+                left = completion_budget(body, len(call.completion_ids))
+                if left == 0:  # the abort came at the budget's last token
+                    call = replace(call, finish_reason="length")
+                    answer["choices"][index]["finish_reason"] = "length"
+                    break
+                part_response, part_raw = await post(self.next_engine() + "/chat/completions",
+                                                     continuation(body, call, left))
+                if part_response.status_code != 200:
+                    return part_response, part_raw
+                try:
+                    part = json.loads(part_raw)
+                    call = stitched(call, calls_from_answer(part)[0])
+                except (RecordingError, ValueError, KeyError, TypeError) as e:
+                    self.problems.append(f"continuing an aborted choice: {type(e).__name__}: {e}")
+                    return refusal(502, f"sluice could not continue an aborted chat completion: {e}")
+                stitch_answer(answer, index, part, call)
+            calls[index] = call
+        self.calls.extend(calls)
+        if calls == first:  # nothing aborted: the engine's answer as it came
+            return response, raw
+        if any(c.finish_reason == "abort" for c in calls):
+            self.gave_up = True
+            return refusal(503, f"sluice: this chat completion was still aborted by weight syncs after "
+                                f"{self.max_resumes} continuations (the resume limit); the agent run is given up")
+        return response, json.dumps(answer).encode()
+
+    def next_engine(self) -> str:
+        """The OpenAI base URL a continuation goes to: the engines in turn, else `base_url`."""
+        if not self.engine_urls:
+            return self.base_url
+        return f"{self.engine_urls[next(self._turn) % len(self.engine_urls)].rstrip('/')}/v1"
 
     def check(self) -> None:
         if self.problems:
@@ -158,11 +226,85 @@ class ChatRecorder:
         await self.client.close()
 
 
+def refusal(status: int, message: str) -> tuple[Any, bytes]:
+    """An error answer (response, body) in the OpenAI error shape that the openai client does not retry."""
+    headers = {**GIVEN_UP_HEADERS, "content-type": "application/json"}
+    return httpx.Response(status, headers=headers), json.dumps({"error": {"message": message, "code": status}}).encode()
+
+
+def completion_budget(body: dict, generated: int) -> int | None:
+    """Completion tokens the chat `body` still allows after `generated` (SGLang reads max_completion_tokens
+    first); None when it sets no limit."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return None if limit is None else max(0, int(limit) - generated)
+
+
+def continuation(body: dict, call: ChatCall, left: int | None) -> dict:
+    """The chat body that continues `call` (one choice of `body`) from its prompt + completion so far: SGLang's
+    `input_ids` bypass the chat template, so the tokens are the ones generated, not re-tokenised text."""
+    chat = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens", "n")}
+    chat["input_ids"] = call.prompt_ids + call.completion_ids
+    if left is not None:
+        chat["max_completion_tokens"] = left
+    return chat
+
+
+def stitched(call: ChatCall, part: ChatCall) -> ChatCall:
+    """`call` continued by `part`, an answer to `continuation(..., call, ...)`: one call over both parts' tokens,
+    each token with the version it was generated on."""
+    if part.prompt_ids != call.prompt_ids + call.completion_ids:
+        raise RecordingError(f"a continuation ran from {len(part.prompt_ids)} prompt ids, not the "
+                             f"{len(call.prompt_ids) + len(call.completion_ids)} it was sent (prompt + tokens so far)")
+    return replace(call, completion_ids=call.completion_ids + part.completion_ids,
+                   logprobs=call.logprobs + part.logprobs, versions=call.versions + part.versions,
+                   weight_version=part.weight_version, finish_reason=part.finish_reason, resumes=call.resumes + 1)
+
+
+def stitch_answer(answer: dict, index: int, part: dict, call: ChatCall) -> None:
+    """Fold `part` (the answer to a continuation of choice `index`) into `answer` in place, as if the engine had
+    answered choice `index` in one go: text and logprobs joined, the last part's finish, ids, usage, versions. The
+    engine's reasoning / tool-call parsers saw each part alone, so a call cut by the abort stays in the text."""
+    choice, more = answer["choices"][index], part["choices"][0]
+    message, extra = choice.setdefault("message", {}), more.get("message") or {}
+    for key in ("content", "reasoning_content"):
+        if message.get(key) is not None or extra.get(key) is not None:
+            message[key] = (message.get(key) or "") + (extra.get(key) or "")
+    if extra.get("tool_calls"):
+        message["tool_calls"] = [*(message.get("tool_calls") or []), *extra["tool_calls"]]
+    if (choice.get("logprobs") or {}).get("content") is not None:
+        choice["logprobs"]["content"] += (more.get("logprobs") or {}).get("content") or []
+    choice.update(finish_reason=more.get("finish_reason"), matched_stop=more.get("matched_stop"))
+    if "response_token_ids" in choice:
+        choice["response_token_ids"] = list(call.completion_ids)
+    outputs = (answer.get("sglext") or {}).get("output_ids")
+    if outputs and index < len(outputs):
+        outputs[index] = list(call.completion_ids)
+    usage, added = answer.get("usage"), (part.get("usage") or {}).get("completion_tokens", 0)
+    if isinstance(usage, dict):
+        usage["completion_tokens"] = usage.get("completion_tokens", 0) + added
+        usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage["completion_tokens"]
+    if index == 0:  # SGLang's metadata describes the first choice
+        answer["metadata"] = {"weight_version": (part.get("metadata") or {}).get("weight_version"),
+                              "weight_versions": version_spans(call.versions)}
+
+
+def version_spans(versions: list[int]) -> list[dict]:
+    """SGLang's `weight_versions` spans ({"version", "start", "end"}) of per-token versions."""
+    spans: list[dict] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(version), "start": i, "end": i + 1})
+    return spans
+
+
 def trajectory_samples(calls: list[ChatCall]) -> list[Sample]:
     """One `Sample` per policy-visible trajectory. A call whose prompt ids start with a trajectory's prompt +
     response so far extends it (the longest such): the tokens in between (tool output, user turns, the template's
     turn markers) are appended with loss_mask 0 and logprob 0, then the call's completion, trainable. Any other
-    call starts a new sample. Status: the last call's finish_reason."""
+    call starts a new sample. Status: the last call's finish_reason; a call still aborted (at the resume limit)
+    marks its sample `resume_limit_hit` (rollout/resume_limit_drops), and `resumes` counts the continuations."""
     samples: list[Sample] = []
     for call in calls:
         sample = longest_extended(samples, call.prompt_ids)
@@ -180,6 +322,10 @@ def trajectory_samples(calls: list[ChatCall]) -> list[Sample]:
                 start = end
         sample.status = FINISH_STATUS[call.finish_reason]
         sample.metadata["calls"] += 1
+        if call.resumes:
+            sample.metadata["resumes"] = sample.metadata.get("resumes", 0) + call.resumes
+        if call.finish_reason == "abort":
+            sample.metadata["resume_limit_hit"] = 1
     return samples
 
 

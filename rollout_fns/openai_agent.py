@@ -8,7 +8,9 @@ The agent is named by import path in the prompt, `prompt["agent"] = "pkg.module:
 
 (checked when first loaded). A run whose calls all extend one conversation gives one sample; a run that starts over
 or branches gives more, so a group may hold more than `num_samples` samples. Agents' calls carry no MoE routing, so
-this function refuses `rollout.return_routed_experts` (at start-up, launch/preflight.py, and here).
+this function refuses `rollout.return_routed_experts` (at start-up, launch/preflight.py, and here). Agents never
+see a sync's abort: the recorder continues an aborted completion (up to `ctx.max_resumes` times); a run with one
+still aborted then is given up, its samples ABORTED (rollout/resume_limit_drops), whatever the agent returned.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any, Callable
 from glue.openai_agent import ChatRecorder, trajectory_samples
 from glue.plugins import check_signature, load_object
 from glue.rollout import RolloutContext
-from glue.types import Sample
+from glue.types import Sample, SampleStatus
 
 AGENT_PARAMS = ["client", "prompt"]
 NO_ROUTING = ("rollout.return_routed_experts: rollout_fns.openai_agent cannot record MoE routing (agents call "
@@ -34,7 +36,9 @@ async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) ->
         raise ValueError(NO_ROUTING)
     agent = load_agent(prompt.get("agent"))
     base_url, api_key = chat_endpoint(ctx.client)
-    tasks = [asyncio.ensure_future(run_agent(agent, prompt, base_url=base_url, api_key=api_key, run=i))
+    tasks = [asyncio.ensure_future(run_agent(agent, prompt, base_url=base_url, api_key=api_key, run=i,
+                                             engine_urls=getattr(ctx.client, "engine_urls", None),
+                                             max_resumes=ctx.max_resumes))
              for i in range(num_samples)]
     try:
         runs = await asyncio.gather(*tasks)
@@ -49,10 +53,19 @@ async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) ->
     return samples
 
 
-async def run_agent(agent: Callable, prompt: dict, *, base_url: str, api_key: str | None, run: int) -> list[Sample]:
-    """One agent run, recorded: its trajectories as samples carrying its reward and the prompt's other keys."""
-    async with ChatRecorder(base_url, api_key=api_key) as recorder:
-        reward = checked_reward(await agent(recorder.client, prompt))
+async def run_agent(agent: Callable, prompt: dict, *, base_url: str, api_key: str | None, run: int,
+                    engine_urls: list[str] | None = None, max_resumes: int = 8) -> list[Sample]:
+    """One agent run, recorded: its trajectories as samples carrying its reward and the prompt's other keys.
+    Aborted completions are continued on `engine_urls` (`ChatRecorder`); if one was given up at `max_resumes`,
+    whatever the agent did after the error it got (raise, or go on) the run's samples are ABORTED, reward 0."""
+    async with ChatRecorder(base_url, api_key=api_key, engine_urls=engine_urls, max_resumes=max_resumes) as recorder:
+        try:
+            reward = checked_reward(await agent(recorder.client, prompt))
+        except Exception:  # noqa: BLE001 - after a give-up the agent's error is that refusal's: counted below
+            if not recorder.gave_up:
+                raise
+        if recorder.gave_up:
+            reward = 0.0
     recorder.check()
     samples = trajectory_samples(recorder.calls)
     if not samples:
@@ -61,6 +74,9 @@ async def run_agent(agent: Callable, prompt: dict, *, base_url: str, api_key: st
     for trajectory, sample in enumerate(samples):
         sample.reward = reward
         sample.metadata = {**extras, **sample.metadata, "agent_run": run, "trajectory": trajectory}
+        if recorder.gave_up:  # the run never finished: none of its trajectories is a whole answer to train on
+            sample.status = SampleStatus.ABORTED
+            sample.metadata["resume_limit_hit"] = 1
     return samples
 
 
