@@ -112,18 +112,9 @@ class LossConfig:
                              "to rollout.sampling.max_new_tokens")
 
     @property
-    def needs_ref_logprobs(self) -> bool:
-        """The trainer must compute reference-model logprobs."""
-        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
-
-    @property
     def needs_old_logprobs(self) -> bool:
         """The trainer must pass training-side old logprobs (recomputed or from version snapshots)."""
         return self.old_logprobs_from == "given"
-
-    @property
-    def needs_entropy(self) -> bool:
-        return self.entropy_coef > 0
 
 
 def check_name(field: str, value: str, registry: dict) -> None:

@@ -19,7 +19,7 @@ def test_default_config_is_grpo_with_ppo_clip_02_02_and_token_mean_and_no_correc
     assert (cfg.policy_loss, cfg.clip_low, cfg.clip_high, cfg.dual_clip) == ("ppo_clip", 0.2, 0.2, None)
     assert (cfg.aggregation, cfg.correction, cfg.old_logprobs_from) == ("token_mean", "none", "given")
     assert (cfg.kl_loss_coef, cfg.kl_reward_coef, cfg.entropy_coef) == (0.0, 0.0, 0.0)
-    assert cfg.needs_old_logprobs and not cfg.needs_ref_logprobs and not cfg.needs_entropy
+    assert cfg.needs_old_logprobs
 
 
 @pytest.mark.parametrize("field,typo,suggestion", [
