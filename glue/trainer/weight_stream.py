@@ -45,6 +45,7 @@ class WeightStream:
         from weight_sync.convert import num_experts, rules
 
         self.model, self.hf_config, self.place = model, hf_config, place
+        self.params = dict(model.named_parameters())  # the Parameter objects stay; offload swaps only their .data
         self.rank = torch.distributed.get_rank()
         self.n_experts = num_experts(hf_config)
         mine = Coords(pp=place.pp_rank, tp=place.tp_rank, dp=place.dp_rank, ep=place.ep_rank, etp=place.etp_rank,
@@ -125,7 +126,7 @@ class WeightStream:
         rule, producer = self.rules[index], self.producers[index]
         if self._holds(producer):
             layout = self.place.layout()
-            shard = dict(self.model.named_parameters())[local_name(rule, layout, self.n_experts)].data
+            shard = self.params[local_name(rule, layout, self.n_experts)].data
             rank, size = shard_rank(rule, layout)
             shards = [shard]
             if size > 1:
