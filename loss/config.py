@@ -68,6 +68,7 @@ class LossConfig:
     entropy_coef: float = 0.0  # > 0: subtract coef * entropy from the loss (needs logits or entropy)
     aggregation: str = "token_mean"  # name in AGGREGATIONS
     norm_length: int | None = None  # seq_mean_token_sum_norm: the constant length (the rollout's max new tokens)
+    mask_truncated: bool = False  # DAPO overlong filtering: a sample cut at the length limit (finish reason length) is not trained on; its reward still counts in its group's baseline (loss/truncated_masked_frac)
 
     def __post_init__(self) -> None:
         for field, registry in (
