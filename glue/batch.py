@@ -2,11 +2,13 @@
 token staleness of what is trained), and the per-step rollout metrics."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from glue.buffer import is_trainable
+from glue.reward_shaping import shaping_metrics
 from glue.staleness import StalenessGate, StalenessStats
 from glue.types import Group, Sample, SampleStatus, TrainBatch
 
@@ -14,16 +16,20 @@ from glue.types import Group, Sample, SampleStatus, TrainBatch
 def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple[int, int]] = frozenset(),
                       gate: StalenessGate | None = None) -> tuple[TrainBatch, dict[str, float]]:
     """Group-relative advantages from the rewards (loss.compute_advantages), packed into right-padded tensors,
-    and the token staleness of what is trained (when a gate is given).
+    and the step's metrics of what is trained: token staleness (when a gate is given), and with
+    `loss_cfg.mask_truncated` the share of trained samples masked for hitting the length limit.
 
     Failed and still-aborted samples are left out of both; `withheld` samples (too stale) count in their group's
-    baseline but are not trained on.
+    baseline but are not trained on, and so do truncated ones under `mask_truncated` (their loss mask is zeroed).
     """
     from loss import compute_advantages
 
     samples = [s for g in groups for s in g.samples if is_trainable(s)]
     if not samples:
         raise RuntimeError("every sample of this step failed; see the rollout function's errors in the engine logs")
+    if loss_cfg.mask_truncated:
+        samples = [dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) if is_truncated(s) else s
+                   for s in samples]
     longest = max(len(s.response_tokens) for s in samples)
     mask = torch.zeros(len(samples), max(longest, 1))
     for b, s in enumerate(samples):
@@ -44,7 +50,15 @@ def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple
             s = samples[b]
             stats.add(gate.token_staleness([v for v, m in zip(s.versions, s.loss_mask) if m]))
     per_sample = [advantages[b, : len(samples[b].response_tokens)] for b in keep]
-    return TrainBatch.from_samples([samples[b] for b in keep], per_sample), stats.metrics()
+    metrics = stats.metrics()
+    if loss_cfg.mask_truncated:
+        metrics["loss/truncated_masked_frac"] = sum(is_truncated(samples[b]) for b in keep) / len(keep)
+    return TrainBatch.from_samples([samples[b] for b in keep], per_sample), metrics
+
+
+def is_truncated(sample: Sample) -> bool:
+    """Cut at the length limit (the engine's finish reason `length`)."""
+    return sample.status is SampleStatus.TRUNCATED
 
 
 def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
@@ -70,6 +84,7 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
         "rollout/num_samples": float(len(samples)),
         "rollout/group_ids": id_ranges(g.group_id for g in groups),  # which prompts this step trained
         **reward_key_means(scored, prefix="reward/"),
+        **shaping_metrics(scored),
         **routing_payload(samples),
     }
 

@@ -1,4 +1,4 @@
-"""Typed settings for the parts of the loop glue owns: the rollout fleet and the weight sync.
+"""Typed settings for the parts of the loop glue owns: the rollout fleet, reward shaping and the weight sync.
 
 Light module: imports no backend, so `launch.config` can build and validate a run config anywhere.
 """
@@ -83,6 +83,37 @@ class RolloutConfig:
             path = getattr(self, name)
             if not isinstance(path, str) or not path.replace(":", ".").replace("_", "a").replace(".", "a").isalnum():
                 raise ValueError(f"rollout.{name} must be an import path like 'pkg.module:attr', got {path!r}")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Shaping of the task's rewards for training (glue.reward_shaping); evaluation sees the task's own rewards."""
+
+    overlong_buffer: int = 0  # DAPO soft overlong punishment: a response of L > max_len - overlong_buffer tokens gets overlong_penalty * (L - (max_len - overlong_buffer)) / overlong_buffer taken off its reward, all of overlong_penalty from max_len on (reward/overlong_penalized_frac); 0: off
+    overlong_penalty: float = 1.0  # the most the overlong punishment takes off a reward (DAPO: 1.0)
+    overlong_max_len: int | None = None  # max_len of the overlong punishment, in response tokens; null: rollout.sampling.max_new_tokens (set it for multi-turn rollouts, whose response spans several generate calls)
+
+    def __post_init__(self) -> None:
+        if self.overlong_buffer < 0:
+            raise ValueError(f"reward.overlong_buffer must be >= 0 (0: no overlong punishment), got {self.overlong_buffer}")
+        if not self.overlong_penalty > 0:
+            raise ValueError(f"reward.overlong_penalty must be > 0, got {self.overlong_penalty} (to turn the "
+                             "punishment off set reward.overlong_buffer: 0)")
+        if self.overlong_max_len is not None and self.overlong_max_len < 1:
+            raise ValueError(f"reward.overlong_max_len must be >= 1 or null, got {self.overlong_max_len}")
+
+    def max_len(self, max_new_tokens: int) -> int:
+        """The overlong punishment's max_len: `overlong_max_len`, or the sampling limit."""
+        return self.overlong_max_len if self.overlong_max_len is not None else max_new_tokens
+
+    def check_against(self, max_new_tokens: int) -> None:
+        """The buffer must fit inside max_len; raises ValueError naming the keys."""
+        max_len = self.max_len(max_new_tokens)
+        if self.overlong_buffer > max_len:
+            where = ("reward.overlong_max_len" if self.overlong_max_len is not None
+                     else "rollout.sampling.max_new_tokens")
+            raise ValueError(f"reward.overlong_buffer={self.overlong_buffer} must be <= max_len ({where}={max_len}): "
+                             "the punishment starts max_len - overlong_buffer tokens into the response")
 
 
 @dataclass(kw_only=True)

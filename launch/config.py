@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from glue.config import EvalConfig, RolloutConfig, SyncConfig
+from glue.config import EvalConfig, RewardConfig, RolloutConfig, SyncConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 
@@ -76,6 +76,9 @@ class RunConfig:
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # where step records go: jsonl (runs/<name>/metrics.jsonl, always), tensorboard (runs/<name>/tensorboard/), wandb (pip install wandb)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, when run.loggers has wandb
+    save_rollouts: bool = False  # write each step's trained groups (tokens, logprobs, versions, rewards, routed experts) to <run dir>/rollouts/step_<N>.json, which run.replay_from reads (docs/debugging.md)
+    debug: Literal["off", "rollout_only", "train_only"] = "off"  # rollout_only: generate and save each step's groups, start no trainer (weights stay the initial ones); train_only: train on run.replay_from's saved groups, start no engines
+    replay_from: str | None = None  # with run.debug train_only: the run directory whose saved rollouts (run.save_rollouts) are trained on, step N on step N's groups
 
     def __post_init__(self) -> None:
         for name in self.loggers:
@@ -89,6 +92,20 @@ class RunConfig:
         if self.save_interval < 0 or self.keep_checkpoints < 1:
             raise ValueError(f"run.save_interval must be >= 0 and run.keep_checkpoints >= 1, got "
                              f"{self.save_interval} and {self.keep_checkpoints}")
+        if self.debug == "train_only" and not self.replay_from:
+            raise ValueError("run.debug=train_only needs run.replay_from: the folder of a run that had "
+                             "run.save_rollouts: true (or run.debug: rollout_only)")
+        if self.replay_from is not None and self.debug != "train_only":
+            raise ValueError(f"run.replay_from is read only with run.debug=train_only (got run.debug={self.debug!r}); "
+                             "set run.debug: train_only or drop run.replay_from")
+        if self.debug != "off" and self.resume not in ("auto", "never"):
+            raise ValueError(f"run.debug={self.debug} does not resume from a checkpoint (run.resume={self.resume!r}); "
+                             "set run.resume: never")
+
+    @property
+    def saves_rollouts(self) -> bool:
+        """Each step's groups are written to the run folder: asked for, or what a rollout_only run is for."""
+        return self.save_rollouts or self.debug == "rollout_only"
 
 
 @dataclass(kw_only=True)
@@ -145,11 +162,18 @@ class SluiceConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)
+
+    def __post_init__(self) -> None:
+        self.reward.check_against(self.rollout.sampling.max_new_tokens)
+        if self.run.debug == "train_only" and self.eval.enabled:
+            raise ValueError(f"eval.interval={self.eval.interval} needs engines, which run.debug=train_only does not "
+                             "start; set eval.interval: 0")
 
     @property
     def run_dir(self) -> Path:

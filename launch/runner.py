@@ -338,6 +338,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     check_paths(placement, {"the model directory": model_path})
     from glue.engine_client import EngineClient
     from glue.fleet import RolloutFleet
+    from glue.reward_shaping import make_reward_shaping
     from glue.rollout import RolloutManager, resume_limit
     from glue.routed_experts import RoutedExpertsLayout
     from glue.trainer.group import TrainerGroup
@@ -388,6 +389,10 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                              group_timeout_s=cfg.rollout.group_timeout_s, deterministic=cfg.run.deterministic,
                              error_masking=cfg.rollout.error_masking,
                              routed_experts=RoutedExpertsLayout.from_model_dir(model_path)
-                             if cfg.rollout.return_routed_experts else None)
+                             if cfg.rollout.return_routed_experts else None,
+                             reward_shaping=make_reward_shaping(
+                                 overlong_buffer=cfg.reward.overlong_buffer,
+                                 overlong_penalty=cfg.reward.overlong_penalty,
+                                 max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)))
     return fleet, client, trainer, bridge, manager, loop
 
