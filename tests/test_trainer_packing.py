@@ -137,7 +137,7 @@ def _packed_and_padded_scenario(model_dir: str) -> dict:
             tokens, *args, **kwargs)
         logprobs, entropy = worker.compute_logprobs(batch, with_entropy=True)
         metrics = worker.train_step(batch)
-        grads = {n: p.grad.clone() for n, p in worker.model.named_parameters()}
+        grads = {n: p.main_grad.clone() for n, p in worker.model.named_parameters()}  # megatron DDP's buffer
         out[name] = dict(logprobs=logprobs, entropy=entropy, metrics=metrics, grads=grads,
                          after=worker.compute_logprobs(batch), forwards=list(forwards))
         stop_worker(worker)

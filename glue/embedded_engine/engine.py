@@ -18,8 +18,27 @@ from glue.embedded_engine.weight_update import WeightReceiver
 SEGMENT_PRUNE_S = 2.0  # how often the engine unmaps shared segments whose ipc source has closed them
 
 
-def load_model(model_path: str):
-    """The HF causal LM at `model_path` in float32 eval mode; FileNotFoundError that says what is missing."""
+# SGLang's --dtype choices and the torch dtype each serves; "auto" follows the checkpoint's torch_dtype (fp32 when it
+# is fp32 or unsaid, bf16 for a bf16 checkpoint; SGLang turns fp32 checkpoints to bf16 on GPU, on CPU fp32 stays).
+DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "half": torch.float16, "float16": torch.float16}
+
+
+def serving_dtype(model_path: str, dtype: str) -> torch.dtype:
+    """The dtype an engine started with `--dtype dtype` serves the checkpoint at `model_path` in."""
+    if DTYPES[dtype] is not None:
+        return DTYPES[dtype]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    return stored if stored in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def load_model(model_path: str, dtype: str = "auto"):
+    """The HF causal LM at `model_path` in eval mode, its weights in the serving dtype (`--dtype`); FileNotFoundError
+    that says what is missing."""
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(
             f"no HF model at --model-path {model_path!r}: expected a directory with config.json and *.safetensors "
@@ -27,7 +46,7 @@ def load_model(model_path: str):
         )
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=serving_dtype(model_path, dtype))
     return model.eval()
 
 
@@ -43,13 +62,13 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                  weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
                  admin_api_key: str | None = None, deterministic: bool = False,
                  enable_return_routed_experts: bool = False, sglang_strict: bool = False, tp_size: int = 1,
-                 enable_memory_saver: bool = False) -> EngineServer:
+                 enable_memory_saver: bool = False, dtype: str = "auto") -> EngineServer:
     """The server; `sglang_strict` answers as SGLang 0.5.23 does (strict_server), with `tp_size` simulated ranks on
     the weight path."""
     if tp_size > 1 and not sglang_strict:
         raise ValueError(f"--tp-size {tp_size}: simulated engine TP is served only with --sglang-strict")
     torch.set_num_threads(num_threads)
-    model = load_model(model_path)
+    model = load_model(model_path, dtype)
     config = model.config
     # SGLang's routing buffer starts zeroed, so its layers without experts read 0; the lenient engine marks them -1.
     recorder = RoutingRecorder(model, dense_layer_value=0 if sglang_strict else -1) if enable_return_routed_experts \
@@ -61,7 +80,7 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                   "has_image_understanding": False, "has_audio_understanding": False,
                   "model_type": config.model_type, "architectures": config.architectures}
     server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": tp_size,
-                   "dp_size": 1, "max_running_requests": max_running_requests, "num_threads": num_threads,
+                   "dp_size": 1, "dtype": dtype, "max_running_requests": max_running_requests, "num_threads": num_threads,
                    "enable_deterministic_inference": deterministic,
                    "enable_return_routed_experts": enable_return_routed_experts,
                    "enable_memory_saver": enable_memory_saver,

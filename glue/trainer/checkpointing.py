@@ -1,5 +1,5 @@
 """One trainer rank's part of a checkpoint (glue.checkpoint writes the folder): rank 0 writes every weight as an HF
-safetensors checkpoint (`hf/`, which any TP/EP/DP layout reloads); each rank writes its AdamW and RNG state, version
+safetensors checkpoint (`hf/`, which any TP/EP/DP layout reloads); each rank writes its optimizer shard (main weights, Adam moments, lr schedule) and RNG state, version
 and layout (`trainer/rank_<r>.pt`, which needs the same layout)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def save_rank(worker: Any, directory: str) -> None:
         if worker.rank == 0:
             _write_hf(worker.model_path, state, os.path.join(directory, "hf"))
         os.makedirs(os.path.join(directory, "trainer"), exist_ok=True)
-        torch.save({"optimizer": worker.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+        torch.save({"optimizer": worker.training.state_dict(), "precision": worker.precision, "torch_rng": torch.get_rng_state(),
                     "version": worker.version, "layout": layout_key(worker)}, rank_file(directory, worker.rank))
     finally:
         if offloaded:
@@ -42,8 +42,11 @@ def load_rank(worker: Any, directory: str) -> int:
         raise ValueError(f"checkpoint {directory} was taken at trainer layout {saved['layout']}, this run is "
                          f"{layout_key(worker)}: the optimizer state is per rank, so resume at the same layout "
                          "(the weights alone reshard: start a new run with model.path=<checkpoint>/hf)")
+    if saved.get("precision", worker.precision) != worker.precision:
+        raise ValueError(f"checkpoint {directory} was trained in {saved['precision']}, this run in {worker.precision}: "
+                         f"set trainer.precision: {saved['precision']} to resume it")
     model.load_hf_weights(worker.model, os.path.join(directory, "hf"), worker.hf_config, worker.place.layout())
-    worker.optimizer.load_state_dict(saved["optimizer"])
+    worker.training.load_state_dict(saved["optimizer"])
     torch.set_rng_state(saved["torch_rng"])
     worker.version = int(saved["version"])
     if worker._snapshots is not None:

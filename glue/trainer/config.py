@@ -27,11 +27,17 @@ class TrainerConfig:
     expert_tensor_parallel_size: int | None = None  # Megatron ETP degree of expert layers (null = TP)
     data_parallel_size: int = 1  # trainer replicas; world size = TP x PP x CP x DP
     megatron: dict[str, Any] = field(default_factory=dict)  # other megatron-core config fields, passed through as-is
-    lr: float = 1e-3  # AdamW learning rate (tiny random models need a high one)
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.999  # AdamW beta2
-    adam_eps: float = 1e-8  # AdamW epsilon
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16: bf16 model weights with fp32 main weights, gradients and Adam state (megatron's mixed precision); fp32: everything fp32; auto: bf16 when the checkpoint's torch_dtype is bf16/fp16 or a megatron flag asks for it (--bf16, --params-dtype bfloat16), else fp32
+    use_distributed_optimizer: bool = True  # megatron's distributed optimizer: main weights and Adam state sharded over the data-parallel ranks (false: each DP rank holds all of its model shard's state)
+    lr: float = 1e-3  # Adam learning rate, the peak of the schedule (tiny random models need a high one)
+    min_lr: float = 0.0  # the schedule's floor for cosine / linear decay
+    lr_warmup_steps: int = 0  # optimizer steps over which the lr rises linearly from 0 to lr (step k of the warm-up runs at lr * k / lr_warmup_steps)
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"  # lr after the warm-up: constant, or decaying to min_lr at lr_decay_steps (megatron's OptimizerParamScheduler)
+    lr_decay_steps: int | None = None  # optimizer step at which cosine / linear decay reaches min_lr (needed for those styles; counts every optimizer step: num_mini_batches x num_epochs per train step)
+    weight_decay: float = 0.0  # Adam decoupled weight decay (megatron: not applied to biases and norms)
+    adam_beta1: float = 0.9  # Adam beta1
+    adam_beta2: float = 0.999  # Adam beta2
+    adam_eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # max global gradient norm (0 turns clipping off)
     micro_batch_size: int = 8  # rows per forward/backward when not packing; gradients accumulate over the batch
     max_tokens_per_micro_batch: int | None = None  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
@@ -55,6 +61,7 @@ class TrainerConfig:
                              f"micro-batches of micro_batch_size rows), got {budget!r}")
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        self._check_precision_and_schedule()
         if self.weight_decay < 0:
             raise ValueError(f"trainer.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("adam_beta1", "adam_beta2"):
@@ -73,6 +80,37 @@ class TrainerConfig:
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"trainer.master_port must be a TCP port or 0, got {self.master_port}")
         self._check_parallel_layout()
+
+    def _check_precision_and_schedule(self) -> None:
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.megatron.get("fp16"):
+            raise ValueError("--fp16 (megatron fp16 with loss scaling) is not run by this trainer; use trainer.precision: "
+                             "bf16 (--bf16)")
+        low = self.megatron.get("params_dtype") in ("bfloat16", "float16") or self.megatron.get("main_params_dtype") \
+            in ("bfloat16", "float16")
+        if low and (self.precision == "fp32" or self.megatron.get("bf16") is False):
+            raise ValueError("bf16 weights without fp32 main weights: Adam updates below bf16's rounding are lost "
+                             "(trainer.precision: bf16 keeps fp32 main weights); drop --params-dtype / "
+                             "--main-params-dtype or set trainer.precision: bf16")
+        if self.megatron.get("main_params_dtype") in ("bfloat16", "float16"):
+            raise ValueError("--main-params-dtype bfloat16: the main weights must stay float32; drop the flag")
+        if self.precision == "fp32" and self.megatron.get("bf16"):
+            raise ValueError("--bf16 conflicts with trainer.precision: fp32; set one of them")
+        if not isinstance(self.lr_warmup_steps, int) or self.lr_warmup_steps < 0:
+            raise ValueError(f"trainer.lr_warmup_steps must be an integer >= 0, got {self.lr_warmup_steps!r}")
+        if self.lr_decay_style not in ("constant", "cosine", "linear"):
+            raise ValueError(f"trainer.lr_decay_style must be constant, cosine or linear, got {self.lr_decay_style!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"trainer.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        decay = self.lr_decay_steps
+        if self.lr_decay_style != "constant" and (not isinstance(decay, int) or decay <= self.lr_warmup_steps):
+            raise ValueError(f"trainer.lr_decay_style {self.lr_decay_style} needs trainer.lr_decay_steps, an integer "
+                             f"> lr_warmup_steps={self.lr_warmup_steps} (optimizer steps), got {decay!r}")
+
+    def requests_bf16(self) -> bool:
+        """True when the megatron pass-through asks for bf16 (`--bf16`, `--params-dtype bfloat16`)."""
+        return bool(self.megatron.get("bf16")) or self.megatron.get("params_dtype") == "bfloat16"
 
     def _check_parallel_layout(self) -> None:
         """megatron-core's own layout rules, checked before any rank starts (its errors come much later)."""

@@ -9,6 +9,7 @@ import contextlib
 import operator
 import types
 from functools import reduce
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ def apply() -> None:
     _patch_parallel_linear_backward()
     _patch_pipeline_schedules()
     _patch_tied_embedding_sync()
+    _patch_data_parallel_and_optimizer()
     _applied = True
 
 
@@ -135,7 +137,8 @@ class _TorchOnCpu(types.ModuleType):
     """`torch` as seen by a patched megatron function: the same module, except that the current device is the CPU
     (there is nothing to synchronize), and a tensor `zeros` puts on "cuda" is put on the CPU."""
 
-    cuda = types.SimpleNamespace(current_device=lambda: "cpu", synchronize=lambda *args: None)
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu", synchronize=lambda *args: None,
+                                 empty_cache=lambda: None, is_available=lambda: False)
 
     @staticmethod
     def zeros(*args, device=None, **kwargs):
@@ -193,3 +196,59 @@ def _patch_tied_embedding_sync() -> None:
             torch.Tensor.cuda = to_cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
+# CUDA constants in megatron's code and what they mean on the CPU: the device literal and the legacy tensor type
+# names that `tensor.type()` is compared with (a CPU tensor's type() is e.g. "torch.BFloat16Tensor").
+_CPU_CONSTANTS = {"cuda": "cpu", "torch.cuda.FloatTensor": "torch.FloatTensor",
+                  "torch.cuda.HalfTensor": "torch.HalfTensor", "torch.cuda.BFloat16Tensor": "torch.BFloat16Tensor"}
+
+
+def _cpu_constant(value: object) -> object:
+    if isinstance(value, str):
+        return _CPU_CONSTANTS.get(value, value)
+    if isinstance(value, tuple):  # `x.type() in ["torch.cuda.HalfTensor", ...]` compiles to a tuple constant
+        return tuple(_cpu_constant(v) for v in value)
+    if isinstance(value, frozenset):
+        return frozenset(_cpu_constant(v) for v in value)
+    if isinstance(value, types.CodeType):  # nested functions, lambdas, comprehensions
+        return value.replace(co_consts=tuple(_cpu_constant(c) for c in value.co_consts))
+    return value
+
+
+def _constants_on_cpu(function: Any) -> None:
+    """Rewrite `function`'s CUDA constants in place (every reference to it sees the CPU version)."""
+    function.__code__ = _cpu_constant(function.__code__)
+
+
+def _module_on_cpu(module: types.ModuleType) -> None:
+    """Every function and method written in `module` with its CUDA constants rewritten (decorated ones through
+    their `__wrapped__`), and `torch` as the module sees it answering torch.cuda.current_device() / synchronize /
+    empty_cache for the CPU."""
+    module.torch = _TorchOnCpu("torch")
+    for obj in list(vars(module).values()):
+        members = vars(obj).values() if isinstance(obj, type) else [obj]
+        for member in members:
+            if isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            accessors = [member.fget, member.fset] if isinstance(member, property) else [member]
+            for function in accessors:
+                while function is not None:
+                    code = getattr(function, "__code__", None)
+                    if isinstance(function, types.FunctionType) and code.co_filename == module.__file__:
+                        _constants_on_cpu(function)
+                    function = getattr(function, "__wrapped__", None)
+
+
+def _patch_data_parallel_and_optimizer() -> None:
+    # Why: megatron's DistributedDataParallel puts its contiguous gradient (and parameter) buffers on
+    # torch.cuda.current_device(); its optimizers make their loss-scale / overflow / grad-norm scalars on "cuda" and
+    # recognise model parameters by their CUDA type names (torch.cuda.BFloat16Tensor ...); the grad-norm fallback
+    # without apex (core.utils.local_multi_tensor_l2_norm) returns its norm on "cuda". Same code, CPU constants.
+    from megatron.core import utils
+    from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for module in (param_and_grad_buffer, distributed_data_parallel, distrib_optimizer, optimizer, clip_grads):
+        _module_on_cpu(module)
+    _constants_on_cpu(utils.local_multi_tensor_l2_norm)

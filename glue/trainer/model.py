@@ -111,15 +111,20 @@ def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
     return dataclasses.replace(config, **to_megatron(type(config), megatron_args or {}))
 
 
-def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None) -> torch.nn.Module:
+def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None,
+                precision: str = "fp32") -> torch.nn.Module:
     """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard of its pipeline stage
-    (the embedding on the first, the output layer on the last), random weights. `megatron_args`
-    (TrainerConfig.megatron_values()) are passed-through TransformerConfig fields."""
+    (the embedding on the first, the output layer on the last), random weights, bf16 or fp32 per `precision`
+    (glue.trainer.optim). `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig
+    fields."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     from glue.trainer.layer_spec import layer_spec
 
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    megatron_args = {**(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
+                     "pipeline_dtype": dtype}
     config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec(config),
@@ -177,23 +182,27 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     pipeline stage before the last, its output hidden states [T (/ TP with sequence parallelism), B, H].
 
     Packed rows pass `seq_ids` [B, T] (which sample each token belongs to; attention never crosses samples) and
-    `position_ids` [B, T] (restarting at 0 per sample)."""
+    `position_ids` [B, T] (restarting at 0 per sample). `model` may be wrapped for training (megatron's DDP,
+    Float16Module): the forward runs through the wrappers, the GPTModel inside answers what it is."""
+    from glue.trainer.optim import unwrap
+
+    inner = unwrap(model)
     batch, seq_len = tokens.shape
-    if model.config.sequence_parallel:  # the sequence is split over TP ranks: pad it to a multiple of TP
-        tp = model.config.tensor_model_parallel_size
+    if inner.config.sequence_parallel:  # the sequence is split over TP ranks: pad it to a multiple of TP
+        tp = inner.config.tensor_model_parallel_size
         pad = -(-seq_len // tp) * tp - seq_len
         if pad:  # padding sits after every real token (in a block of its own), so no real token sees it
             out = forward_logits(model, F.pad(tokens, (0, pad)),
                                  None if position_ids is None else F.pad(position_ids, (0, pad)),
                                  None if seq_ids is None else F.pad(seq_ids, (0, pad), value=-1))
-            return out[:, :seq_len] if model.post_process else out
+            return out[:, :seq_len] if inner.post_process else out
     if position_ids is None:
         position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
     if seq_ids is None:
         return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device))
-    if uses_te_attention(model):
+    if uses_te_attention(inner):
         return model(tokens, position_ids, None, packed_seq_params=thd_packed_seq_params(seq_ids))
-    with rope_at_positions(model, position_ids):
+    with rope_at_positions(inner, position_ids):
         return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device, seq_ids))
 
 

@@ -1,6 +1,7 @@
 """Where one trainer rank sits in megatron-core's parallel layout (TP x PP x EP x DP, experts folded into the dense
-ranks) and what that means for the data and the gradients: how its gradients and per-token results meet the other
-ranks' (which samples it runs is `glue.trainer.packing`'s), and how its local shards become the full HF-named weights.
+ranks) and what that means for its per-token results, which meet the other ranks' here (which samples it runs is
+`glue.trainer.packing`'s; its gradients meet in megatron's DDP: `glue.trainer.optim`), and how its local shards
+become the full HF-named weights.
 
 Every function here is a collective or depends on `parallel_state` being initialised; the worker calls them.
 """
@@ -89,64 +90,6 @@ class RankPlace:
         return len(self.expert_members) if is_expert_param(name) else self.tp_size
 
 
-def finalize_gradients(model: torch.nn.Module, config: Any, place: RankPlace) -> None:
-    """Make each rank's gradients the full batch's gradient of its own shard, as megatron's finalize_model_grads does:
-    - sum over TP the gradients of replicated parameters that only saw part of the activations (norms under sequence
-      parallelism, and Qwen3's per-head q/k norms, whose heads are split over TP);
-    - sum over DP (dense parameters) and over expert-DP (expert parameters). The loss was normalised by the global
-      token / sequence counts, so the sum, not the mean, is the full-batch gradient."""
-    from megatron.core import parallel_state as ps
-
-    tp_partial, dense, expert = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:  # e.g. an expert no token reached here: the ranks must still flatten the same lists
-            p.grad = torch.zeros_like(p)
-        if (getattr(config, "sequence_parallel", False) and getattr(p, "sequence_parallel", False)) or (
-                getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)):
-            tp_partial.append(p.grad)
-        (expert if is_expert_param(name) else dense).append(p.grad)
-    if place.tp_size > 1:
-        _all_reduce_sum(tp_partial, ps.get_tensor_model_parallel_group())
-    if place.dp_size > 1:
-        _all_reduce_sum(dense, ps.get_data_parallel_group())
-    if torch.distributed.get_world_size(ps.get_expert_data_parallel_group()) > 1:
-        _all_reduce_sum(expert, ps.get_expert_data_parallel_group())
-    if place.pp_size > 1:
-        from glue.trainer.pipeline import sum_tied_embedding_gradients
-
-        sum_tied_embedding_gradients(model)
-
-
-def gradient_norm(model: torch.nn.Module, place: RankPlace) -> float:
-    """Global L2 norm of the (finalized) gradients, each shard counted once: dense shards over TP, expert shards
-    over ETP x EP, stages over PP (a tied embedding's copy on the last stage not again). DP replicas hold equal
-    gradients and are not counted again."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    from glue.trainer.pipeline import is_duplicate
-
-    def owned(name: str, p: torch.nn.Parameter) -> bool:
-        if is_duplicate(p):
-            return False
-        if is_expert_param(name):
-            return getattr(p, "tensor_model_parallel", False) or place.etp_rank == 0
-        return tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
-
-    device = next(model.parameters()).device
-    sums = torch.zeros(2, dtype=torch.float32, device=device)  # [dense, expert]
-    for name, p in model.named_parameters():
-        if p.grad is not None and owned(name, p):
-            sums[int(is_expert_param(name))] += p.grad.float().pow(2).sum()
-    torch.distributed.all_reduce(sums[0:1], group=ps.get_tensor_model_parallel_group())
-    torch.distributed.all_reduce(sums[1:2], group=ps.get_expert_tensor_and_model_parallel_group())
-    if place.pp_size > 1:
-        torch.distributed.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
-    return float(sums.sum().sqrt())
-
-
 def sum_over_dp(metrics: dict[str, float], place: RankPlace, device: torch.device) -> dict[str, float]:
     """Each DP rank's metric shares, summed over DP ranks (every rank has the same keys: one loss config)."""
     if place.dp_size == 1:
@@ -157,18 +100,6 @@ def sum_over_dp(metrics: dict[str, float], place: RankPlace, device: torch.devic
     values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
     return dict(zip(names, values.tolist()))
-
-
-def _all_reduce_sum(grads: list[torch.Tensor], group: Any) -> None:
-    """One collective for a list of gradients: flatten, sum, copy back."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def sum_tensor_over_dp(part: torch.Tensor, place: RankPlace) -> torch.Tensor:

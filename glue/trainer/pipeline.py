@@ -1,8 +1,8 @@
 """Every forward and backward of the trainer runs through megatron-core's pipeline schedules
 (`get_forward_backward_func`): one stage per pipeline rank, activations passed between stages point to point.
 Without pipeline parallelism that is megatron's plain micro-batch loop. The last stage turns logits into logprobs
-and losses; this module also brings its results, the tied embedding's gradient and the stages' weights to the
-ranks that need them.
+and losses; this module also brings its results and the stages' weights to the ranks that need them (the tied
+embedding's gradient is megatron's finalize_model_grads' work: glue.trainer.optim).
 """
 from __future__ import annotations
 
@@ -132,25 +132,6 @@ def share_from_last_stage(obj: Any) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=last, group=group)
     return box[0]
-
-
-def sum_tied_embedding_gradients(model: torch.nn.Module) -> None:
-    """With tied embeddings, the first stage's embedding and the last stage's output layer are one weight held
-    twice: both copies get the sum of their gradients (as megatron's finalize_model_grads does), so they stay
-    equal through every optimizer step."""
-    from megatron.core import parallel_state as ps
-
-    if not model.share_embeddings_and_output_weights or not ps.is_rank_in_embedding_group():
-        return
-    group = ps.get_embedding_group()
-    if torch.distributed.get_world_size(group) > 1:
-        weight = model.shared_embedding_or_output_weight()
-        torch.distributed.all_reduce(weight.grad, group=group)
-
-
-def is_duplicate(param: torch.nn.Parameter) -> bool:
-    """The last stage's copy of a tied embedding: counted once (on the first stage) in the gradient norm."""
-    return bool(getattr(param, "shared", False))
 
 
 def gather_stages(shards: dict[str, list[torch.Tensor]], place: Any, keep: bool

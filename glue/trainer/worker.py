@@ -1,12 +1,11 @@
-"""One trainer rank: megatron-core model + AdamW on this rank's shard (TP shard of its pipeline stage's layers, its
-experts under EP, its rows of the batch under DP; `glue.trainer.parallel` says which, `glue.trainer.pipeline` runs
-the micro-batches through megatron's schedules). `TrainerGroup` runs one per rank as a Ray actor; it turns a
+"""One trainer rank: megatron-core model, DDP and optimizer (glue.trainer.optim) on this rank's shard (TP shard of
+its pipeline stage's layers, its experts under EP, its rows of the batch under DP; `glue.trainer.parallel` says
+which, `glue.trainer.pipeline` runs the micro-batches through megatron's schedules). `TrainerGroup` runs one per rank as a Ray actor; it turns a
 `TrainBatch` into a PPO update (old logprobs recomputed or from version snapshots, loss from `loss/`) and its weights
 into HF-named tensors for the weight bridge. A plain class, so tests can also drive it from spawned processes.
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 import sys
@@ -17,8 +16,7 @@ import torch
 from glue.trainer import offload
 from glue.trainer.config import CONTEXT_PARALLEL_NEEDS, TrainerConfig
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
-from glue.trainer.parallel import (RankPlace, finalize_gradients, full_hf_state, gradient_norm, hf_weight_specs,
-                                   sum_over_dp, sum_tensor_over_dp)
+from glue.trainer.parallel import RankPlace, full_hf_state, hf_weight_specs, sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
 from glue.trainer.routing_replay import RoutingReplay, logprob_gaps, replay_args
 from glue.trainer.snapshots import PolicySnapshots, pre_update_metrics
@@ -51,7 +49,7 @@ class TrainerWorker:
         uses_snapshots = loss_cfg.needs_old_logprobs and cfg.old_logprobs == "snapshot"
         self._snapshots = PolicySnapshots(keep_versions) if uses_snapshots else None
         self._weight_source: Any = None  # glue.trainer.weight_stream.TrainerWeightSource, made on first use
-        self._offloaded: dict[Any, torch.Tensor] | None = None  # host copies while offloaded (colocated placement)
+        self._offloaded: list[Any] | None = None  # host copies while offloaded (colocated placement)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This host's address (Ray's node IP inside an actor, else loopback) and a free port, for rank 0."""
@@ -65,7 +63,7 @@ class TrainerWorker:
         """Init torch.distributed + megatron parallel state, build the model from HF weights, make the optimizer."""
         from megatron.core import parallel_state, tensor_parallel
 
-        from glue.trainer import cpu_compat, model
+        from glue.trainer import cpu_compat, model, optim
 
         cpu_compat.apply()
         torch.manual_seed(self.cfg.seed)
@@ -76,21 +74,23 @@ class TrainerWorker:
         parallel_state.initialize_model_parallel(**self.cfg.parallel_state_sizes())
         tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
         self.hf_config = model.read_hf_config(self.model_path)
-        self.model = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size,
-                                       megatron_args=self.cfg.megatron_values())
+        self.precision = optim.resolve_precision(self.cfg, self.hf_config)
+        build = dict(tp_size=self.cfg.tensor_model_parallel_size, megatron_args=self.cfg.megatron_values(),
+                     precision=self.precision)
+        self.model = model.build_model(self.hf_config, **build)
         self.place = RankPlace.from_parallel_state(self.model)
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
+        if self.rank == 0:
+            print(optim.precision_line(self.precision, self.cfg, self.hf_config, self.place.dp_size), flush=True)
         self.reference = None  # the frozen initial policy, for the KL loss term
         if getattr(self.loss_cfg, "kl_loss_coef", 0) > 0:
-            self.reference = model.build_model(self.hf_config, tp_size=self.cfg.tensor_model_parallel_size,
-                                               megatron_args=self.cfg.megatron_values())
+            self.reference = model.build_model(self.hf_config, **build)
             model.load_hf_weights(self.reference, self.model_path, self.hf_config, self.place.layout())
             self.reference.requires_grad_(False).to(self.device)
+        # megatron's DDP (its gradient and parameter buffers now back self.model's parameters) and optimizer
+        self.training = optim.build(self.model, self.cfg, self.precision)
         self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-            eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
 
@@ -208,7 +208,7 @@ class TrainerWorker:
         from loss import count_tokens_and_seqs
 
         num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
-        self.optimizer.zero_grad(set_to_none=True)
+        self.training.zero_grad()
 
         def head(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
             loss, metrics, share = self._micro_batch_loss(batch, mb, logits, old_logprobs, ref_logprobs,
@@ -217,16 +217,17 @@ class TrainerWorker:
 
         sums: dict[str, float] = {"loss": 0.0}
         micro_batches = self._micro_batches(batch.seq_lens, batch.tokens.shape[1], rows)
-        for loss, loss_metrics, share in run_micro_batches(self.model, micro_batches, batch.tokens, head,
+        for loss, loss_metrics, share in run_micro_batches(self.training.module, micro_batches, batch.tokens, head,
                                                            forward_only=False,  # the backwards ran too
                                                            **replay_args(self.replay, batch)):
             sums["loss"] += loss
             for name, value in loss_metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * (1.0 if name == "pg_loss" else share)
         sums = sum_over_dp(share_from_last_stage(sums), self.place, self.device)
-        finalize_gradients(self.model, self.model.config, self.place)
-        sums["grad_norm"] = self._clip_gradients()
-        self.optimizer.step()
+        try:
+            sums.update(self.training.step())  # gradients finalised, checked, clipped; the weights updated
+        except FloatingPointError as error:
+            raise FloatingPointError(f"{error} at version {self.version}; lower trainer.lr or check the batch") from None
         return sums
 
     def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, logits: torch.Tensor,
@@ -254,45 +255,36 @@ class TrainerWorker:
             mb.put(ewma_proximal_logprobs(state=take(ewma), logprobs=logprobs, beta=self.loss_cfg.ewma_beta), ewma)
         return loss, metrics, float(mask.sum()) / max(num_tokens, 1)
 
-    def _clip_gradients(self) -> float:
-        """Global L2 norm of the gradients (each shard counted once); clip to grad_clip."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = gradient_norm(self.model, self.place)
-        if not math.isfinite(norm):
-            raise FloatingPointError(f"gradient norm is {norm} at version {self.version}; lower trainer.lr or check the batch")
-        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-            for g in grads:
-                g.mul_(self.cfg.grad_clip / (norm + 1e-6))
-        return norm
-
     # ---- colocated placement: give the device to the engines during rollout ----
-    def _held_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters this rank holds on its device: the policy's and, with a KL term, the reference model's."""
-        params = list(self.model.parameters())
-        return params + list(self.reference.parameters()) if self.reference is not None else params
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this rank's training state: the policy's weights (and the reference model's, with a KL
+        term), megatron's gradient / parameter buffers, main weights and Adam moments."""
+        params = [p.data for p in self.model.parameters()]
+        if self.reference is not None:
+            params += [p.data for p in self.reference.parameters()]
+        return params + self.training.state_tensors()
 
     def training_state_bytes(self) -> int:
-        """Bytes the model's (and reference model's) parameters, gradients and optimizer state hold right now (0 while
+        """Bytes the weights, gradient buffers, main weights and optimizer state hold right now (0 while
         offloaded)."""
-        return offload.state_bytes(self._held_parameters(), self.optimizer)
+        return offload.state_bytes(self._state_tensors())
 
     def offload(self) -> int:
-        """Copy parameters and optimizer state to host memory (glue.trainer.offload), free the device copies and
-        drop gradients; returns `training_state_bytes()` (0). Idempotent."""
+        """Copy the training state to host memory (glue.trainer.offload) and free its device storage; returns
+        `training_state_bytes()` (0). Idempotent."""
         if self._offloaded is None:
-            self.optimizer.zero_grad(set_to_none=True)
             if self._weight_source is not None:
                 self._weight_source.drop_staged()
-            self._offloaded = offload.to_host(self._held_parameters(), self.optimizer)
+            self._offloaded = offload.to_host(self._state_tensors())
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
         return self.training_state_bytes()
 
     def onload(self) -> int:
-        """Bring parameters and optimizer state back to the device; returns `training_state_bytes()`."""
+        """Bring the training state back to the device; returns `training_state_bytes()`."""
         if self._offloaded is not None:
             saved, self._offloaded = self._offloaded, None
-            offload.to_device(saved, self._held_parameters(), self.optimizer, self.device)
+            offload.to_device(saved)
         return self.training_state_bytes()
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,0 +1,185 @@
+"""The trainer's update, the way megatron-core trains: the model wrapped in megatron's `DistributedDataParallel`
+(contiguous fp32 gradient buffers in buckets; dense gradients reduced over data parallelism, routed experts' over the
+expert-data-parallel group), gradients finalised by megatron's `finalize_model_grads` (the DP reduce, TP sums of
+norms under sequence parallelism and of Qwen3's q/k norms, the tied embedding across pipeline stages), and the
+optimizer from `get_megatron_optimizer`: Adam with decoupled weight decay, fp32 main weights for bf16 models, state
+sharded over DP ranks with the distributed optimizer, global-norm clipping, the learning rate from megatron's
+`OptimizerParamScheduler`.
+
+The worker keeps the bare GPTModel (`worker.model`: names, snapshots, the weight bridge read it) and trains through
+`Training.module` (DDP around it, around megatron's Float16Module in bf16). Losses arrive normalised by the batch's
+global token counts (`calculate_per_token_loss`), so DDP sums over ranks, it does not average.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from glue.trainer.config import TrainerConfig
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype an HF config says its weights are stored in (`dtype`, or `torch_dtype` before transformers 5)."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def resolve_precision(cfg: TrainerConfig, hf_config: Any) -> str:
+    """`trainer.precision`, with `auto` following the checkpoint: a bf16 (or fp16) checkpoint trains in bf16 with fp32
+    main weights, anything else in fp32. A bf16 request through the megatron flags (`--bf16`, `--params-dtype
+    bfloat16`) counts as bf16."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    if cfg.requests_bf16():
+        return "bf16"
+    return "bf16" if checkpoint_dtype(hf_config) in (torch.bfloat16, torch.float16) else "fp32"
+
+
+def precision_line(precision: str, cfg: TrainerConfig, hf_config: Any, dp_size: int) -> str:
+    """The start-up line: what the checkpoint holds and what the trainer and the bridge use."""
+    stored = checkpoint_dtype(hf_config)
+    stored_name = str(stored).removeprefix("torch.") if stored is not None else "unknown"
+    weights = "bfloat16" if precision == "bf16" else "float32"
+    sharded = f", sharded over DP={dp_size} (distributed optimizer)" if cfg.use_distributed_optimizer else ""
+    main = "float32 main weights and Adam state" + sharded
+    widened = " (widened from the checkpoint)" if stored in (torch.bfloat16, torch.float16) and precision == "fp32" \
+        else ""
+    return (f"trainer precision {precision}: checkpoint {stored_name}, model weights {weights}{widened}, {main}, "
+            f"float32 gradients; the weight bridge sends {weights}")
+
+
+@dataclass
+class Training:
+    """megatron's training objects for one rank's model."""
+
+    module: Any  # DistributedDataParallel(Float16Module(model)) in bf16, DistributedDataParallel(model) in fp32
+    optimizer: Any  # megatron's ChainedOptimizer (dense and expert parameters)
+    scheduler: Any  # OptimizerParamScheduler
+    clip_grad: float
+
+    def zero_grad(self) -> None:
+        """Clear the gradient buffers before a step's backwards accumulate into them."""
+        self.module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> dict[str, float]:
+        """Finalise the gradients (collective), check their global norm, clip, update the (main) weights, copy them
+        into the model's weights (all-gathered over DP with the distributed optimizer) and advance the schedule.
+        Raises FloatingPointError, with the weights untouched, when the norm is not finite. Returns grad_norm and
+        the lr this step used."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        finalize_model_grads([self.module])
+        self.scheduler.step(increment=1)  # optimizer step k runs at the schedule's step k (warm-up never gives 0)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.optimizer.prepare_grads():
+            raise FloatingPointError("megatron's optimizer found inf/nan in the gradients")
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"gradient norm is {norm}")
+        if self.clip_grad > 0:
+            for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = part.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=norm)
+        self.optimizer.step_with_ready_grads()
+        return {"grad_norm": norm, "lr": float(lr)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (its shard of the main weights and Adam moments with the distributed
+        optimizer) and the schedule, for a checkpoint at the same layout."""
+        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return {"optimizers": [_rank_state(part) for part in parts], "scheduler": self.scheduler.state_dict()}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the training state besides the model's weights: DDP's gradient (and parameter) buffers,
+        the main weights and the Adam moments (glue.trainer.offload moves them)."""
+        buffers = [t for b in self.module.buffers + self.module.expert_parallel_buffers
+                   for t in (b.param_data, b.grad_data) if t is not None]
+        tensors = []
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            tensors += _main_params(part)
+            tensors += [v for state in part.optimizer.state.values() for v in state.values()
+                        if torch.is_tensor(v) and v.dim() > 0]
+        return buffers + tensors
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if len(parts) != len(state["optimizers"]):
+            raise ValueError(f"the checkpoint holds {len(state['optimizers'])} optimizers, this trainer has "
+                             f"{len(parts)}: resume at the layout the checkpoint was taken at")
+        for part, saved in zip(parts, state["optimizers"]):
+            _load_rank_state(part, saved)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _main_params(part: Any) -> list[torch.Tensor]:
+    """The fp32 tensors one of megatron's optimizers updates, in its inner torch optimizer's order: this rank's shard
+    of the main weights (distributed optimizer), fp32 copies of bf16 weights, or the fp32 weights themselves."""
+    return [p for group in part.optimizer.param_groups for p in group["params"]]
+
+
+def _rank_state(part: Any) -> dict[str, Any]:
+    inner = part.optimizer  # the torch optimizer over this rank's main weights
+    return {"inner": inner.state_dict(), "main": [p.detach().clone() for p in _main_params(part)]}
+
+
+def _load_rank_state(part: Any, saved: dict[str, Any]) -> None:
+    main = _main_params(part)
+    if len(main) != len(saved["main"]) or any(a.shape != b.shape for a, b in zip(main, saved["main"])):
+        raise ValueError("the checkpoint's optimizer shard does not match this rank's: resume at the layout the "
+                         "checkpoint was taken at")
+    with torch.no_grad():
+        for p, value in zip(main, saved["main"]):
+            p.copy_(value)
+    part.optimizer.load_state_dict(saved["inner"])
+    if hasattr(part, "_copy_main_params_to_model_params"):
+        part._copy_main_params_to_model_params()
+
+
+def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Training:
+    """Wrap `model` (this rank's GPTModel, weights loaded, on its device) for training and make its optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    from glue.trainer.megatron_fields import to_megatron
+
+    passed = cfg.megatron_values()
+    bf16 = precision == "bf16"
+    inner = Float16Module(model.config, model) if bf16 else model
+    ddp_config = DistributedDataParallelConfig(**{
+        "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "average_in_collective": False,
+        **to_megatron(DistributedDataParallelConfig, passed),
+        "use_distributed_optimizer": cfg.use_distributed_optimizer})
+    module = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=inner)
+    opt_config = OptimizerConfig(**{
+        **to_megatron(OptimizerConfig, passed),
+        "optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay,
+        "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "adam_eps": cfg.adam_eps,
+        "clip_grad": cfg.grad_clip, "bf16": bf16, "fp16": False,
+        "params_dtype": torch.bfloat16 if bf16 else torch.float32,
+        "use_distributed_optimizer": cfg.use_distributed_optimizer})
+    optimizer = get_megatron_optimizer(opt_config, [module])
+    warmup = cfg.lr_warmup_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=cfg.lr_decay_steps or warmup + 1, lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    return Training(module=module, optimizer=optimizer, scheduler=scheduler, clip_grad=cfg.grad_clip)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's wrappers (DDP, Float16Module)."""
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module

@@ -1,0 +1,124 @@
+"""The trainer trains the way megatron-core does (glue.trainer.optim): megatron's DDP and optimizer, bf16 weights with
+fp32 main weights, the optimizer state sharded over data-parallel ranks, megatron's learning-rate schedule. Config
+checks run here; the training ones in spawned ranks on gloo."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glue.embedded_engine.tiny_model import save_tiny_model
+from glue.trainer.config import TrainerConfig
+from loss import LossConfig
+from test_trainer_megatron import make_batch, run_trainer_ranks
+from test_trainer_old_logprobs import run_in_trainer_process, start_worker, stop_worker
+
+
+# ---- config: what is refused before any rank starts ----
+def test_bf16_weights_without_fp32_main_weights_are_refused():
+    with pytest.raises(ValueError, match="bf16 weights without fp32 main weights"):
+        TrainerConfig(precision="fp32", megatron={"params_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="bf16 weights without fp32 main weights"):
+        TrainerConfig(megatron={"params_dtype": "bfloat16", "bf16": False})
+    with pytest.raises(ValueError, match="main weights must stay float32"):
+        TrainerConfig(precision="bf16", megatron={"main_params_dtype": "bfloat16"})
+    assert TrainerConfig(megatron={"params_dtype": "bfloat16"}).requests_bf16()  # auto: trains bf16 + fp32 main
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"precision": "fp16"}, "trainer.precision must be"),
+    ({"lr_decay_style": "cosine"}, "needs trainer.lr_decay_steps"),
+    ({"lr_decay_style": "linear", "lr_warmup_steps": 5, "lr_decay_steps": 5}, "needs trainer.lr_decay_steps"),
+    ({"lr_warmup_steps": -1}, "lr_warmup_steps must be"),
+    ({"min_lr": 1.0, "lr": 0.1}, "min_lr must be in"),
+    ({"megatron": {"fp16": True}}, "--fp16"),
+])
+def test_bad_precision_and_schedule_settings_name_the_key(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**fields)
+
+
+def test_auto_precision_follows_the_checkpoints_dtype():
+    from types import SimpleNamespace
+
+    from glue.trainer.optim import precision_line, resolve_precision
+
+    bf16_ckpt, fp32_ckpt = SimpleNamespace(dtype=torch.bfloat16), SimpleNamespace(torch_dtype="float32")
+    assert resolve_precision(TrainerConfig(), bf16_ckpt) == "bf16"
+    assert resolve_precision(TrainerConfig(), fp32_ckpt) == "fp32"
+    assert resolve_precision(TrainerConfig(megatron={"bf16": True}), fp32_ckpt) == "bf16"
+    assert resolve_precision(TrainerConfig(precision="fp32"), bf16_ckpt) == "fp32"
+    # widening a bf16 checkpoint is said in the start-up line, never silently
+    assert "widened from the checkpoint" in precision_line("fp32", TrainerConfig(precision="fp32"), bf16_ckpt, 1)
+    line = precision_line("bf16", TrainerConfig(), bf16_ckpt, 2)
+    assert "model weights bfloat16" in line and "float32 main weights" in line and "DP=2" in line
+    assert line.endswith("the weight bridge sends bfloat16")
+
+
+def test_megatron_optimizer_flags_reach_the_trainer_and_unsupported_ones_are_named():
+    from launch.megatron_args import route, unused_by_trainer
+
+    assert route({"use_distributed_optimizer": False}) == {"trainer": {"use_distributed_optimizer": False}}
+    assert route({"min_lr": 1e-7}) == {"trainer": {"min_lr": 1e-7}}
+    notes = unused_by_trainer({"overlap_param_gather": True, "optimizer": "adam", "bucket_size": 1 << 20})
+    assert len(notes) == 1 and "overlap_param_gather" in notes[0]
+
+
+# ---- training, in spawned ranks ----
+def _bf16_steps_scenario(model_dir: str, lr: float, steps: int) -> dict:
+    """bf16 weights and fp32 main weights through `steps` train steps at a small lr."""
+    worker = start_worker(model_dir, LossConfig(), lr=lr, precision="bf16", grad_clip=0.0)
+    try:
+        batch = make_batch()
+        part = worker.training.optimizer.chained_optimizers[0]
+        main = [p.detach().clone() for g in part.optimizer.param_groups for p in g["params"]]
+        weights = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+        metrics = [worker.train_step(batch) for _ in range(steps)]
+        main_after = [p.detach().clone() for g in part.optimizer.param_groups for p in g["params"]]
+        return {"dtypes": sorted({str(p.dtype) for p in worker.model.parameters()}),
+                "main_dtypes": sorted({str(p.dtype) for p in main_after}),
+                "main_changed": sum(int((a != b).sum()) for a, b in zip(main, main_after)),
+                "main_numel": sum(p.numel() for p in main),
+                "weights_changed": sum(int((p.detach() != weights[n]).sum())
+                                       for n, p in worker.model.named_parameters()),
+                "weights_equal_rounded_main": _weights_are_rounded_main(worker),
+                "metrics": metrics}
+    finally:
+        stop_worker(worker)
+
+
+def _weights_are_rounded_main(worker) -> bool:
+    """Every bf16 weight equals its fp32 main weight rounded to bf16 (the distributed optimizer's shard of the
+    main weights maps onto a range of DDP's flat parameter buffer)."""
+    part = worker.training.optimizer.chained_optimizers[0]
+    for model_group, main_group in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
+        for model_param, main_param in zip(model_group, main_group):
+            owned = part._get_model_param_range_map(model_param)["param"]
+            if not torch.equal(model_param.detach().view(-1)[owned.start:owned.end],
+                               main_param.detach().to(torch.bfloat16)):
+                return False
+    return True
+
+
+@pytest.mark.slow
+def test_bf16_trains_bf16_weights_from_fp32_main_weights_that_keep_updates_below_bf16_rounding(tmp_path):
+    model = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
+    out = run_in_trainer_process(_bf16_steps_scenario, model, 1e-6, 3)
+    assert out["dtypes"] == ["torch.bfloat16"] and out["main_dtypes"] == ["torch.float32"]
+    # Adam moves every weight by about lr per step: far below bf16's spacing near the weights' magnitude, so the
+    # bf16 weights barely move, while the main weights keep every update
+    assert out["main_changed"] > 0.9 * out["main_numel"]
+    assert out["weights_changed"] < 0.1 * out["main_numel"]
+    assert out["weights_equal_rounded_main"]
+    assert [m["train/lr"] for m in out["metrics"]] == [pytest.approx(1e-6)] * 3
+
+
+@pytest.mark.slow
+def test_the_learning_rate_follows_megatrons_warmup_and_cosine_schedule(tmp_path):
+    model = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
+    run = run_trainer_ranks(model, 1, make_batch(), steps=5, lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+                            lr_decay_style="cosine", lr_decay_steps=4)
+    import math
+
+    lrs = [m["train/lr"] for m in run["all_metrics"]]
+    expected = [5e-3, 1e-2, 1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)), 1e-3, 1e-3]
+    assert lrs == pytest.approx(expected)
