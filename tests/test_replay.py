@@ -158,3 +158,14 @@ def test_bad_replay_settings_are_refused_naming_the_key(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config("examples/configs/demo.yaml", overrides)
+
+
+def test_the_docs_example_config_saves_deterministic_rollouts():
+    from launch.config import load_config
+
+    cfg = load_config("examples/configs/replay_debug.yaml")
+    assert cfg.run.save_rollouts and cfg.run.deterministic and cfg.run.debug == "off"
+    replay = load_config("examples/configs/replay_debug.yaml", ["run.debug=train_only",
+                                                                "run.replay_from=runs/replay_debug"])
+    assert replay.run.replay_from == "runs/replay_debug"
+    assert "examples/configs/replay_debug.yaml" in (Path(REPO) / "docs/debugging.md").read_text()
