@@ -121,9 +121,6 @@ class NoTrainer:
     def save_checkpoint(self, directory: str) -> None:
         raise RuntimeError("a rollout_only run has no trainer to checkpoint")
 
-    def shutdown(self) -> None:
-        pass
-
 
 class NoFleet:
     """Stands in for the fleet watch in a train_only run: no engines to watch, pause or bring to new weights."""

@@ -194,12 +194,11 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     buffer = RolloutBuffer(groups_per_step=groups_per_step,
                            order="group_id" if cfg.run.deterministic else cfg.rollout.buffer_order,
                            stale_policy="keep" if debug == "rollout_only" else cfg.sync.stale_policy)
-    stream = RolloutStream(manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
-                           max_concurrent=cfg.rollout.max_concurrent_groups,
-                           max_failed_frac=cfg.rollout.max_failed_frac, drain_before_sync=cfg.run.deterministic,
-                           dynamic_sampling=cfg.rollout.dynamic_sampling,
-                           max_filtered_frac=cfg.rollout.max_filtered_frac) if debug != "train_only" else \
-        ReplayStream(cfg.run.replay_from, gate=gate)
+    stream = ReplayStream(cfg.run.replay_from, gate=gate) if debug == "train_only" else RolloutStream(
+        manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
+        max_concurrent=cfg.rollout.max_concurrent_groups, max_failed_frac=cfg.rollout.max_failed_frac,
+        drain_before_sync=cfg.run.deterministic, dynamic_sampling=cfg.rollout.dynamic_sampling,
+        max_filtered_frac=cfg.rollout.max_filtered_frac)
 
     first_step = 1
     if resume_state is not None:
