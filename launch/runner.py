@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 import shutil
 import sys
 import threading
 from pathlib import Path
 
+from launch.components import make_phases, start_components
 from launch.config import ConfigError, SluiceConfig, write_resolved
 from launch.plan import RunPlan, resolve
 from launch.preflight import preflight
@@ -29,6 +29,7 @@ def run(cfg: SluiceConfig) -> Path:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
     preflight(cfg, plan)
     run_dir = cfg.run_dir
+    check_replay(cfg)
     resume_from = find_checkpoint(cfg)
     clock = StartupClock()
     model_path = prepare_model(cfg, run_dir)
@@ -39,19 +40,15 @@ def run(cfg: SluiceConfig) -> Path:
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
                                                                          stack, clock)
-        from glue.colocation import make_colocation
-
-        colocation = make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
-                                     timeout_s=cfg.sync.timeout_s, api_key=fleet.api_key,
-                                     admin_api_key=fleet.admin_api_key)
+        colocation = make_phases(cfg, plan, trainer=trainer, bridge=bridge, fleet=fleet)
         # Start-up succeeded: only now does a previous run's record give way to this one (or get cut back to the
         # checkpoint this run continues from).
         resume_state = restore(cfg, resume_from, trainer=trainer, client=client, colocation=colocation)
         write_resolved(cfg, run_dir / "config.yaml")
-        clock.finished(f"training {cfg.run.num_steps} steps ({cfg.run.mode}), metrics in {run_dir / 'metrics.jsonl'}")
+        clock.finished(f"{what_runs(cfg)}, metrics in {run_dir / 'metrics.jsonl'}")
         progress = stack.enter_context(_progress_bar(cfg))
         watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client)
-        evaluator = make_evaluator(cfg, fn=manager.fn, client=client, model_path=model_path)
+        evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path)
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
                                                  colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
                                                  resume_state=resume_state, watch=watch, evaluator=evaluator))
@@ -80,8 +77,35 @@ def run(cfg: SluiceConfig) -> Path:
     if latest is not None:  # the final policy as a plain HF checkpoint (AutoModelForCausalLM.from_pretrained)
         shutil.rmtree(run_dir / "hf", ignore_errors=True)
         shutil.copytree(latest / "hf", run_dir / "hf")
-    print(f"sluice: run finished; {summary}; final policy in {run_dir / 'hf'}", flush=True)
+    final = f"; final policy in {run_dir / 'hf'}" if latest is not None else ""  # rollout_only: no trainer
+    print(f"sluice: run finished; {summary}{final}", flush=True)
     return run_dir
+
+
+def what_runs(cfg: SluiceConfig) -> str:
+    """E.g. `training 30 steps (sync)`, and what a run.debug run leaves out."""
+    steps = f"{cfg.run.num_steps} steps ({cfg.run.mode})"
+    return {"off": f"training {steps}",
+            "rollout_only": f"generating {steps} with no trainer (run.debug rollout_only), saved in "
+                            f"{cfg.run_dir / 'rollouts'}",
+            "train_only": f"training {steps} on the rollouts saved in {cfg.run.replay_from}, with no engines "
+                          "(run.debug train_only)"}[cfg.run.debug]
+
+
+def check_replay(cfg: SluiceConfig) -> None:
+    """A train_only run's `run.replay_from` holds the saved groups of every step it trains (checked before anything
+    starts) and is another folder than its own."""
+    if cfg.run.debug != "train_only":
+        return
+    from glue.replay import check_replay_source
+
+    if Path(cfg.run.replay_from).resolve() == cfg.run_dir.resolve():
+        raise ConfigError(f"run.replay_from={cfg.run.replay_from!r} is this run's own folder; give the replay another "
+                          "run.name=...")
+    try:
+        check_replay_source(cfg.run.replay_from, range(1, cfg.run.num_steps + 1))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def plot_run(run_dir: Path) -> str:
@@ -114,6 +138,9 @@ def find_checkpoint(cfg: SluiceConfig) -> Path | None:
     if cfg.run.overwrite:
         return None
     latest = Checkpoints(cfg.run_dir / "checkpoints").latest() if resume == "auto" else None
+    if latest is not None and cfg.run.debug != "off":
+        raise ConfigError(f"{cfg.run_dir} holds checkpoint {latest.name}, but a run.debug={cfg.run.debug} run does "
+                          "not resume; start it under another run.name=..., or set run.overwrite=true")
     if latest is not None:
         return latest
     check_run_dir(cfg)
@@ -129,6 +156,7 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
     run_dir, metrics = cfg.run_dir, cfg.run_dir / "metrics.jsonl"
     if checkpoint is None:
         metrics.unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "rollouts", ignore_errors=True)  # run.save_rollouts writes them afresh
         if cfg.run.overwrite:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return None
@@ -152,6 +180,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     from glue.checkpoint import Checkpoints
     from glue.controller import no_evaluation, run_loop
     from glue.metrics import open_run_logger, run_info
+    from glue.replay import ReplayStream, SavingStream
     from glue.staleness import StalenessGate
     from launch.config import to_dict
     from glue.stream import RolloutStream
@@ -159,14 +188,17 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     groups_per_step = cfg.rollout.prompts_per_step
     gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=cfg.sync.max_staleness,
                          interval=cfg.sync.interval, admission=cfg.sync.admission)
+    debug = cfg.run.debug
+    # rollout_only: the engines keep the initial weights, so every sample is "stale" against the stand-in trainer's
+    # step count; it is saved whole either way
     buffer = RolloutBuffer(groups_per_step=groups_per_step,
                            order="group_id" if cfg.run.deterministic else cfg.rollout.buffer_order,
-                           stale_policy=cfg.sync.stale_policy)
-    stream = RolloutStream(manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
-                           max_concurrent=cfg.rollout.max_concurrent_groups,
-                           max_failed_frac=cfg.rollout.max_failed_frac, drain_before_sync=cfg.run.deterministic,
-                           dynamic_sampling=cfg.rollout.dynamic_sampling,
-                           max_filtered_frac=cfg.rollout.max_filtered_frac)
+                           stale_policy="keep" if debug == "rollout_only" else cfg.sync.stale_policy)
+    stream = ReplayStream(cfg.run.replay_from, gate=gate) if debug == "train_only" else RolloutStream(
+        manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
+        max_concurrent=cfg.rollout.max_concurrent_groups, max_failed_frac=cfg.rollout.max_failed_frac,
+        drain_before_sync=cfg.run.deterministic, dynamic_sampling=cfg.rollout.dynamic_sampling,
+        max_filtered_frac=cfg.rollout.max_filtered_frac)
 
     first_step = 1
     if resume_state is not None:
@@ -174,6 +206,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
                       trained_groups=resume_state["step"] * groups_per_step)
         first_step = resume_state["step"] + 1
         progress.update(resume_state["step"])
+    if cfg.run.saves_rollouts:
+        stream = SavingStream(stream, run_dir, first_step=first_step)
     resume_step = None if resume_state is None else resume_state["step"]
     logger = open_run_logger(run_dir, loggers=cfg.run.loggers, info=run_info(to_dict(cfg), resume_step=resume_step),
                              resume_step=resume_step, wandb=to_dict(cfg.run.wandb))
@@ -188,9 +222,11 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         loss_cfg=cfg.loss, logger=logger, pause_mode=cfg.sync.pause_mode,
         on_step=on_step, stop=stop, first_step=first_step,
         checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                                interval=cfg.run.save_interval),
-        sync_guard=watch.guarded_sync, train_guard=watch.guarded_train,
-        extra_metrics=lambda: {**watch.metrics(), **task_metrics(manager.task)},
+                                interval=cfg.run.save_interval) if debug != "rollout_only" else None,
+        # rollout_only: nothing to move, the engines keep the weights they started with
+        sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
+        train_guard=watch.guarded_train,
+        extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None))},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
     try:
         return await watch.run(training)
@@ -247,10 +283,13 @@ def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
     the current weights before the router sends it work. Colocated placement ends the run instead (a new engine
     there would have to take its devices back from the trainer mid-step)."""
     from glue.fleet_watch import FleetWatch, engine_repair
+    from glue.replay import NoFleet
 
+    if fleet is None:  # run.debug train_only
+        return NoFleet()
     r = cfg.rollout
     turn = threading.Lock()  # train steps and a repair's weight gathering (trainer collectives) take turns
-    repair = None if plan.placement == "colocated" else engine_repair(fleet, bridge, trainer_turn=turn, client=client,
+    repair = None if plan.placement == "colocated" or bridge is None else engine_repair(fleet, bridge, trainer_turn=turn, client=client,
                                                                       pause_mode=cfg.sync.pause_mode)
     return FleetWatch(fleet, repair=repair, client=client, trainer_turn=turn,
                       max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
@@ -316,83 +355,3 @@ def describe_placement(plan: RunPlan, placement) -> str:
     for r in plan.trainer:
         by_node.setdefault(placement.node_ip[r.bundle], []).append(f"trainer rank {r.rank}")
     return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())
-
-
-def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[dict]:
-    """Each trainer rank pinned to its bundle: a whole GPU on GPU, `trainer.num_cpus_per_worker` CPUs on CPU."""
-    gpu = 1 if plan.device == "gpu" else 0
-    return [placement.actor_options(r.bundle, num_cpus=0 if gpu else cfg.trainer.num_cpus_per_worker, num_gpus=gpu)
-            for r in plan.trainer]
-
-
-def engine_host_options(placement, engine) -> dict:
-    """An engine's host actor sits on its first bundle and reserves nothing: the engine process uses the bundle's
-    devices through CUDA_VISIBLE_DEVICES, and in colocated placement the trainer rank holds the bundle's GPU."""
-    return placement.actor_options(engine.bundles[0], num_cpus=0)
-
-
-def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
-                     stack: contextlib.ExitStack, clock=lambda phase, detail: None):
-    from launch.cluster import check_paths
-
-    check_paths(placement, {"the model directory": model_path})
-    from glue.engine_client import EngineClient
-    from glue.fleet import RolloutFleet
-    from glue.reward_shaping import make_reward_shaping
-    from glue.rollout import RolloutManager, resume_limit
-    from glue.routed_experts import RoutedExpertsLayout
-    from glue.trainer.group import TrainerGroup
-    import weight_sync
-
-    # Every engine and the router ask for keys (SGLang's --api-key / --admin-api-key, new per run unless set under
-    # sglang:): weight, memory and pause routes take the admin key only, which no one outside this run holds.
-    api_key = cfg.sglang.get("api_key") or secrets.token_hex(24)
-    admin_api_key = cfg.sglang.get("admin_api_key") or secrets.token_hex(24)
-    fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
-                         router_policy=cfg.rollout.router_policy,
-                         engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
-                         engine_command=plan.engine_command, engine_args=plan.engine_args,
-                         router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
-                         engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
-                         api_key=api_key, admin_api_key=admin_api_key,
-                         engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
-    stack.callback(fleet.stop)
-    fleet.start(on_phase=clock)
-    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
-                           keep_versions=cfg.sync.max_staleness + 1)
-    stack.callback(trainer.shutdown)
-    t = cfg.trainer
-    clock("trainer", f"{t.world_size} megatron-core ranks (TP {t.tensor_model_parallel_size} x PP "
-                     f"{t.pipeline_model_parallel_size} x EP {t.expert_model_parallel_size} x DP "
-                     f"{t.data_parallel_size}) hold the policy")
-    loop = asyncio.new_event_loop()
-    stack.callback(loop.close)
-    # the serving engines: a replacement joins (for direct R3 requests and pauses) once it holds the fleet's weights
-    client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key, admin_api_key=admin_api_key)
-    stack.callback(lambda: loop.run_until_complete(client.close()))
-    bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
-                                     disk_dir=str(run_dir / "weights"),
-                                     engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
-                                     api_key=api_key, admin_api_key=admin_api_key)
-    stack.callback(bridge.close)
-    where = "" if getattr(bridge.transport, "address", None) is None else \
-        ": weight group hosted by trainer rank 0 at {}:{}".format(*bridge.transport.address)
-    clock("weights", f"{cfg.sync.transport} bridge to {cfg.rollout.num_engines} engines{where}")
-    manager = RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
-                             task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
-                             client=client,
-                             sampling_params=cfg.rollout.sampling.to_sglang(),
-                             prompts_per_step=cfg.rollout.prompts_per_step,
-                             samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
-                             partial_rollouts=cfg.sync.partial_rollouts,
-                             max_resumes=resume_limit(cfg.sync.max_staleness),
-                             group_timeout_s=cfg.rollout.group_timeout_s, deterministic=cfg.run.deterministic,
-                             error_masking=cfg.rollout.error_masking,
-                             routed_experts=RoutedExpertsLayout.from_model_dir(model_path)
-                             if cfg.rollout.return_routed_experts else None,
-                             reward_shaping=make_reward_shaping(
-                                 overlong_buffer=cfg.reward.overlong_buffer,
-                                 overlong_penalty=cfg.reward.overlong_penalty,
-                                 max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)))
-    return fleet, client, trainer, bridge, manager, loop
-

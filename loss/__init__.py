@@ -10,14 +10,15 @@ import torch
 from loss.advantages import ADVANTAGE_ESTIMATORS, gae, whiten
 from loss.aggregation import AGGREGATIONS, Sequences, count_tokens_and_seqs
 from loss.config import LossConfig
-from loss.corrections import (CORRECTIONS, OLD_LOGPROB_SOURCES, apply_correction, ewma_proximal_logprobs,
-                              masked_log_ratio, ratio_metrics, resolve_old_logprobs)
+from loss.corrections import (CLIP_REFERENCES, CORRECTIONS, OLD_LOGPROB_SOURCES, apply_correction,
+                              ewma_proximal_logprobs, masked_log_ratio, ratio_metrics, resolve_old_logprobs,
+                              staleness_weight)
 from loss.kl import KL_ESTIMATORS, token_entropy
 from loss.policy import POLICY_LOSSES
 from loss.presets import PRESETS, IncoherentLossWarning
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "CORRECTIONS", "KL_ESTIMATORS", "OLD_LOGPROB_SOURCES", "POLICY_LOSSES",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "CLIP_REFERENCES", "CORRECTIONS", "KL_ESTIMATORS", "OLD_LOGPROB_SOURCES", "POLICY_LOSSES",
     "PRESETS", "IncoherentLossWarning", "LossConfig", "compute_advantages", "compute_policy_loss", "count_tokens_and_seqs", "ewma_proximal_logprobs",
     "gae", "token_entropy",
 ]
@@ -62,6 +63,7 @@ def compute_policy_loss(
     logits: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     ewma_logprobs: torch.Tensor | None = None,
+    proximal_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss. All per-token inputs are [B, T]; returns (scalar loss, metrics incl. "clipfrac").
 
@@ -73,6 +75,15 @@ def compute_policy_loss(
     one per row). ewma_logprobs [B, T] is PPO-EWMA's state before this evaluation (default: the rollout logprobs); the
     proximal policy used, which is the state to carry to the sample's next evaluation, is
     `ewma_proximal_logprobs(state=ewma_logprobs, logprobs=logprobs, beta=cfg.ewma_beta)`.
+
+    Which policy the clip is against (docs/async.md, "The objective of each combination"): `old_logprobs` from
+    `trainer.old_logprobs: recompute` are the proximal policy (the weights before this update), so r = pi_theta /
+    pi_prox and rho = pi_prox / pi_rollout is decoupled PPO's behaviour weight. `snapshot` old logprobs are the
+    behaviour policy itself at each token's version; pass the proximal ones beside them as `proximal_logprobs` [B, T]
+    and, with cfg.clip_against "proximal" (the default), the loss is decoupled in three factors:
+    pi_theta / pi_rollout = r (pi_theta / pi_prox, clipped) x s (pi_prox / pi_snapshot, truncated at
+    cfg.stale_weight_high) x rho (pi_snapshot / pi_rollout, cfg.correction). Without them (or with clip_against
+    "behaviour") the clip is against the snapshot: coupled PPO against the stale policy.
     """
     mask = mask.to(logprobs.dtype)
     valid = mask > 0
@@ -81,12 +92,22 @@ def compute_policy_loss(
     old = resolve_old_logprobs(cfg, logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
                                mask=mask, ewma_logprobs=ewma_logprobs)
     weight, metrics = apply_correction(cfg, old_logprobs=old, rollout_logprobs=rollout_logprobs, mask=mask, seqs=seqs)
+    clip_ref = old
+    if proximal_logprobs is not None:
+        if cfg.old_logprobs_from != "given":
+            raise ValueError(f"proximal_logprobs were passed with loss.old_logprobs_from={cfg.old_logprobs_from!r}, "
+                             "whose proximal policy is its own; pass them only beside given (snapshot) old logprobs")
+        if cfg.clip_against == "proximal":
+            clip_ref = proximal_logprobs.detach()
+            stale, stale_metrics = staleness_weight(clip_ref, old, mask, high=cfg.stale_weight_high)
+            weight = weight * stale
+            metrics.update(stale_metrics)
     per_token, policy_metrics = POLICY_LOSSES[cfg.policy_loss](
-        cfg, logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask, seqs=seqs
+        cfg, logprobs=logprobs, old_logprobs=clip_ref, advantages=advantages, mask=mask, seqs=seqs
     )
     metrics.update(policy_metrics)
     metrics["staleness/clipfrac"] = policy_metrics["clipfrac"]
-    metrics.update(ratio_metrics("staleness", masked_log_ratio(logprobs.detach(), old, mask), mask))
+    metrics.update(ratio_metrics("staleness", masked_log_ratio(logprobs.detach(), clip_ref, mask), mask))
     aggregate = AGGREGATIONS[cfg.aggregation]
     counts = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs, norm_length=cfg.norm_length)
     loss = aggregate(per_token * weight.to(per_token.dtype), mask, seqs, **counts)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from loss.advantages import ADVANTAGE_ESTIMATORS
 from loss.aggregation import AGGREGATIONS
-from loss.corrections import CORRECTIONS, OLD_LOGPROB_SOURCES
+from loss.corrections import CLIP_REFERENCES, CORRECTIONS, OLD_LOGPROB_SOURCES
 from loss.kl import KL_ESTIMATORS
 from loss.policy import POLICY_LOSSES
 from loss.presets import PRESETS, warn_if_incoherent
@@ -57,10 +57,12 @@ class LossConfig:
     mu_clip_high: float = 4.0  # mu_grpo: see mu_clip_low
     veto_ratio: float = 2.0  # mu_grpo: in a negative-advantage response, veto from the first token with ratio > this
     # --- off-policy: discrepancy factor old/rollout and where old logprobs come from ---
-    correction: str = "none"  # name in CORRECTIONS: none, tis, mis, icepop, seq_tis, seq_mis, seq_*_arith, seq_*_geo
+    correction: str = "none"  # name in CORRECTIONS: none, tis, mis, icepop, seq_tis, seq_mis, seq_*_arith, seq_*_geo (with recompute old logprobs a correction other than none is decoupled PPO's behaviour weight pi_prox/pi_rollout; none drops it: docs/async.md)
     correction_low: float = 0.5  # lower threshold on the discrepancy ratio (mis masks above high only; tis truncates at high)
     correction_high: float = 2.0  # upper threshold on the discrepancy ratio
     old_logprobs_from: str = "given"  # name in OLD_LOGPROB_SOURCES: given, rollout, ewma
+    clip_against: str = "proximal"  # name in CLIP_REFERENCES: proximal (decoupled PPO: the clip's ratio is pi_theta / the weights before the update), behaviour (coupled: pi_theta / the exact old logprobs of trainer.old_logprobs: snapshot, i.e. the stale policy that generated each token; preset coupled_snapshot)
+    stale_weight_high: float = 2.0  # proximal_logprobs passed beside snapshot old logprobs: the staleness importance weight pi_prox / pi_snapshot is truncated at this
     ewma_beta: float = 0.5  # ewma: decay of a sample's proximal policy per trainer evaluation of it, in [0, 1)
     # --- KL and entropy terms, and aggregation ---
     kl_estimator: str = "k3"  # name in KL_ESTIMATORS: k1, k2, k3
@@ -74,6 +76,7 @@ class LossConfig:
         for field, registry in (
             ("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS),
             ("old_logprobs_from", OLD_LOGPROB_SOURCES), ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
+            ("clip_against", CLIP_REFERENCES),
         ):
             check_name(f"loss.{field}", getattr(self, field), registry)
         if self.preset is not None:
@@ -95,6 +98,7 @@ class LossConfig:
             ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 (or null to turn it off)"),
             ("correction_low", 0 < self.correction_low <= 1, "in (0, 1]"),
             ("correction_high", self.correction_high >= 1, ">= 1"),
+            ("stale_weight_high", self.stale_weight_high >= 1, ">= 1"),
             ("std_floor", self.std_floor > 0, "> 0"),
             ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
             ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
@@ -116,6 +120,13 @@ class LossConfig:
     def needs_old_logprobs(self) -> bool:
         """The trainer must pass training-side old logprobs (recomputed or from version snapshots)."""
         return self.old_logprobs_from == "given"
+
+    @property
+    def needs_proximal_logprobs(self) -> bool:
+        """With `trainer.old_logprobs: snapshot` the trainer must also pass the current weights' logprobs before the
+        update (`proximal_logprobs`): the clip is against those, and the snapshot logprobs are the behaviour policy.
+        (With `recompute` the old logprobs are the proximal policy already.)"""
+        return self.old_logprobs_from == "given" and self.clip_against == "proximal"
 
 
 def check_name(field: str, value: str, registry: dict) -> None:

@@ -175,3 +175,28 @@ OLD_LOGPROB_SOURCES: dict[str, str] = {
     "ewma": "PPO-EWMA proximal policy: per sample, the EWMA in log space (decay ewma_beta) of its rollout logprobs and "
             "the trainer policies that evaluated it, for when exact old logprobs are missing",
 }
+
+
+CLIP_REFERENCES: dict[str, str] = {
+    "proximal": "decoupled PPO: the clip's ratio is pi_theta / pi_prox, the trainer's weights before this update "
+                "(trainer.old_logprobs: recompute gives them as old_logprobs; with snapshot they come as "
+                "proximal_logprobs), and the importance weight pi_prox / pi_behaviour goes to the correction",
+    "behaviour": "coupled PPO against the behaviour policy: with trainer.old_logprobs: snapshot the clip's ratio is "
+                 "pi_theta / pi_snapshot, the exact (stale) version that generated each token (seed 001's two-factor "
+                 "form; preset coupled_snapshot)",
+}
+
+
+def staleness_weight(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                     high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO's importance weight between the proximal policy and the trainer-side behaviour policy (the
+    snapshot logprob of each token at the version that generated it): w = min(pi_prox / pi_snapshot, high), detached
+    [B, T], and metrics "stale_weight/*" (the ratio's statistics and the fraction truncated)."""
+    with torch.no_grad():
+        log_s = masked_log_ratio(proximal_logprobs.detach(), behaviour_logprobs.detach(), mask)
+        s = log_s.exp()
+        w = s.clamp(max=high)
+        valid = mask > 0
+        metrics = ratio_metrics("stale_weight", log_s, mask)
+        metrics["stale_weight/clipped_frac"] = ((s > high) & valid).sum() / valid.sum().clamp(min=1).to(s.dtype)
+    return w, metrics

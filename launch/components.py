@@ -1,0 +1,136 @@
+"""The run's parts, started by `launch.runner` under its ExitStack: engines behind the router and their client,
+the megatron-core trainer on Ray, the weight bridge, the rollout manager, and who holds the devices in each phase.
+`run.debug` leaves a side out (glue.replay stands in for it)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from pathlib import Path
+
+from launch.config import SluiceConfig
+from launch.plan import RunPlan
+
+
+def make_phases(cfg: SluiceConfig, plan: RunPlan, *, trainer, bridge, fleet):
+    """Who holds the devices around each phase (glue.colocation). A run.debug run moves no weights: its engines or
+    its trainer, whichever it has, stay resident."""
+    from glue.colocation import Disaggregated, make_colocation
+
+    if cfg.run.debug != "off":
+        return Disaggregated(bridge=None)
+    return make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
+                           timeout_s=cfg.sync.timeout_s, api_key=fleet.api_key, admin_api_key=fleet.admin_api_key)
+
+
+def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[dict]:
+    """Each trainer rank pinned to its bundle: a whole GPU on GPU, `trainer.num_cpus_per_worker` CPUs on CPU."""
+    gpu = 1 if plan.device == "gpu" else 0
+    return [placement.actor_options(r.bundle, num_cpus=0 if gpu else cfg.trainer.num_cpus_per_worker, num_gpus=gpu)
+            for r in plan.trainer]
+
+
+def engine_host_options(placement, engine) -> dict:
+    """An engine's host actor sits on its first bundle and reserves nothing: the engine process uses the bundle's
+    devices through CUDA_VISIBLE_DEVICES, and in colocated placement the trainer rank holds the bundle's GPU."""
+    return placement.actor_options(engine.bundles[0], num_cpus=0)
+
+
+def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
+                     stack: contextlib.ExitStack, clock=lambda phase, detail: None):
+    """Fleet, engine client, trainer, weight bridge, rollout manager and the event loop. `run.debug` leaves one
+    side out: train_only starts no engines (fleet, client, bridge and manager are None), rollout_only no trainer
+    and no bridge (glue.replay.NoTrainer stands in for the trainer)."""
+    from launch.cluster import check_paths
+    from glue.replay import NoTrainer
+
+    check_paths(placement, {"the model directory": model_path})
+    loop = asyncio.new_event_loop()
+    stack.callback(loop.close)
+    fleet = client = bridge = manager = None
+    if cfg.run.debug != "train_only":
+        fleet, client = start_fleet(cfg, plan, placement, model_path, run_dir, stack, loop, clock)
+    trainer = start_trainer(cfg, plan, placement, model_path, stack, clock) if cfg.run.debug != "rollout_only" \
+        else NoTrainer()
+    if cfg.run.debug == "off":
+        bridge = start_bridge(cfg, trainer, fleet, run_dir, stack, clock)
+    if fleet is not None:
+        manager = make_manager(cfg, client, model_path)
+    return fleet, client, trainer, bridge, manager, loop
+
+
+def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
+                stack: contextlib.ExitStack, loop, clock):
+    """The engines behind the router, and the client the rollout functions reach them with."""
+    from glue.engine_client import EngineClient
+    from glue.fleet import RolloutFleet
+
+    # Every engine and the router ask for keys (SGLang's --api-key / --admin-api-key, new per run unless set under
+    # sglang:): weight, memory and pause routes take the admin key only, which no one outside this run holds.
+    api_key = cfg.sglang.get("api_key") or secrets.token_hex(24)
+    admin_api_key = cfg.sglang.get("admin_api_key") or secrets.token_hex(24)
+    fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
+                         router_policy=cfg.rollout.router_policy,
+                         engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
+                         engine_command=plan.engine_command, engine_args=plan.engine_args,
+                         router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
+                         engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
+                         api_key=api_key, admin_api_key=admin_api_key,
+                         engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
+    stack.callback(fleet.stop)
+    fleet.start(on_phase=clock)
+    # the serving engines: a replacement joins (for direct R3 requests and pauses) once it holds the fleet's weights
+    client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key, admin_api_key=admin_api_key)
+    stack.callback(lambda: loop.run_until_complete(client.close()))
+    return fleet, client
+
+
+def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, stack: contextlib.ExitStack, clock):
+    from glue.trainer.group import TrainerGroup
+
+    trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
+                           keep_versions=cfg.sync.max_staleness + 1)
+    stack.callback(trainer.shutdown)
+    t = cfg.trainer
+    clock("trainer", f"{t.world_size} megatron-core ranks (TP {t.tensor_model_parallel_size} x PP "
+                     f"{t.pipeline_model_parallel_size} x EP {t.expert_model_parallel_size} x DP "
+                     f"{t.data_parallel_size}) hold the policy")
+    return trainer
+
+
+def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contextlib.ExitStack, clock):
+    import weight_sync
+
+    bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
+                                     disk_dir=str(run_dir / "weights"),
+                                     engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
+                                     api_key=fleet.api_key, admin_api_key=fleet.admin_api_key)
+    stack.callback(bridge.close)
+    where = "" if getattr(bridge.transport, "address", None) is None else \
+        ": weight group hosted by trainer rank 0 at {}:{}".format(*bridge.transport.address)
+    clock("weights", f"{cfg.sync.transport} bridge to {cfg.rollout.num_engines} engines{where}")
+    return bridge
+
+
+def make_manager(cfg: SluiceConfig, client, model_path: str):
+    from launch.runner import task_args_for
+    from glue.reward_shaping import make_reward_shaping
+    from glue.rollout import RolloutManager, resume_limit
+    from glue.routed_experts import RoutedExpertsLayout
+
+    return RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
+                          task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
+                          client=client,
+                          sampling_params=cfg.rollout.sampling.to_sglang(),
+                          prompts_per_step=cfg.rollout.prompts_per_step,
+                          samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed,
+                          partial_rollouts=cfg.sync.partial_rollouts,
+                          max_resumes=resume_limit(cfg.sync.max_staleness),
+                          group_timeout_s=cfg.rollout.group_timeout_s, deterministic=cfg.run.deterministic,
+                          error_masking=cfg.rollout.error_masking,
+                          routed_experts=RoutedExpertsLayout.from_model_dir(model_path)
+                          if cfg.rollout.return_routed_experts else None,
+                          reward_shaping=make_reward_shaping(
+                              overlong_buffer=cfg.reward.overlong_buffer,
+                              overlong_penalty=cfg.reward.overlong_penalty,
+                              max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)))
