@@ -304,3 +304,11 @@ def test_a_worker_refuses_to_keep_fewer_than_one_version():
     with pytest.raises(ValueError, match="keep_versions must be an integer >= 1"):
         TrainerWorker(model_path="unused", cfg=TrainerConfig(old_logprobs="snapshot"), loss_cfg=LossConfig(), rank=0,
                       world_size=1, keep_versions=0)
+
+
+def test_with_snapshots_the_clip_is_against_the_weights_before_the_update(snapshot_run):
+    """Decoupled PPO (issue 27 item 2): beside the snapshot (behaviour) logprobs the trainer passes the current
+    weights' logprobs as the proximal policy, so the loss reports its staleness weight pi_prox / pi_snapshot."""
+    assert LossConfig().needs_proximal_logprobs
+    for step in snapshot_run["steps"]:
+        assert "train/stale_weight/clipped_frac" in step, sorted(step)

@@ -44,7 +44,9 @@ RUNS = {"plain": {}, "replay": {"routing_replay": True},
         # full recompute: every MoE layer runs again in backward, where it must replay the same experts
         "replay_recompute": {"routing_replay": True, "megatron": {"recompute_granularity": "full",
                                                                   "recompute_method": "uniform",
-                                                                  "recompute_num_layers": 1}}}
+                                                                  "recompute_num_layers": 1}},
+        # old logprobs from the version snapshots (here the live weights: every token is version 0)
+        "replay_snapshot": {"routing_replay": True, "old_logprobs": "snapshot"}}
 
 
 def _scenario(model_dir: str) -> dict:
@@ -116,3 +118,13 @@ def test_with_replay_every_token_goes_to_the_replayed_experts_in_forward_and_in_
     backward = [d for d in runs["replay_recompute"]["dispatches"] if d[0] == "replay_backward"]
     assert backward, "no router ran in backward: recompute did not happen"
     assert not [d for d in runs["replay"]["dispatches"] if d[0] == "replay_backward"]
+
+
+def test_snapshot_old_logprobs_replay_the_engines_routing_too(runs):
+    """Issue 26 item 9: the snapshot forward replays routing like the recompute one, so pi_old is the engine-routed
+    policy (without replay its gap to the rollout is the unreplayed one)."""
+    plain, replayed = runs["plain"]["metrics"], runs["replay"]["metrics"]
+    snapshot = runs["replay_snapshot"]["metrics"]
+    assert snapshot["train/train_rollout_logprob_abs_diff"] == pytest.approx(
+        replayed["train/train_rollout_logprob_abs_diff"], abs=1e-6)
+    assert snapshot["train/train_rollout_logprob_abs_diff"] < 0.5 * plain["train/train_rollout_logprob_abs_diff"]

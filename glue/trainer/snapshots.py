@@ -60,9 +60,10 @@ class PolicySnapshots:
     def old_logprobs(self, batch: TrainBatch, module: torch.nn.Module, current_version: int,
                      logprobs_of: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Each trained token's logprob under its own version's weights, [B, T] (0 where logprob_mask is 0), and the
-        `old_logprobs/*` metrics. One pass (`logprobs_of(tokens, seq_lens=...)` under `module`'s present weights)
-        per version held, over the rows with tokens of that version; `module`'s live weights serve `current_version` and,
-        counted as missing, versions no longer held (possible only after a fault or with admission control off)."""
+        `old_logprobs/*` metrics. One pass (`logprobs_of(tokens, seq_lens=..., routed_experts=...)` under `module`'s
+        present weights; routing replayed where the batch carries the engines' routing) per version held, over the
+        rows with tokens of that version; `module`'s live weights serve `current_version` and, counted as missing,
+        versions no longer held (possible only after a fault or with admission control off)."""
         valid = batch.logprob_mask > 0
         versions = batch.versions.long()
         kept = set(self._shards)
@@ -89,7 +90,9 @@ def _fill(out: torch.Tensor, take: torch.Tensor, batch: TrainBatch, logprobs_of:
     """out[take] = logprobs_of(the rows holding a `take` token, with their lengths); the other rows do not run."""
     rows = take.any(dim=1).nonzero()[:, 0]
     seq_lens = [batch.seq_lens[r] for r in rows.tolist()]
-    out[rows] = torch.where(take[rows], logprobs_of(batch.tokens[rows], seq_lens=seq_lens), out[rows])
+    routed = None if batch.routed_experts is None else batch.routed_experts[rows]  # replayed with trainer R3 on
+    out[rows] = torch.where(take[rows], logprobs_of(batch.tokens[rows], seq_lens=seq_lens, routed_experts=routed),
+                            out[rows])
 
 
 def _host_copy(param: torch.Tensor) -> torch.Tensor:

@@ -116,12 +116,13 @@ class TrainerWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False,
-                         reference: bool = False, seq_lens: list[int] | None = None, replay: bool = True) -> Any:
+                         reference: bool = False, seq_lens: list[int] | None = None, replay: bool = True,
+                         routed_experts: torch.Tensor | None = None) -> Any:
         """Logprob of tokens[:, t+1] at position t with the current weights (or the reference model's), [B, T] on
         CPU (0 at each sample's last token when packing, in the last column always); each DP rank computes its
         micro-batches and every rank gets all of the rows, in the batch's order. A bare token tensor is taken with
-        `seq_lens` (default: every row is real to the end). With trainer.routing_replay the policy routes through
-        the batch's `routed_experts` unless `replay` is False.
+        `seq_lens` (default: every row is real to the end) and, to replay routing, its rows' `routed_experts`. With
+        trainer.routing_replay the policy routes through the batch's `routed_experts` unless `replay` is False.
 
         With `with_entropy`, returns `(logprobs, entropy)`, both [B, T].
         """
@@ -139,9 +140,13 @@ class TrainerWorker:
             return None, self._forward(mb.take(tokens), logits, with_entropy, mb.seq_ids)
 
         micro_batches = self._micro_batches(seq_lens or [seq_len] * rows, seq_len, slice(0, rows))
-        replaying = replay and not reference and isinstance(batch, TrainBatch)
-        results = run_micro_batches(module, micro_batches, tokens, head, forward_only=True,
-                                    **(replay_args(self.replay, batch) if replaying else {}))
+        replaying = replay and not reference and self.replay is not None
+        if replaying and isinstance(batch, TrainBatch):
+            routing = replay_args(self.replay, batch)
+        else:
+            routing = {"replay": self.replay, "routed_experts": routed_experts} if replaying and \
+                routed_experts is not None else {}
+        results = run_micro_batches(module, micro_batches, tokens, head, forward_only=True, **routing)
         for mb, (mb_logprobs, mb_entropy) in zip(micro_batches, results):  # results: on the last stage only
             if mb.is_real:
                 mb.put(mb_logprobs, logprobs)
@@ -175,9 +180,12 @@ class TrainerWorker:
         when the loss takes them from the rollout or its EWMA), then `num_epochs` x `num_mini_batches` optimizer
         steps, each accumulating micro-batch gradients normalised by the mini-batch's global counts. The version
         then moves by one however many optimizer steps ran: engines load one version per train_step."""
-        old_logprobs, entropy, metrics = None, None, {}
+        old_logprobs, entropy, metrics, proximal = None, None, {}, None
         if self.loss_cfg.needs_old_logprobs:
             old_logprobs, entropy, metrics = self._old_logprobs(batch, with_entropy=True)
+        if self._snapshots is not None and self.loss_cfg.needs_proximal_logprobs:
+            # decoupled PPO: the snapshots are the behaviour policy; the clip is against the weights before the update
+            proximal, entropy = self.compute_logprobs(batch, with_entropy=True)
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
         replay_gaps = logprob_gaps(batch, self.compute_logprobs) if self.replay is not None else {}
         mini_batches = split_mini_batches(batch.tokens.shape[0], self.cfg.num_mini_batches)
@@ -187,7 +195,8 @@ class TrainerWorker:
         totals: dict[str, float] = {}
         for _ in range(self.cfg.num_epochs):
             for rows in mini_batches:
-                for name, value in self._optimizer_step(batch, old_logprobs, ref_logprobs, rows, ewma).items():
+                for name, value in self._optimizer_step(batch, old_logprobs, ref_logprobs, rows, ewma,
+                                                        proximal).items():
                     totals[name] = totals.get(name, 0.0) + value
         num_steps = self.cfg.num_epochs * len(mini_batches)
         metrics.update({f"train/{name}": value / num_steps for name, value in totals.items()})
@@ -201,7 +210,8 @@ class TrainerWorker:
         return metrics
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-                        rows: slice, ewma: torch.Tensor | None = None) -> dict[str, float]:
+                        rows: slice, ewma: torch.Tensor | None = None, proximal: torch.Tensor | None = None
+                        ) -> dict[str, float]:
         """One optimizer step over `rows` of the batch (this DP rank trains on its micro-batches, gradients are
         summed over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over
         micro-batches and DP ranks; `pg_loss` shares are summed)."""
@@ -212,7 +222,7 @@ class TrainerWorker:
 
         def head(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
             loss, metrics, share = self._micro_batch_loss(batch, mb, logits, old_logprobs, ref_logprobs,
-                                                          num_tokens, num_seqs, ewma)
+                                                          num_tokens, num_seqs, ewma, proximal)
             return loss, (float(loss.detach()), metrics, share)
 
         sums: dict[str, float] = {"loss": 0.0}
@@ -232,7 +242,7 @@ class TrainerWorker:
 
     def _micro_batch_loss(self, batch: TrainBatch, mb: MicroBatch, logits: torch.Tensor,
                           old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, num_tokens: int,
-                          num_seqs: int, ewma: torch.Tensor | None = None
+                          num_seqs: int, ewma: torch.Tensor | None = None, proximal: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, dict[str, Any], float]:
         """One micro-batch's loss from its logits (normalised by the mini-batch's global counts), its metrics and its
         share of the mini-batch's trained tokens; `ewma` (PPO-EWMA's state, [B, T]) gets this evaluation's update. A
@@ -250,7 +260,7 @@ class TrainerWorker:
             rollout_logprobs=take(batch.rollout_logprobs.float()), advantages=take(batch.advantages.float()),
             mask=mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
             seq_ids=None if mb.seq_ids is None else mb.seq_ids.to(self.device),
-            ewma_logprobs=take(ewma), ref_logprobs=take(ref_logprobs))
+            ewma_logprobs=take(ewma), ref_logprobs=take(ref_logprobs), proximal_logprobs=take(proximal))
         if ewma is not None and mb.is_real:
             mb.put(ewma_proximal_logprobs(state=take(ewma), logprobs=logprobs, beta=self.loss_cfg.ewma_beta), ewma)
         return loss, metrics, float(mask.sum()) / max(num_tokens, 1)
