@@ -291,6 +291,8 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                    if k in known and k not in cfg.sglang]
     if cfg.run.deterministic and "enable_deterministic_inference" not in cfg.sglang:
         layout.append("--enable-deterministic-inference")  # the embedded engine takes SGLang's flag too
+    if (cfg.trainer.precision == "bf16" or cfg.trainer.requests_bf16()) and "dtype" not in cfg.sglang:
+        layout += ["--dtype", "bfloat16"]  # engines serve the weights the bf16 trainer sends (SGLang's auto: fp16 for fp32)
     if cfg.rollout.return_routed_experts and "enable_return_routed_experts" not in cfg.sglang:
         layout.append("--enable-return-routed-experts")  # MoE routing replay (R3): engines record top-k per token
     engine_args = layout + to_argv(cfg.sglang, sglang_options())

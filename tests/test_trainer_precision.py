@@ -122,3 +122,23 @@ def test_the_learning_rate_follows_megatrons_warmup_and_cosine_schedule(tmp_path
     lrs = [m["train/lr"] for m in run["all_metrics"]]
     expected = [5e-3, 1e-2, 1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)), 1e-3, 1e-3]
     assert lrs == pytest.approx(expected)
+
+
+def test_a_bf16_trainer_gets_bf16_engines_unless_sglang_dtype_is_set():
+    from launch.config import load_config
+    from launch.plan import resolve
+
+    _, plan = resolve(load_config(None, ["trainer.precision=bf16"]))
+    assert plan.engine_args[plan.engine_args.index("--dtype") + 1] == "bfloat16"
+    _, plan = resolve(load_config(None, ["trainer.precision=bf16", "sglang.dtype=float32"]))
+    assert plan.engine_args.count("--dtype") == 1 and "float32" in plan.engine_args
+    _, plan = resolve(load_config(None, []))  # auto: engines' own auto follows the same checkpoint
+    assert "--dtype" not in plan.engine_args
+
+
+def test_dry_run_refuses_bf16_weights_without_main_weights_in_one_line(capsys):
+    from launch.cli import main
+
+    assert main(["--dry-run", "--params-dtype", "bfloat16", "trainer.precision=fp32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bf16 weights without fp32 main weights" in err and "\n" not in err
