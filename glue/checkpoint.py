@@ -1,5 +1,5 @@
-"""Checkpoints of a run: `<run>/checkpoints/step_<N>/` holds the trainer's part (`hf/`: every weight as an HF
-checkpoint; `trainer/`: optimizer and RNG state per rank) and the driver's (`state.json`: step, policy version, the
+"""Checkpoints of a run: `<run>/checkpoints/step_<N>/` holds the trainer's part (glue.trainer.checkpointing: `dist/`,
+the weights as each rank's shards; `trainer/`: optimizer and RNG state per rank) and the driver's (`state.json`: step, policy version, the
 task's cursor and the groups to issue again). Each is written into a `.partial` folder and renamed once complete, so
 a crash mid-write leaves the previous checkpoint the latest; only the newest `keep` are kept."""
 from __future__ import annotations

@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
+    if argv[:1] == ["export-hf"]:
+        from launch.export_hf import main as export_main
+
+        return export_main(argv[1:])
     try:
         args, overrides = parse_args(argv)
     except SystemExit as done:  # --help, or a one-line argparse error already printed

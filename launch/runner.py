@@ -75,11 +75,27 @@ def run(cfg: SluiceConfig) -> Path:
               flush=True)
         return run_dir
     if latest is not None:  # the final policy as a plain HF checkpoint (AutoModelForCausalLM.from_pretrained)
-        shutil.rmtree(run_dir / "hf", ignore_errors=True)
-        shutil.copytree(latest / "hf", run_dir / "hf")
+        export_final_policy(latest, run_dir / "hf")
     final = f"; final policy in {run_dir / 'hf'}" if latest is not None else ""  # rollout_only: no trainer
     print(f"sluice: run finished; {summary}{final}", flush=True)
     return run_dir
+
+
+def export_final_policy(checkpoint: Path, out: Path) -> None:
+    """`checkpoint`'s weights as an HF directory at `out` (launch.export_hf, in a process of its own: it starts a
+    gloo group of one, which the driver must not hold). Checkpoints from before dist/ carry hf/ already."""
+    import subprocess
+
+    shutil.rmtree(out, ignore_errors=True)
+    if (checkpoint / "hf").is_dir():
+        shutil.copytree(checkpoint / "hf", out)
+        return
+    done = subprocess.run([sys.executable, "-m", "launch.export_hf", str(checkpoint), str(out)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"exporting {checkpoint} to {out} failed (exit {done.returncode}): "
+                           f"{done.stderr.strip().splitlines()[-1:] or done.stdout[-500:]}; run "
+                           f"`sluice export-hf {checkpoint} {out}` to retry")
 
 
 def what_runs(cfg: SluiceConfig) -> str:

@@ -68,7 +68,7 @@ def test_sigterm_in_async_mode_stops_after_the_step_in_progress_with_exit_0_and_
     assert "sluice: SIGTERM: stopping after the step in progress" in text
     assert f"sluice: stopped at step {len(records)} of 200 on SIGTERM" in text, text[-3000:]
     checkpoint = tmp_path / "stop" / "checkpoints" / f"step_{len(records):08d}"
-    assert (checkpoint / "state.json").exists() and (checkpoint / "hf" / "model.safetensors").exists()
+    assert (checkpoint / "state.json").exists() and (checkpoint / "dist" / "metadata.json").exists()
     assert f"checkpoint {checkpoint}; the same command resumes it" in text
     assert "Traceback" not in text and "Aborted" not in text
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # no step lost or logged twice

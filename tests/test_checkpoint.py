@@ -1,5 +1,7 @@
-"""Checkpoints of the trainer: a run resumed from one continues exactly as the uninterrupted run would (weights,
-optimizer moments, RNG, version), its HF weights load in transformers, and a layout change is refused by name."""
+"""Checkpoints of the trainer: each rank writes its own shards (megatron's dist_checkpointing, no gather); a run
+resumed from one continues exactly as the uninterrupted run would (weights, optimizer moments, RNG, version); a
+checkpoint taken at one layout reloads at another with identical weights; `sluice export-hf` turns it into an HF
+directory that loads in transformers."""
 import multiprocessing as mp
 import pickle
 import queue
@@ -28,6 +30,8 @@ def _rank(rank, world, port, model_path, tp, pp, script, results):
                 worker.save_checkpoint(arg)
             elif action == "load":
                 out.append(worker.load_checkpoint(arg))
+            elif action == "weights":
+                out.append({n: t.clone() for n, t in worker.full_hf_state().items()})
         out.append(worker.compute_logprobs(batch))
     except Exception as err:  # reported to the test, which asserts on it
         out.append(err)
@@ -70,25 +74,48 @@ def test_a_resumed_trainer_continues_exactly_like_the_uninterrupted_one(model_di
     assert torch.equal(resumed[3], straight[4])
 
 
-def test_the_checkpoints_hf_weights_load_in_transformers_and_give_the_trainers_logprobs(model_dir, tmp_path):
+def export_hf(checkpoint, out) -> None:
+    """`sluice export-hf CHECKPOINT OUT` in a process of its own, as a user runs it."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-m", "launch", "export-hf", str(checkpoint), str(out), "--shard-gb",
+                           "0.00005"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "safetensors file(s)" in done.stdout
+
+
+def test_export_hf_writes_the_checkpoints_weights_as_sharded_safetensors_that_transformers_loads(model_dir, tmp_path):
     ckpt = tmp_path / "step_1"
-    out = run_ranks(model_dir, [("train", None), ("save", str(ckpt))])
-    hf = hf_teacher_forced_logprobs(str(ckpt / "hf"), make_batch().tokens)
+    out = run_ranks(model_dir, [("train", None), ("save", str(ckpt)), ("weights", None)])
+    assert (ckpt / "dist").is_dir() and not (ckpt / "hf").exists()  # no gathered copy in the checkpoint
+    export_hf(ckpt, tmp_path / "hf")
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 1 and (tmp_path / "hf" / "model.safetensors.index.json").exists()  # tiny shards: several
+    from safetensors.torch import load_file
+
+    exported = {k: v for f in files for k, v in load_file(str(tmp_path / "hf" / f)).items()}
+    assert sorted(exported) == sorted(out[1]) and all(torch.equal(exported[k], out[1][k]) for k in exported)
+    hf = hf_teacher_forced_logprobs(str(tmp_path / "hf"), make_batch().tokens)
     mask = make_batch().logprob_mask > 0
-    assert (hf[mask] - out[1][mask]).abs().max().item() < 1e-4
+    assert (hf[mask] - out[2][mask]).abs().max().item() < 1e-4
     assert (ckpt / "trainer" / "rank_00000.pt").exists()
 
 
-def test_a_checkpoint_taken_at_tp2_reloads_its_weights_at_tp2_and_refuses_tp1_naming_both_layouts(model_dir,
-                                                                                                 tmp_path):
+@pytest.mark.slow
+def test_a_checkpoint_taken_at_tp2_reloads_at_tp2_and_reshards_to_tp1_and_pp2_with_identical_weights(model_dir,
+                                                                                                    tmp_path):
     ckpt = str(tmp_path / "tp2")
-    tp2 = run_ranks(model_dir, [("train", None), ("save", ckpt)], tp=2)
+    tp2 = run_ranks(model_dir, [("train", None), ("save", ckpt), ("weights", None)], tp=2)
     again = run_ranks(model_dir, [("load", ckpt)], tp=2)
-    assert again[0] == 1 and torch.allclose(again[1], tp2[1], atol=1e-6)
-    refused = run_ranks(model_dir, [("load", ckpt)], tp=1)[0]
-    assert isinstance(refused, ValueError)
-    assert "taken at trainer layout {'world_size': 2, 'tp': 2," in str(refused)
-    assert "this run is {'world_size': 1, 'tp': 1," in str(refused)
+    assert again[0] == 1 and torch.allclose(again[1], tp2[2], atol=1e-6)
+    for layout in ({"tp": 1}, {"pp": 2}):
+        moved = run_ranks(model_dir, [("load", ckpt), ("weights", None)], **layout)
+        assert moved[0] == 1, moved[0]
+        assert sorted(moved[1]) == sorted(tp2[1]), layout
+        assert all(torch.equal(moved[1][k], tp2[1][k]) for k in tp2[1]), layout
 
 
 def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(tmp_path):
@@ -118,13 +145,10 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(t
 
 
 @pytest.mark.slow
-def test_a_two_stage_pipeline_checkpoint_resumes_exactly_and_is_refused_at_tp2_of_the_same_world_size(model_dir,
-                                                                                                       tmp_path):
-    # rank 0 writes every stage's weights (gathered from stage 1) into hf/; each stage reloads its own layers
+def test_a_two_stage_pipeline_checkpoint_resumes_exactly(model_dir, tmp_path):
+    # each stage writes its own layers' shards; each stage reloads its own
     ckpt = str(tmp_path / "pp2")
     straight = run_ranks(model_dir, [("train", None), ("save", ckpt), ("train", None)], pp=2)
     resumed = run_ranks(model_dir, [("load", ckpt), ("train", None)], pp=2)
     assert resumed[0] == 1 and resumed[1] == straight[1]
     assert torch.equal(resumed[2], straight[2])
-    refused = run_ranks(model_dir, [("load", ckpt)], tp=2)[0]
-    assert isinstance(refused, ValueError) and "'tp': 1, 'pp': 2," in str(refused)

@@ -142,3 +142,61 @@ def test_dry_run_refuses_bf16_weights_without_main_weights_in_one_line(capsys):
     assert main(["--dry-run", "--params-dtype", "bfloat16", "trainer.precision=fp32"]) == 2
     err = capsys.readouterr().err.strip()
     assert "bf16 weights without fp32 main weights" in err and "\n" not in err
+
+
+def _resume_main(rank: int, world: int, ports: tuple[int, int], model: str, cfg: TrainerConfig, root: str,
+                 results) -> None:
+    """Train 1 step, checkpoint, train 2 more (run A); a fresh worker loads the checkpoint and trains the same 2
+    steps (run B). Both report their weights and main weights."""
+    import pickle
+
+    from glue.trainer.worker import TrainerWorker
+    from test_trainer_megatron import make_batch
+
+    def state(w) -> dict:
+        part = w.training.optimizer.chained_optimizers[0]
+        return {"weights": {n: p.detach().clone() for n, p in w.model.named_parameters()},
+                "main": [p.detach().clone() for g in part.optimizer.param_groups for p in g["params"]],
+                "lr": [m["train/lr"] for m in w.steps]}
+
+    out = {}
+    for run in ("A", "B"):
+        worker = TrainerWorker(model_path=model, cfg=cfg, loss_cfg=LossConfig(), rank=rank, world_size=world)
+        worker.initialize("127.0.0.1", ports[run == "B"])
+        if run == "A":
+            worker.train_step(make_batch())
+            worker.save_checkpoint(root)
+        else:
+            assert worker.load_checkpoint(root) == 1
+        worker.steps = [worker.train_step(make_batch()) for _ in range(2)]
+        out[run] = state(worker)
+        worker.shutdown()
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    results.put(pickle.dumps((rank, out)))
+
+
+@pytest.mark.slow
+def test_a_bf16_run_resumes_exactly_with_its_sharded_main_weights_adam_state_and_schedule(tmp_path):
+    """Issue 29 item 4: fp32 main weights and the distributed optimizer's shards (DP=2) are checkpointed per rank,
+    so a resumed bf16 run continues bit for bit (weights, main weights, warm-up position)."""
+    import multiprocessing as mp
+
+    from test_trainer_megatron import _free_port, results_of_ranks
+
+    model = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
+    cfg = TrainerConfig(lr=1e-2, precision="bf16", data_parallel_size=2, micro_batch_size=3, lr_warmup_steps=3,
+                        num_cpus_per_worker=1)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = (_free_port(), _free_port())
+    procs = [ctx.Process(target=_resume_main, args=(r, 2, ports, model, cfg, str(tmp_path / "ckpt"), results))
+             for r in range(2)]
+    outs = results_of_ranks(procs, results)
+    for rank, (out,) in outs.items():
+        a, b = out["A"], out["B"]
+        assert a["lr"] == b["lr"] == pytest.approx([2 / 3 * 1e-2, 1e-2])  # the schedule resumed at step 2
+        assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"]), f"rank {rank} weights"
+        assert all(torch.equal(x, y) for x, y in zip(a["main"], b["main"])), f"rank {rank} main weights"
+        assert any(not torch.equal(x.to(torch.bfloat16).float(), x) for x in a["main"])  # fp32 bits beyond bf16

@@ -36,6 +36,7 @@ def apply() -> None:
     _patch_pipeline_schedules()
     _patch_tied_embedding_sync()
     _patch_data_parallel_and_optimizer()
+    _patch_dist_checkpointing()
     _applied = True
 
 
@@ -252,3 +253,12 @@ def _patch_data_parallel_and_optimizer() -> None:
     for module in (param_and_grad_buffer, distributed_data_parallel, distrib_optimizer, optimizer, clip_grads):
         _module_on_cpu(module)
     _constants_on_cpu(utils.local_multi_tensor_l2_norm)
+
+
+def _patch_dist_checkpointing() -> None:
+    # Why: megatron's dist_checkpointing synchronises CUDA before it copies tensors out for writing and exchanges its
+    # validation flags in tensors made on the current CUDA device. Same code, CPU constants.
+    from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async, state_dict_saver
+
+    for module in (filesystem_async, state_dict_saver, async_utils):
+        _module_on_cpu(module)

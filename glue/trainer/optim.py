@@ -99,6 +99,12 @@ class Training:
         parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return {"optimizers": [_rank_state(part) for part in parts], "scheduler": self.scheduler.state_dict()}
 
+    def restart_from_weights(self, scheduler_state: dict[str, Any]) -> None:
+        """After the model's weights were loaded from a checkpoint of another layout: the main weights are taken
+        from them (megatron's reload_model_params), the Adam moments start empty, the schedule continues."""
+        self.optimizer.reload_model_params()
+        self.scheduler.load_state_dict(scheduler_state)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the training state besides the model's weights: DDP's gradient (and parameter) buffers,
         the main weights and the Adam moments (glue.trainer.offload moves them)."""

@@ -122,7 +122,8 @@ def _small_updates_main(model: str, lr: float, steps: int, results) -> None:
         else:
             names = [n for n, _ in worker.model.named_parameters()]
             ends = [p.detach() for _, p in worker.model.named_parameters()]
-        out[precision] = {"delta": torch.cat([(e.float().view(-1) - start[n].view(-1)) for n, e in zip(names, ends)]),
+        delta = {n: e.float().view(-1) - start[n].view(-1) for n, e in zip(names, ends)}
+        out[precision] = {"delta": torch.cat([delta[n] for n in sorted(delta)]),  # the same order in both runs
                           "step_s": sum(times[1:]) / max(len(times) - 1, 1)}
         worker.shutdown()
         parallel_state.destroy_model_parallel()
