@@ -115,14 +115,29 @@ class FleetWatch:
             return call()
 
     def pause_generation(self, mode: str = "retract") -> None:
-        """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed."""
+        """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed. Outside a
+        sync (a checkpoint's pause) a call that fails on an engine that died or hangs waits for its repair and goes
+        again (inside one, `guarded_sync` does that for the whole sync)."""
         self._paused, self._pauses = True, self._pauses + 1
-        self.client.pause_generation(mode)
+        self._through_repairs(lambda: self.client.pause_generation(mode))
 
     def continue_generation(self) -> None:
-        """`client.continue_generation()`; probes resume once it succeeded (a failed one leaves the engines paused)."""
-        self.client.continue_generation()
+        """`client.continue_generation()`, through repairs as `pause_generation`; probes resume once it succeeded
+        (a failed one leaves the engines paused)."""
+        self._through_repairs(self.client.continue_generation)
         self._paused = False
+
+    def _through_repairs(self, call: Callable[[], Any]) -> Any:
+        if self._syncing:
+            return call()
+        for attempt in range(self.max_restarts + 1):
+            try:
+                return call()
+            except Exception:
+                if self.repair is None or attempt == self.max_restarts or not (self._death_seen() or
+                                                                                self._hang_seen()):
+                    raise
+            self._wait_for_repair()
 
     async def calls_settled(self, **kwargs: Any) -> bool:
         """`client.calls_settled`: the checkpoint's wait for the aborted requests (glue.stream.checkpoint_state)."""
