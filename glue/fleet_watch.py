@@ -11,8 +11,11 @@ retries of the router's 502-504). The generated tokens of those requests went do
 again from the prompt (or from the tokens a partial rollout already holds).
 
 A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
-again (`guarded_sync`). A repair gathers the trainer's weights only between train steps and checkpoints
-(`trainer_turn`, `guarded_train`), and a new engine gets the version the fleet holds (`engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
+again (`guarded_sync`), and so does one that meets a hung engine (the sweep is off while sluice syncs or holds
+generation paused, so in an async run a hang is usually met first by the next sync's pause): an engine that then
+answers nothing at all, not even GET /health, is replaced like one that died.
+A repair gathers the trainer's weights only between train steps and checkpoints (`trainer_turn`, `guarded_train`), and
+a new engine gets the version the fleet holds (`engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
 for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
 unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count. The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
 when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
@@ -50,6 +53,8 @@ class FleetWatch:
         self.restarts = 0
         self.recovery_s: list[float] = []  # seconds from detection to the new engine serving, per restart
         self._failed_checks: dict[int, int] = {}
+        # engines a failed sync found answering nothing; rebound, never changed in place (two threads read it)
+        self._unanswering: frozenset[int] = frozenset()
         self._syncing = False
         self._paused = False  # sluice holds generation paused (pause_generation until continue_generation)
         self._pauses = 0  # pause_generation calls so far: a health probe that a pause overtook says nothing
@@ -96,7 +101,8 @@ class FleetWatch:
                     try:
                         return sync()
                     except Exception:
-                        if self.repair is None or attempt == self.max_restarts or not self._death_seen():
+                        if self.repair is None or attempt == self.max_restarts or not (
+                                self._death_seen() or self._hang_seen()):
                             raise
                 self._wait_for_repair()
         finally:
@@ -109,14 +115,29 @@ class FleetWatch:
             return call()
 
     def pause_generation(self, mode: str = "retract") -> None:
-        """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed."""
+        """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed. Outside a
+        sync (a checkpoint's pause) a call that fails on an engine that died or hangs waits for its repair and goes
+        again (inside one, `guarded_sync` does that for the whole sync)."""
         self._paused, self._pauses = True, self._pauses + 1
-        self.client.pause_generation(mode)
+        self._through_repairs(lambda: self.client.pause_generation(mode))
 
     def continue_generation(self) -> None:
-        """`client.continue_generation()`; probes resume once it succeeded (a failed one leaves the engines paused)."""
-        self.client.continue_generation()
+        """`client.continue_generation()`, through repairs as `pause_generation`; probes resume once it succeeded
+        (a failed one leaves the engines paused)."""
+        self._through_repairs(self.client.continue_generation)
         self._paused = False
+
+    def _through_repairs(self, call: Callable[[], Any]) -> Any:
+        if self._syncing:
+            return call()
+        for attempt in range(self.max_restarts + 1):
+            try:
+                return call()
+            except Exception:
+                if self.repair is None or attempt == self.max_restarts or not (self._death_seen() or
+                                                                                self._hang_seen()):
+                    raise
+            self._wait_for_repair()
 
     async def calls_settled(self, **kwargs: Any) -> bool:
         """`client.calls_settled`: the checkpoint's wait for the aborted requests (glue.stream.checkpoint_state)."""
@@ -143,6 +164,9 @@ class FleetWatch:
                 raise ProcessDied(router_gone[0])
             for index in await asyncio.to_thread(self.fleet.dead_engines):
                 await self._replace(index, self.fleet.engine_exit(index))
+            for index in sorted(self._unanswering):
+                await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) answered nothing during "
+                                           f"a weight sync, not even GET /health within {self.health_timeout_s:g} s")
             if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
                 for index in await asyncio.to_thread(self._hung_engines):
                     await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) failed "
@@ -177,6 +201,7 @@ class FleetWatch:
             raise ProcessDied(self._beyond_repair(why))
         self.restarts += 1
         self._failed_checks[index] = 0
+        self._unanswering = self._unanswering - {index}
         print(f"sluice: {why}; restarting it ({self.restarts} of at most {self.max_restarts} restarts)", flush=True)
         started = time.monotonic()
         # shielded: a run that ends meanwhile waits for the repair (run's finally) instead of racing it with stop()
@@ -209,9 +234,25 @@ class FleetWatch:
             time.sleep(0.1)
         return True
 
+    def _hang_seen(self) -> bool:
+        """Did an engine hang? After a failed sync every engine is asked GET /health at once; one that gives no
+        answer at all within `health_timeout_s` (an HTTP error is an answer: a paused SGLang server answers 503) is
+        handed to the watch to replace."""
+        urls, key = list(self.fleet.engine_urls), getattr(self.fleet, "api_key", None)
+
+        def silent(url: str) -> bool:
+            return _http_get(f"{url}/health", timeout=self.health_timeout_s, key=key)[0] == 0
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), HEALTH_PROBES_AT_ONCE)),
+                                thread_name_prefix="hang-probe") as pool:
+            found = {i for i, quiet in enumerate(pool.map(silent, urls)) if quiet}
+        self._unanswering = self._unanswering | found
+        return bool(found)
+
     def _wait_for_repair(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.fleet.dead_engines() and not self._ended.is_set() and time.monotonic() < deadline:
+        while ((self.fleet.dead_engines() or self._unanswering) and not self._ended.is_set()
+               and time.monotonic() < deadline):
             time.sleep(0.2)
 
 

@@ -102,6 +102,7 @@ class RolloutStream:
         self._tasks[group_id] = task
         task.add_done_callback(lambda t, gid=group_id: self._on_done(gid, t))
         self.idle.set(self._paused)
+        self._changed.set()  # a step waiting for the groups a resume issues again (next_batch) looks again
 
     def _on_done(self, group_id: int, task: asyncio.Task) -> None:
         self._tasks.pop(group_id, None)
@@ -155,8 +156,11 @@ class RolloutStream:
                 "rollout.samples_per_prompt, or set rollout.dynamic_sampling=false")
 
     async def next_batch(self) -> tuple[list[Group], set[tuple[int, int]]]:
-        """Wait until the buffer holds a step's groups (re-raising a rollout function's error), then take them."""
-        await self._wait_for(lambda: self._error is not None or self.buffer.is_ready(self.gate))
+        """Wait until the buffer holds a step's groups (re-raising a rollout function's error), then take them.
+        After a resume, not before every group to issue again is back in the buffer with its deadline: a choice made
+        without them could pass over one that is due now, which would then train over-stale."""
+        await self._wait_for(lambda: self._error is not None or (not self._admitted_before
+                                                                 and self.buffer.is_ready(self.gate)))
         if self._error is not None:
             raise self._error
         self._failed_this_step, self._filtered_this_step = [], 0

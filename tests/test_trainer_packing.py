@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glue.trainer.config import TrainerConfig
-from glue.trainer.packing import MicroBatch, deal_to_ranks, first_fit_decreasing, packed_plan, plan_micro_batches
+from glue.trainer.packing import MicroBatch, first_fit_decreasing, packed_plan, plan_micro_batches
 from glue.types import Sample, TrainBatch
 from loss import LossConfig
 
@@ -55,11 +55,12 @@ def test_an_item_longer_than_the_budget_gets_a_bin_of_its_own_and_is_never_split
     assert first_fit_decreasing([3, 25, 4], 10) == [[1], [2, 0]]
 
 
-def test_bins_are_dealt_so_ranks_differ_by_at_most_one_bin_and_the_heaviest_go_first():
-    lengths = [9, 8, 7, 1, 1]
-    ranks = deal_to_ranks([[0], [1], [2], [3, 4]], lengths, 2)
-    # heaviest first: 9 -> r0, 8 -> r1, 7 -> r1 (both hold one bin, r1 holds fewer tokens), 2 -> r0
-    assert ranks == [[[0], [3, 4]], [[1], [2]]]
+def test_each_rank_packs_its_share_and_runs_its_rows_heaviest_first():
+    seq_lens = [9, 8, 7, 1, 1]
+    # by tokens: 9 -> r0, 8 -> r1, 7 -> r1 (8 < 9), 1 -> r0 (9 < 15), 1 -> r0 (10 < 15); budget 9: r0 packs [9],
+    # [1, 1]; r1 [8], [7]; by count: r0 takes samples 0-1 (17 tokens, two rows), r1 samples 2-4 (9 tokens, one row)
+    assert packed_plan(seq_lens, slice(0, 5), 9, 2, "tokens") == [[[[0]], [[3, 4]]], [[[1]], [[2]]]]
+    assert packed_plan(seq_lens, slice(0, 5), 9, 2, "rows") == [[[[0]], [[1]]], [[[2, 3, 4]]]]
 
 
 def test_every_dp_rank_runs_the_same_number_of_packed_micro_batches_and_each_sample_once():

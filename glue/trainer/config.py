@@ -41,6 +41,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global gradient norm (0 turns clipping off)
     micro_batch_size: int = 8  # rows per forward/backward when not packing; gradients accumulate over the batch
     max_tokens_per_micro_batch: int | None = None  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
+    dp_balance: Literal["tokens", "rows"] = "tokens"  # how a mini-batch's samples are split over DP ranks: tokens (each rank gets near-equal trained tokens: longest sample first to the rank with the fewest, so one long answer does not leave the other ranks idle; padded rows keep equal row counts per rank) or rows (contiguous near-equal shares by sample count)
     routing_replay: bool = False  # MoE routing replay (R3): every MoE layer routes each token through the experts the engine chose (needs rollout.return_routed_experts); logs moe/routing_agreement and the logprob gap with and without it (two extra forward-only passes per step)
     num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step (the policy version moves by 1 per train_step)
     num_epochs: int = 1  # passes over the batch per train_step
@@ -59,6 +60,8 @@ class TrainerConfig:
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"trainer.max_tokens_per_micro_batch must be an integer >= 1 (or null / 0 for padded "
                              f"micro-batches of micro_batch_size rows), got {budget!r}")
+        if self.dp_balance not in ("tokens", "rows"):
+            raise ValueError(f"trainer.dp_balance must be 'tokens' or 'rows', got {self.dp_balance!r}")
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         self._check_precision_and_schedule()

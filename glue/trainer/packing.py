@@ -2,6 +2,11 @@
 batch's right-padded [B, T] layout and a micro-batch's [R, L] rows. Packed (`trainer.max_tokens_per_micro_batch`),
 a micro-batch is one row of whole samples, first-fit decreasing up to the token budget, whose tokens carry their
 sample's id and restart their positions; padded, it is up to `micro_batch_size` rows of the full width T.
+
+Data parallelism (`trainer.dp_balance`): with `tokens` (the default) the samples are split over the DP ranks by
+token count, longest first to the rank with the fewest tokens so far, so one long answer does not leave the other
+ranks idle; with `rows`, each rank takes a contiguous near-equal share by sample count. Either way every rank
+computes the whole plan from the same seq_lens, so all ranks agree on it without talking.
 """
 from __future__ import annotations
 
@@ -62,37 +67,62 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def deal_to_ranks(bins: list[list[int]], lengths: list[int], num_ranks: int) -> list[list[list[int]]]:
-    """`bins` dealt to data-parallel ranks, heaviest first, each to the rank with the fewest bins so far and among
-    those the fewest tokens: bin counts differ by at most one and token loads stay close."""
-    ranks: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+def balance_by_tokens(lengths: list[int], num_ranks: int, sizes: list[int] | None = None) -> list[list[int]]:
+    """Indices of `lengths` split over `num_ranks` ranks by token count: longest first (ties by index), each to the
+    rank with the fewest tokens so far (ties: the lowest rank), the greedy longest-first rule, whose largest load is
+    within 4/3 of the best split's. With `sizes`, rank r takes exactly sizes[r] items (full ranks are passed over).
+    Each rank's indices come back in ascending order. Deterministic: the same lengths give the same split anywhere."""
+    if sizes is not None and sum(sizes) != len(lengths):
+        raise ValueError(f"rank sizes {sizes} do not add up to {len(lengths)} items")
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
     loads = [0] * num_ranks
-    for bin_ in sorted(bins, key=lambda b: -sum(lengths[i] for i in b)):
-        r = min(range(num_ranks), key=lambda r: (len(ranks[r]), loads[r]))
-        ranks[r].append(bin_)
-        loads[r] += sum(lengths[i] for i in bin_)
-    return ranks
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        open_ranks = [r for r in range(num_ranks) if sizes is None or len(ranks[r]) < sizes[r]]
+        r = min(open_ranks, key=lambda r: (loads[r], r))
+        ranks[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(rank) for rank in ranks]
 
 
-def packed_plan(seq_lens: list[int], rows: slice, max_tokens: int, dp_size: int) -> Plan:
-    """The samples of `rows` packed first-fit decreasing into rows of at most `max_tokens` tokens, one row per
-    micro-batch, the rows dealt to the DP ranks."""
+def dp_shares(seq_lens: list[int], rows: slice, dp_size: int, balance: str, *, equal_rows: bool) -> list[list[int]]:
+    """Each DP rank's samples (batch rows, ascending) of `rows`: `rows` balance gives contiguous near-equal shares by
+    count (`parallel.row_share`); `tokens` balances their token counts, keeping the same row count per rank as
+    `rows` would when `equal_rows` (padded rows all cost the full width, so a rank with more of them would run
+    longer)."""
+    if balance not in ("tokens", "rows"):
+        raise ValueError(f"trainer.dp_balance must be 'tokens' or 'rows', got {balance!r}")
+    by_count = [row_share(rows, r, dp_size) for r in range(dp_size)]
+    if balance == "rows" or dp_size == 1:
+        return [list(range(share.start, share.stop)) for share in by_count]
     samples = list(range(rows.start, rows.stop))
-    bins = first_fit_decreasing([seq_lens[b] for b in samples], max_tokens)
-    per_rank = deal_to_ranks([[samples[i] for i in bin_] for bin_ in bins], seq_lens, dp_size)
-    return [[[bin_] for bin_ in bins_] for bins_ in per_rank]
+    sizes = [share.stop - share.start for share in by_count] if equal_rows else None
+    parts = balance_by_tokens([seq_lens[b] for b in samples], dp_size, sizes)
+    return [[samples[i] for i in part] for part in parts]
 
 
-def padded_plan(rows: slice, micro_batch_size: int, dp_size: int) -> Plan:
-    """One sample per row: each DP rank's contiguous share of `rows` cut into near-equal micro-batches, as many on
-    every rank as the largest share needs at `micro_batch_size` rows each (a smaller share gets empty ones)."""
+def packed_plan(seq_lens: list[int], rows: slice, max_tokens: int, dp_size: int, balance: str = "tokens") -> Plan:
+    """The samples of `rows` split over the DP ranks (`dp_shares`), each rank's share packed first-fit decreasing
+    into rows of at most `max_tokens` tokens, one row per micro-batch, heaviest first (so under expert parallelism
+    micro-batch i pairs rows of similar widths across ranks)."""
+    plan = []
+    for share in dp_shares(seq_lens, rows, dp_size, balance, equal_rows=False):
+        bins = [[share[i] for i in bin_] for bin_ in first_fit_decreasing([seq_lens[b] for b in share], max_tokens)]
+        bins.sort(key=lambda bin_: -sum(seq_lens[b] for b in bin_))  # stable: equal loads keep their packing order
+        plan.append([[bin_] for bin_ in bins])
+    return plan
+
+
+def padded_plan(seq_lens: list[int], rows: slice, micro_batch_size: int, dp_size: int, balance: str = "tokens"
+                ) -> Plan:
+    """One sample per row: each DP rank's share of `rows` (`dp_shares`; the same row count per rank either way) cut
+    into near-equal micro-batches, as many on every rank as the largest share needs at `micro_batch_size` rows each
+    (a smaller share gets empty ones)."""
     largest = math.ceil((rows.stop - rows.start) / dp_size)
     count = max(1, math.ceil(largest / micro_batch_size))
     plan = []
-    for rank in range(dp_size):
-        share = row_share(rows, rank, dp_size)
-        parts = [row_share(share, i, count) for i in range(count)]
-        plan.append([[[b] for b in range(part.start, part.stop)] for part in parts])
+    for share in dp_shares(seq_lens, rows, dp_size, balance, equal_rows=True):
+        parts = [row_share(slice(0, len(share)), i, count) for i in range(count)]
+        plan.append([[[b] for b in share[part]] for part in parts])
     return plan
 
 
@@ -141,12 +171,14 @@ def _build(rows: list[list[int]], seq_lens: list[int], seq_len: int, shape: tupl
 
 
 def plan_micro_batches(seq_lens: list[int], seq_len: int, rows: slice, *, max_tokens: int | None,
-                       micro_batch_size: int, dp_rank: int, dp_size: int, even_shapes: bool) -> list[MicroBatch]:
+                       micro_batch_size: int, dp_rank: int, dp_size: int, even_shapes: bool,
+                       balance: str = "tokens") -> list[MicroBatch]:
     """This DP rank's micro-batches over `rows` of a [B, T = seq_len] batch: packed when `max_tokens` is set, else
-    padded rows of `micro_batch_size`. Every rank computes the whole plan (each holds the whole batch), so the
-    ranks agree on counts and shapes without talking."""
+    padded rows of `micro_batch_size`; the samples split over DP ranks per `balance` (trainer.dp_balance). Every
+    rank computes the whole plan (each holds the whole batch), so the ranks agree on counts and shapes without
+    talking."""
     if max_tokens:
-        plan = packed_plan(seq_lens, rows, max_tokens, dp_size)
+        plan = packed_plan(seq_lens, rows, max_tokens, dp_size, balance)
     else:
-        plan = padded_plan(rows, micro_batch_size, dp_size)
+        plan = padded_plan(seq_lens, rows, micro_batch_size, dp_size, balance)
     return micro_batches(plan, dp_rank, seq_lens, seq_len, is_packed=bool(max_tokens), even_shapes=even_shapes)

@@ -96,11 +96,12 @@ class TrainerWorker:
 
     def _micro_batches(self, seq_lens: list[int], seq_len: int, rows: slice) -> list[MicroBatch]:
         """This rank's micro-batches over `rows` of a [B, seq_len] batch (glue.trainer.packing): packed rows when
-        trainer.max_tokens_per_micro_batch is set, else padded rows; the same count on every DP rank, and the same
-        shapes where experts are spread over ranks."""
+        trainer.max_tokens_per_micro_batch is set, else padded rows; the samples split over DP ranks per
+        trainer.dp_balance; the same count on every DP rank, and the same shapes where experts are spread over ranks."""
         return plan_micro_batches(seq_lens, seq_len, rows, max_tokens=self.cfg.max_tokens_per_micro_batch,
                                   micro_batch_size=self.cfg.micro_batch_size, dp_rank=self.place.dp_rank,
-                                  dp_size=self.place.dp_size, even_shapes=self.place.ep_size > 1)
+                                  dp_size=self.place.dp_size, even_shapes=self.place.ep_size > 1,
+                                  balance=self.cfg.dp_balance)
 
     def _forward(self, tokens: torch.Tensor, logits: torch.Tensor, with_entropy: bool = False,
                  seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
