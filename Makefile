@@ -67,7 +67,7 @@ learning-table: install
 
 # An async run, R3 off and on, in which an engine is SIGKILLed, an engine is SIGSTOPped and the run is SIGTERMed and
 # resumed, each at a random step (CHAOS_SEED=<n> repeats a draw); bench-results/chaos.json says what was injected and
-# what was lost, trained over-stale or mislabelled (docs/reliability.md). About 7 minutes on 2 cores.
+# what was lost, trained over-stale or mislabelled (docs/reliability.md). 7-8 minutes on 2 cores.
 chaos: install
 	$(PY) -m pytest tests/bench/test_chaos_bench.py -m chaos -q -s
 
