@@ -312,3 +312,30 @@ def test_with_snapshots_the_clip_is_against_the_weights_before_the_update(snapsh
     assert LossConfig().needs_proximal_logprobs
     for step in snapshot_run["steps"]:
         assert "train/stale_weight/clipped_frac" in step, sorted(step)
+
+
+def _resumed_snapshot_scenario(model_dir: str, root: str) -> dict:
+    """Two steps with snapshots, a trainer checkpoint, and a fresh worker resumed from it: what it holds and what
+    its old logprobs of tokens from a version before the checkpoint say."""
+    worker = start_worker(model_dir, LossConfig(), keep_versions=KEEP_VERSIONS, old_logprobs="snapshot")
+    for _ in range(2):
+        worker.train_step(make_batch())
+    worker.save_checkpoint(root)
+    stop_worker(worker)
+    resumed = start_worker(model_dir, LossConfig(), keep_versions=KEEP_VERSIONS, old_logprobs="snapshot")
+    try:
+        version = resumed.load_checkpoint(root)
+        batch = with_versions(make_batch(), lambda b, t: 1 if b < 2 else 2)  # rows 0-1 from version 1
+        _, metrics = resumed._snapshots.old_logprobs(batch, resumed.model, resumed.version, resumed.compute_logprobs)
+        return {"version": version, "kept": resumed._snapshots.versions(), "metrics": metrics,
+                "old_tokens": int(((batch.versions == 1) & (batch.logprob_mask > 0)).sum())}
+    finally:
+        stop_worker(resumed)
+
+
+def test_after_a_resume_tokens_of_versions_before_the_checkpoint_are_counted_as_missing(tiny_model_dir, tmp_path):
+    """Issue 26 item 9: a checkpoint keeps the trainer's current version only; after a resume the tokens of older
+    versions get the current weights' logprob, and the step says how many in old_logprobs/missing_version_tokens."""
+    out = run_in_trainer_process(_resumed_snapshot_scenario, tiny_model_dir, str(tmp_path / "ckpt"))
+    assert out["version"] == 2 and 2 in out["kept"] and 1 not in out["kept"]  # (0: the initial weights)
+    assert out["metrics"]["old_logprobs/missing_version_tokens"] == out["old_tokens"] > 0
