@@ -52,6 +52,7 @@ def test_auto_precision_follows_the_checkpoints_dtype():
     line = precision_line("bf16", TrainerConfig(), bf16_ckpt, 2)
     assert "model weights bfloat16" in line and "float32 main weights" in line and "DP=2" in line
     assert line.endswith("the weight bridge sends bfloat16")
+    assert "the weights are the optimizer's main weights" in precision_line("fp32", TrainerConfig(), fp32_ckpt, 1)
 
 
 def test_megatron_optimizer_flags_reach_the_trainer_and_unsupported_ones_are_named():

@@ -91,6 +91,8 @@ def test_a_bf16_trainer_sends_bf16_bytes_and_bf16_engines_end_bit_identical(engi
     """Issue 29 item 3: the bridge sends the weights the engines serve, half of fp32's bytes, and the engines'
     tensors equal the trainer's bit for bit (verify: full compares every engine tensor's checksum)."""
     url = engine_processes.start(tiny_model_dir, "--dtype", "bfloat16")
+    # the driver prints the trainer's start-up line (the actors' output does not reach it)
+    assert bf16_trainer.startup_line.startswith("trainer precision bf16: checkpoint float32, model weights bfloat16")
     specs = bf16_trainer.hf_weight_specs()
     assert {dtype for _, dtype, _ in specs} == {"bfloat16"}
     numel = sum(torch.Size(shape).numel() for _, _, shape in specs)

@@ -34,7 +34,9 @@ class TrainerGroup:
         ]
         try:
             address, port = ray.get(self._actors[0].rendezvous_address.remote())
-            ray.get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
+            lines = ray.get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
+            self.startup_line = lines[0]  # the actors' own output does not reach the driver (log_to_driver=False)
+            print(self.startup_line, flush=True)
         except BaseException:
             self.shutdown()  # do not leave half-started actors holding CPUs
             raise

@@ -48,7 +48,8 @@ def precision_line(precision: str, cfg: TrainerConfig, hf_config: Any, dp_size: 
     stored_name = str(stored).removeprefix("torch.") if stored is not None else "unknown"
     weights = "bfloat16" if precision == "bf16" else "float32"
     sharded = f", sharded over DP={dp_size} (distributed optimizer)" if cfg.use_distributed_optimizer else ""
-    main = "float32 main weights and Adam state" + sharded
+    main = ("float32 main weights and Adam state" if precision == "bf16"
+            else "the weights are the optimizer's main weights, float32 Adam state") + sharded
     widened = " (widened from the checkpoint)" if stored in (torch.bfloat16, torch.float16) and precision == "fp32" \
         else ""
     return (f"trainer precision {precision}: checkpoint {stored_name}, model weights {weights}{widened}, {main}, "

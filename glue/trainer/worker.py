@@ -59,8 +59,9 @@ class TrainerWorker:
             sock.bind(("", 0))
             return host, sock.getsockname()[1]
 
-    def initialize(self, master_addr: str, master_port: int) -> None:
-        """Init torch.distributed + megatron parallel state, build the model from HF weights, make the optimizer."""
+    def initialize(self, master_addr: str, master_port: int) -> str:
+        """Init torch.distributed + megatron parallel state, build the model from HF weights, make the optimizer.
+        Returns the start-up line saying the dtypes of the checkpoint, weights, main weights and the bridge."""
         from megatron.core import parallel_state, tensor_parallel
 
         from glue.trainer import cpu_compat, model, optim
@@ -81,8 +82,6 @@ class TrainerWorker:
         self.place = RankPlace.from_parallel_state(self.model)
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
-        if self.rank == 0:
-            print(optim.precision_line(self.precision, self.cfg, self.hf_config, self.place.dp_size), flush=True)
         self.reference = None  # the frozen initial policy, for the KL loss term
         if getattr(self.loss_cfg, "kl_loss_coef", 0) > 0:
             self.reference = model.build_model(self.hf_config, **build)
@@ -93,6 +92,7 @@ class TrainerWorker:
         self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
+        return optim.precision_line(self.precision, self.cfg, self.hf_config, self.place.dp_size)
 
     def _micro_batches(self, seq_lens: list[int], seq_len: int, rows: slice) -> list[MicroBatch]:
         """This rank's micro-batches over `rows` of a [B, seq_len] batch (glue.trainer.packing): packed rows when
