@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test bench gpu-check learning-table chaos rehearse smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table chaos rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -48,7 +48,12 @@ demo-async: install
 	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml run.overwrite=true
 
 test: install
-	$(PY) -m pytest tests -m "not gpu and not bench and not learning and not chaos" -q --durations=25
+	$(PY) -m pytest tests -m "not gpu and not bench and not learning and not chaos and not long" -q --durations=25
+
+# Whole deterministic runs compared bit for bit (resume, zero staleness): ~5 minutes, kept out of `make test` so CI
+# stays under 25 minutes on 2 cores.
+test-long: install
+	$(PY) -m pytest tests -m long -q --durations=10
 
 bench: install
 	$(PY) -m pytest tests -m bench -q

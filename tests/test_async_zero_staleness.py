@@ -36,6 +36,7 @@ def run(tmp_path: Path, name: str, *overrides: str) -> tuple[list[dict], dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_async_with_max_staleness_0_equals_sync_step_for_step_and_max_staleness_1_does_not(tmp_path):
     sync, sync_weights = run(tmp_path, "sync", "run.mode=sync", "sync.max_staleness=0")
     async0, async0_weights = run(tmp_path, "async0", "run.mode=async", "sync.max_staleness=0")

@@ -111,6 +111,7 @@ def learning_record(record: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_in_deterministic_mode_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, mode):
     """Metrics and final weights bit for bit. Async: the checkpoint holds finished groups waiting in the buffer and
