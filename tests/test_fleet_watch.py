@@ -91,21 +91,14 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
 
 
 @pytest.mark.slow
-def test_a_weight_sync_that_meets_a_hung_engine_has_it_replaced_and_syncs_instead_of_ending_the_run(fleet,
-                                                                                                   tiny_model_dir):
-    """Issue 26 item 12 (found by `make chaos`): every sync pauses generation, and while sluice holds generation
-    paused or syncs the deep health sweep is off, so an engine that hangs between two syncs is met first by the
-    next sync's pause, which it never answers. The sync must find the engine that answers nothing, have it replaced
-    (the watch's repair) and sync again; before, the run ended with `1 of 2 weight-sync calls did not finish`.
-    Real fleet, real broadcast bridge; the sweep is set never to come round, so only the sync can find the hang."""
+def broadcast_repair_watch(fleet, tiny_model_dir):
+    """A broadcast bridge (checksum-verified) from the tiny model's weights to `fleet`, a client with a 3 s control
+    timeout, and a watch that repairs through that bridge; its deep health sweep never comes round (an hour)."""
     from transformers import AutoModelForCausalLM
 
-    from glue.colocation import Disaggregated
     from glue.config import SyncConfig
-    from glue.controller import sync_weights
     from glue.fleet_watch import engine_repair
     from weight_sync.bridge import make_bridge
-    from weight_sync.engine_calls import weight_version
     from weight_sync.source import LocalWeightSource
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -115,6 +108,21 @@ def test_a_weight_sync_that_meets_a_hung_engine_has_it_replaced_and_syncs_instea
     client = EngineClient(fleet.router_url, fleet.serving_urls, control_timeout_s=3.0)
     watch = FleetWatch(fleet, repair=engine_repair(fleet, bridge, client=client), client=client, poll_s=0.2,
                        health_interval_s=3600.0, health_timeout_s=2.0)
+    return bridge, client, watch
+
+
+def test_a_weight_sync_that_meets_a_hung_engine_has_it_replaced_and_syncs_instead_of_ending_the_run(fleet,
+                                                                                                   tiny_model_dir):
+    """Issue 26 item 12 (found by `make chaos`): every sync pauses generation, and while sluice holds generation
+    paused or syncs the deep health sweep is off, so an engine that hangs between two syncs is met first by the
+    next sync's pause, which it never answers. The sync must find the engine that answers nothing, have it replaced
+    (the watch's repair) and sync again; before, the run ended with `1 of 2 weight-sync calls did not finish`.
+    Real fleet, real broadcast bridge; the sweep is set never to come round, so only the sync can find the hang."""
+    from glue.colocation import Disaggregated
+    from glue.controller import sync_weights
+    from weight_sync.engine_calls import weight_version
+
+    bridge, client, watch = broadcast_repair_watch(fleet, tiny_model_dir)
     hung_pid = fleet.pids[0]
     try:
         bridge.sync(1)
@@ -135,7 +143,6 @@ def test_a_weight_sync_that_meets_a_hung_engine_has_it_replaced_and_syncs_instea
     assert watch.restarts == 1 and not is_alive(hung_pid), "the hung engine was not replaced"
     assert set(fleet.registered_workers()) == set(fleet.engine_urls)
 
-
 @pytest.mark.slow
 def test_a_checkpoints_pause_that_meets_a_dead_engine_waits_for_its_replacement_instead_of_ending_the_run(
         fleet, tiny_model_dir):
@@ -143,21 +150,9 @@ def test_a_checkpoints_pause_that_meets_a_dead_engine_waits_for_its_replacement_
     (glue.stream.checkpoint_state), outside any sync; an engine killed just before failed that pause and the run
     ended, though the watch repairs such an engine. The pause and the continue now wait for the repair and go
     again, so the checkpoint goes through. Real fleet, real broadcast bridge."""
-    from transformers import AutoModelForCausalLM
-
-    from glue.config import SyncConfig
-    from glue.fleet_watch import engine_repair
-    from weight_sync.bridge import make_bridge
     from weight_sync.engine_calls import weight_version
-    from weight_sync.source import LocalWeightSource
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
-    bridge = make_bridge(SyncConfig(transport="broadcast", verify="checksum", timeout_s=30.0), source=source,
-                         engine_urls=list(fleet.engine_urls))
-    client = EngineClient(fleet.router_url, fleet.serving_urls, control_timeout_s=3.0)
-    watch = FleetWatch(fleet, repair=engine_repair(fleet, bridge, client=client), client=client, poll_s=0.2,
-                       health_interval_s=3600.0, health_timeout_s=2.0)
+    bridge, client, watch = broadcast_repair_watch(fleet, tiny_model_dir)
     dead_pid = fleet.pids[1]
     try:
         bridge.sync(1)
@@ -176,7 +171,6 @@ def test_a_checkpoints_pause_that_meets_a_dead_engine_waits_for_its_replacement_
         bridge.close()
     assert watch.restarts == 1 and not watch._paused
     assert set(fleet.registered_workers()) == set(fleet.engine_urls)
-
 
 @pytest.mark.slow
 def test_without_a_way_to_repair_a_dead_engine_ends_the_run_naming_it(fleet):
