@@ -64,6 +64,7 @@ def kill_after_checkpoint(tmp_path, command) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 56 s; in CI the trainer's exact resume is tests/test_checkpoint.py, the whole killed run is here
 @pytest.mark.parametrize("mode", ["async"])  # sync mode: the deterministic test below resumes it
 def test_a_run_killed_after_a_checkpoint_resumes_without_losing_or_repeating_a_prompt_or_a_step(tmp_path, mode):
     # rewards take 0.2-1.0 s (demo_async's task), so a step lasts long enough to be killed in the middle of the run
