@@ -22,8 +22,9 @@ CHECKS = {
     "trainer_tp1_cuda": ("tests/test_gpu_one_device.py::"
                          "test_the_trainer_at_tp1_on_cuda_matches_the_hf_model_and_one_step_moves_toward_positive_"
                          "advantages", "megatron-core trainer, TP=1, NCCL world of one: logprobs equal HF's, one step"),
-    "embedded_engine_cuda": ("tests/test_gpu_one_device.py::test_the_embedded_engine_holds_its_model_on_cuda",
-                             "the embedded engine's model on CUDA"),
+    "embedded_engine_cuda": ("tests/test_gpu_one_device.py::test_the_embedded_engine_holds_its_model_on_cuda_and_"
+                             "generates_what_the_cpu_engine_does", "the embedded engine (--device cuda): model and KV "
+                             "cache on CUDA, greedy tokens and logprobs equal to the CPU engine's"),
     "nccl_two_ranks": ("tests/test_weight_gpu.py::test_nccl_broadcast_moves_a_bucket_bit_exactly_between_two_processes",
                        "NCCL broadcast of a bucket between two ranks"),
 }

@@ -275,3 +275,13 @@ def test_an_engine_given_a_bad_model_path_exits_nonzero_with_a_clear_message(tmp
                            "--port", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--model-path" in proc.stderr and "config.json" in proc.stderr
+
+
+def test_an_engine_given_a_device_it_cannot_run_on_exits_2_naming_the_flag(tmp_path):
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    model_path = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=0)
+    proc = subprocess.run([sys.executable, "-m", "glue.embedded_engine", "--model-path", model_path, "--port", "1",
+                           "--device", "tpu"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--device 'tpu'" in proc.stderr and "cpu or cuda" in proc.stderr

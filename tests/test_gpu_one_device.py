@@ -4,7 +4,6 @@ CUDA (NCCL world of one, no Ray: a spawned process) and the embedded engine on C
 CUDA, and with a one-line reason without megatron-core or transformers."""
 from __future__ import annotations
 
-import inspect
 import multiprocessing as mp
 import pickle
 import queue
@@ -99,17 +98,45 @@ def test_the_trainer_at_tp1_on_cuda_matches_the_hf_model_and_one_step_moves_towa
     assert moved[-1] > moved[0], f"one step did not favour the positive advantage: {moved.tolist()}"
 
 
-def test_the_embedded_engine_holds_its_model_on_cuda(tmp_path, record_property):
+def _greedy_answers(server, prompts, max_new_tokens=6):
+    """Each prompt's greedy tokens and their logprobs from the engine's runner, all prompts batched together."""
+    from glue.embedded_engine.request_schema import GenerationRequest, SamplingSettings
+
+    done, seqs = [], []
+    server.runner.start()
+    try:
+        for i, ids in enumerate(prompts):
+            request = GenerationRequest(rid=f"r{i}", input_ids=ids, return_logprob=True,
+                                        sampling=SamplingSettings(max_new_tokens=max_new_tokens, top_k=1,
+                                                                  ignore_eos=True))
+            seqs.append(server.runner.submit(request, done.append))
+        deadline = time.monotonic() + 60
+        while len(done) < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        server.runner.stop()
+    assert len(done) == len(prompts), f"{len(done)} of {len(prompts)} requests finished within 60 s"
+    return [s.output_ids for s in seqs], torch.tensor([s.logprobs for s in seqs])
+
+
+def test_the_embedded_engine_holds_its_model_on_cuda_and_generates_what_the_cpu_engine_does(tmp_path, record_property):
     from glue.embedded_engine.engine import build_engine
     from glue.embedded_engine.tiny_model import save_tiny_model
 
-    if "device" not in inspect.signature(build_engine).parameters:
-        pytest.skip("the embedded engine has no device option yet (glue.embedded_engine.engine.build_engine loads "
-                    "the model on CPU only); the GPU engine is SGLang")
     model_path = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
-    torch.cuda.reset_peak_memory_stats()
-    server = build_engine(model_path=model_path, host="127.0.0.1", port=_free_port(), seed=0, max_running_requests=4,
-                          num_threads=1, weight_version="0", weight_sync_timeout_s=60, device="cuda")
-    devices = {p.device.type for p in server.runner.model.parameters()}
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]  # mixed lengths: prefill groups + KV padding
+    answers = {}
+    for device in ("cpu", "cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        server = build_engine(model_path=model_path, host="127.0.0.1", port=_free_port(), seed=0,
+                              max_running_requests=4, num_threads=1, weight_version="0", weight_sync_timeout_s=60,
+                              device=device)
+        devices = {p.device.type for p in server.runner.model.parameters()}
+        assert devices == {device}, f"the {device} engine's parameters are on {devices}"
+        answers[device] = _greedy_answers(server, prompts)
     record_property("peak_bytes", torch.cuda.max_memory_allocated())
-    assert devices == {"cuda"}, f"the engine's parameters are on {devices}"
+    (cpu_tokens, cpu_logprobs), (cuda_tokens, cuda_logprobs) = answers["cpu"], answers["cuda"]
+    gap = float((cpu_logprobs - cuda_logprobs).abs().max())
+    record_property("max_abs_logprob_gap_vs_cpu", gap)
+    assert cuda_tokens == cpu_tokens, f"greedy tokens differ: cuda {cuda_tokens} vs cpu {cpu_tokens}"
+    assert gap < 1e-3, f"the CUDA engine's logprobs differ from the CPU engine's by {gap}"

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "half", "float16"],
                         help="SGLang's flag: the weights' dtype; auto = the checkpoint's torch_dtype (bf16 for a bf16 "
                              "checkpoint, else float32)")
+    parser.add_argument("--device", default="cpu",
+                        help="SGLang's flag: where the model and KV cache live (cpu, or cuda on a GPU machine)")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="SGLang's flag: without it /release_memory_occupation and /resume_memory_occupation "
                              "release nothing (under --sglang-strict; the lenient engine always releases)")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                               deterministic=args.enable_deterministic_inference,
                               enable_return_routed_experts=args.enable_return_routed_experts,
                               sglang_strict=args.sglang_strict, tp_size=args.tp_size,
-                              enable_memory_saver=args.enable_memory_saver, dtype=args.dtype)
+                              enable_memory_saver=args.enable_memory_saver, dtype=args.dtype,
+                              device=args.device)
     except (FileNotFoundError, ValueError) as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2

@@ -36,9 +36,9 @@ def serving_dtype(model_path: str, dtype: str) -> torch.dtype:
     return stored if stored in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def load_model(model_path: str, dtype: str = "auto"):
-    """The HF causal LM at `model_path` in eval mode, its weights in the serving dtype (`--dtype`); FileNotFoundError
-    that says what is missing."""
+def load_model(model_path: str, dtype: str = "auto", device: str = "cpu"):
+    """The HF causal LM at `model_path` in eval mode on `device`, its weights in the serving dtype (`--dtype`);
+    FileNotFoundError that says what is missing."""
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(
             f"no HF model at --model-path {model_path!r}: expected a directory with config.json and *.safetensors "
@@ -47,7 +47,7 @@ def load_model(model_path: str, dtype: str = "auto"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=serving_dtype(model_path, dtype))
-    return model.eval()
+    return model.to(device).eval()
 
 
 def eos_token_ids(model) -> set[int]:
@@ -62,13 +62,16 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                  weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
                  admin_api_key: str | None = None, deterministic: bool = False,
                  enable_return_routed_experts: bool = False, sglang_strict: bool = False, tp_size: int = 1,
-                 enable_memory_saver: bool = False, dtype: str = "auto") -> EngineServer:
+                 enable_memory_saver: bool = False, dtype: str = "auto", device: str = "cpu") -> EngineServer:
     """The server; `sglang_strict` answers as SGLang 0.5.23 does (strict_server), with `tp_size` simulated ranks on
-    the weight path."""
+    the weight path. `device` holds the model and its KV cache (cpu, or cuda on a GPU machine); sampling stays on
+    the CPU so a request's seed gives the same tokens on either."""
     if tp_size > 1 and not sglang_strict:
         raise ValueError(f"--tp-size {tp_size}: simulated engine TP is served only with --sglang-strict")
     torch.set_num_threads(num_threads)
-    model = load_model(model_path, dtype)
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: the embedded engine runs on cpu or cuda (cuda:N)")
+    model = load_model(model_path, dtype, device)
     config = model.config
     # SGLang's routing buffer starts zeroed, so its layers without experts read 0; the lenient engine marks them -1.
     recorder = RoutingRecorder(model, dense_layer_value=0 if sglang_strict else -1) if enable_return_routed_experts \
@@ -80,7 +83,7 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                   "has_image_understanding": False, "has_audio_understanding": False,
                   "model_type": config.model_type, "architectures": config.architectures}
     server_info = {"model_path": model_path, "host": host, "port": port, "random_seed": seed, "tp_size": tp_size,
-                   "dp_size": 1, "dtype": dtype, "max_running_requests": max_running_requests, "num_threads": num_threads,
+                   "dp_size": 1, "dtype": dtype, "device": device, "max_running_requests": max_running_requests, "num_threads": num_threads,
                    "enable_deterministic_inference": deterministic,
                    "enable_return_routed_experts": enable_return_routed_experts,
                    "enable_memory_saver": enable_memory_saver,

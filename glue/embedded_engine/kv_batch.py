@@ -57,6 +57,7 @@ class KVBatch:
         self.mask = self.mask.index_select(0, index)
         first = int(self.mask.any(0).nonzero()[0])  # leading columns that are padding in every row go
         self.mask = self.mask[:, first:]
+        index = index.to(self.kv[0][0].device)
         self.kv = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:]) for k, v in self.kv]
 
     def decode_inputs(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:

@@ -80,6 +80,7 @@ class ModelRunner:
     def __init__(self, model: Any, *, max_running_requests: int, seed: int, weight_version: str, eos_token_ids: set[int],
                  deterministic: bool = False, recorder: RoutingRecorder | None = None):
         self.model = model
+        self.device = next(model.parameters()).device  # inputs go there; logits come back to the CPU for sampling
         self.recorder = recorder  # set with --enable-return-routed-experts: files each forward's MoE routing
         self.deterministic = deterministic  # see _deterministic_step
         self.model_lock = threading.Lock()
@@ -322,6 +323,7 @@ class ModelRunner:
     def _take_tokens(self, seqs: list[Sequence], logits: torch.Tensor, version: str) -> list[int]:
         """Sample one token per row; finish the rows that stop; return the indices of rows that go on."""
         going_on, finished = [], []
+        logits = logits.cpu()
         for i, seq in enumerate(seqs):
             generator = seq.generator if not self.deterministic else position_generator(seq)
             token, logprob = sample_token(logits[i], seq.request.sampling, generator)
@@ -341,6 +343,7 @@ class ModelRunner:
         routing it used is filed under the sequences that asked for it before any of them is finished."""
         with self.model_lock, torch.inference_mode():
             self.forward_count += 1
+            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
             out, version = self.model(**inputs, use_cache=use_cache), self.weight_version
             if self.recorder is not None:
                 self.recorder.record(seqs, first_positions, inputs["input_ids"].shape[1])
@@ -360,7 +363,7 @@ class ModelRunner:
             out, version = self._forward(group, [0] * len(group), input_ids=ids, past_key_values=DynamicCache())
             going_on = self._take_tokens(group, out.logits[:, -1], version)
             if going_on:
-                index = torch.tensor(going_on, dtype=torch.long)
+                index = torch.tensor(going_on, dtype=torch.long, device=self.device)
                 kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache_tensors(out.past_key_values)]
                 self._batch.add(kv, [length] * len(going_on))
                 self._running.extend(group[i] for i in going_on)

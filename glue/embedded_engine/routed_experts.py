@@ -60,7 +60,7 @@ class RoutingRecorder:
         without experts)."""
         routing = torch.full((batch * seq, self.num_layers, self.top_k), self.dense_layer_value, dtype=torch.int32)
         for index, indices in self._captured.items():
-            routing[:, index] = indices.to(torch.int32)
+            routing[:, index] = indices.to("cpu", torch.int32)
         self._captured.clear()
         return routing.view(batch, seq, self.num_layers, self.top_k)
 
