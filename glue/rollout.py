@@ -157,7 +157,8 @@ class RolloutManager:
                  partial_rollouts: str = "resume", group_timeout_s: float | None = None, max_resumes: int = 8,
                  deterministic: bool = False, error_masking: bool = False,
                  routed_experts: RoutedExpertsLayout | None = None,
-                 reward_shaping: Callable[[list[Sample]], None] | None = None):
+                 reward_shaping: Callable[[list[Sample]], None] | None = None,
+                 group_rewards: Callable[[list[Sample]], Awaitable[None]] | None = None):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
@@ -170,6 +171,7 @@ class RolloutManager:
         self.error_masking = error_masking
         self.routed_experts = routed_experts  # rollout.return_routed_experts: the model's routing layout, or None
         self.reward_shaping = reward_shaping  # reward: section (glue.reward_shaping), applied to each scored group
+        self.group_rewards = group_rewards  # judge: / reward_model: (glue.reward_models), awaited on each group first
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
@@ -272,6 +274,8 @@ class RolloutManager:
         for index, sample in enumerate(samples):
             sample.group_id, sample.index = ctx.group_id, index
             sample.validate()
+        if self.group_rewards is not None:
+            await self.group_rewards(samples)
         if self.reward_shaping is not None:
             self.reward_shaping(samples)
         return samples

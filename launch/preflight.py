@@ -44,6 +44,13 @@ def check_plugins(cfg: SluiceConfig) -> str:
         from launch.runner import eval_task
 
         _load(eval_task(cfg)[0], "eval.task")
+    if cfg.judge is not None:
+        from glue.judge import load_parser
+
+        try:
+            load_parser(cfg.judge.parser)
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
     return f"plugins: {cfg.rollout.function} and {cfg.rollout.task} import"
 
 
