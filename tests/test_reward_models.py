@@ -175,3 +175,11 @@ def test_a_reward_model_too_slow_for_its_timeout_is_counted_and_scores_nothing(r
     assert metrics["reward/rm_timeouts"] == len(TEXTS) and "reward/rm_s" not in metrics
     asyncio.run(rm.aclose())
     assert not any(math.isnan(x) for x in direct_scores(rm_dir, TEXTS[:1]))
+
+
+def test_a_dry_run_refuses_a_judge_parser_that_does_not_import(tmp_path):
+    from launch.preflight import check_plugins
+
+    assert "plugins:" in check_plugins(load_config("examples/configs/judge_reward.yaml"))
+    with pytest.raises(ConfigError, match="score_parsr"):
+        check_plugins(load_config("examples/configs/judge_reward.yaml", ["judge.parser=rollout_fns.judge:score_parsr"]))
