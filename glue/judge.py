@@ -41,7 +41,7 @@ class Judge:
     engine). A timeout, an engine error or an answer the parser refuses (ValueError, or a non-finite number) gives
     that sample no score (None) and is counted; ModelRewards records each judgement in `sample.metadata["judge"]`."""
 
-    name = "judge"
+    name = section = "judge"
 
     def __init__(self, *, client: Any, tokenizer: Any, parser: Callable[[str], float], prompt_template: str,
                  sampling_params: dict, timeout_s: float, max_concurrency: int, apply_chat_template: bool = True,

@@ -91,6 +91,7 @@ class Scorer(Protocol):
     saying why) and counters."""
 
     name: str  # the reward dict key its score goes under ("judge", "rm")
+    section: str  # its config section ("judge", "reward_model")
     weight: float
     on_failure: str
 
@@ -140,7 +141,7 @@ class ModelRewards:
             failed = [v for v in verdicts if v["score"] is None]
             if failed and scorer.on_failure == "drop_group":
                 raise ModelRewardFailed(f"{scorer.name} could not score {len(failed)} of {len(scored)} samples "
-                                        f"(first: {failed[0].get('error')}); {scorer.name}.on_failure: drop_group")
+                                        f"(first: {failed[0].get('error')}); {scorer.section}.on_failure: drop_group")
         for i, sample in enumerate(scored):
             scores = {sc.name: (v[i]["score"] if v[i]["score"] is not None else 0.0, sc.weight)
                       for sc, v in zip(self.scorers, results)}

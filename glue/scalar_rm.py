@@ -19,7 +19,7 @@ class ScalarRewardModel:
     `timeout_s` after it was queued gets score None (counted in reward/rm_timeouts; a forward already running is
     not interrupted, its result is dropped). An error in the forward itself propagates: the group fails."""
 
-    name = "rm"
+    name, section = "rm", "reward_model"
 
     def __init__(self, *, path: str, batch_size: int = 16, max_length: int = 1024, timeout_s: float = 60.0,
                  apply_chat_template: bool = True, weight: float = 1.0, on_failure: str = "zero"):

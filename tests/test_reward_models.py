@@ -61,6 +61,7 @@ class FixedScorer:
 
     def __init__(self, name, scores, weight=1.0, on_failure="zero"):
         self.name, self.scores, self.weight, self.on_failure = name, scores, weight, on_failure
+        self.section = name
 
     async def score(self, texts):
         return [{"score": s, "error": None if s is not None else "timed out"} for s in self.scores[:len(texts)]]
@@ -96,7 +97,7 @@ def test_model_scores_join_the_task_reward_with_their_weights_and_failures_score
 def test_a_failure_with_drop_group_fails_the_group():
     rewards = ModelRewards(scorers=[FixedScorer("judge", [1.0, None], on_failure="drop_group")],
                            tokenizer=CharTokenizer())
-    with pytest.raises(ModelRewardFailed, match="judge could not score 1 of 2 samples"):
+    with pytest.raises(ModelRewardFailed, match="judge could not score 1 of 2 samples .*judge.on_failure: drop_group"):
         asyncio.run(rewards(group([0.0, 0.0])))
 
 
