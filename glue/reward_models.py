@@ -121,6 +121,11 @@ class ModelRewards:
             raise ValueError("ModelRewards needs at least one reward model")
         self.scorers, self.tokenizer, self.task_weight = list(scorers), tokenizer, task_weight
 
+    @property
+    def judge(self) -> Any:
+        """The LLM judge among the scorers (what rollout functions get as `ctx.judge`), or None."""
+        return next((s for s in self.scorers if s.section == "judge"), None)
+
     def text_of(self, sample: Any) -> SampleText:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         label = sample.metadata.get("label")

@@ -41,6 +41,7 @@ class RolloutContext:
     routed_experts: RoutedExpertsLayout | None = None  # rollout.return_routed_experts: ask for MoE routing (R3)
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
+    judge: Any = None  # the run's LLM judge (judge: section, glue.judge.Judge): `await ctx.judge.judge(SampleText(...))`; None without one
 
     def track(self, sample: Sample) -> Sample:
         """Register a sample being generated, so a checkpoint taken while its group is in flight keeps its tokens
@@ -257,7 +258,8 @@ class RolloutManager:
                              max_resumes=self.max_resumes,
                              seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
                              error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
-                             resumed=self._resumed.pop(group_id, {}))
+                             resumed=self._resumed.pop(group_id, {}),
+                             judge=getattr(self.group_rewards, "judge", None))
         self._contexts[group_id] = ctx
         try:
             return await self._call_function(ctx, prompt)

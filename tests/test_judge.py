@@ -20,6 +20,17 @@ TEXTS = [SampleText(prompt=f"What is {a}+{b}?", response=r, label=str(a + b))
          for a, b, r in [(1, 2, "3"), (4, 4, "9"), (0, 5, "five"), (7, 2, "\\boxed{9}")]]
 
 
+async def asks_the_judge_itself(ctx, prompt, num_samples):
+    """A rollout function that calls the run's judge itself (as a multi-turn one might, per turn)."""
+    from rollout_fns.single_turn import generate_group
+
+    samples = await generate_group(ctx, prompt, num_samples)
+    for s in samples:
+        s.metadata["own_judgement"] = await ctx.judge.judge(SampleText(prompt="", response=str(s.response_tokens),
+                                                                       label=""))
+    return samples
+
+
 @pytest.fixture(scope="module")
 def judge_fleet(tmp_path_factory):
     path = save_tiny_judge_model(str(tmp_path_factory.mktemp("judge") / "model"), vocab_size=272, seed=1)
@@ -108,12 +119,12 @@ def test_a_rollout_manager_goes_on_when_the_judge_fails_and_drop_group_fails_onl
     path, fleet = judge_fleet
     write_arith_jsonl(str(tmp_path / "arith.jsonl"), 20, 0)
 
-    async def step(on_failure, max_new_tokens):
+    async def step(on_failure, max_new_tokens, function="rollout_fns.single_turn:generate_group"):
         # the policy is the judge's checkpoint here too: any text model will do for the plumbing
         judge = make_judge(path, fleet, sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens},
                            timeout_s=0.5, max_concurrency=8, on_failure=on_failure)
         manager = RolloutManager(
-            function_path="rollout_fns.single_turn:generate_group", task_path="rollout_fns.text_data:TextDataTask",
+            function_path=function, task_path="rollout_fns.text_data:TextDataTask",
             task_args={"path": str(tmp_path / "arith.jsonl"), "tokenizer": path}, client=judge.client,
             sampling_params={"temperature": 1.0, "max_new_tokens": 2}, prompts_per_step=2, samples_per_prompt=2,
             seed=0, group_rewards=ModelRewards(scorers=[judge], tokenizer=AutoTokenizer.from_pretrained(path)))
@@ -122,11 +133,13 @@ def test_a_rollout_manager_goes_on_when_the_judge_fails_and_drop_group_fails_onl
         finally:
             await judge.client.aclose()
 
-    judged, metrics = asyncio.run(step("zero", 1))
-    assert metrics["reward/judge_calls"] == 4 and metrics["reward/judge_timeouts"] == 0
+    judged, metrics = asyncio.run(step("zero", 1, function="test_judge:asks_the_judge_itself"))
+    assert metrics["reward/judge_calls"] == 4 + 4 and metrics["reward/judge_timeouts"] == 0  # its own + the hook's
     for g in judged:
         assert g.error is None
         for s in g.samples:
+            own = s.metadata["own_judgement"]
+            assert own["error"] is None and own["score"] == float(own["text"])
             assert s.reward["judge"] == float(s.metadata["judge"]["text"]) and s.reward["score"] == pytest.approx(
                 s.reward["task"] + s.reward["judge"])
     zeroed, metrics = asyncio.run(step("zero", 1900))
