@@ -4,7 +4,9 @@ to the same prompt); a judge that runs past timeout_s is cut within the bound, c
 rollout manager whose groups are judged goes on when the judge fails (zero) or fails just those groups
 (drop_group)."""
 import asyncio
+import json
 import time
+import urllib.request
 
 import pytest
 
@@ -38,6 +40,13 @@ def judge_fleet(tmp_path_factory):
                          engine_args=["--num-threads", "1"], router_args=["--log-level", "warn"])
     with fleet:
         yield path, fleet
+
+
+def running_requests(fleet) -> int:
+    """Requests the judge engine holds right now (its /server_info)."""
+    with urllib.request.urlopen(f"{fleet.engine_urls[0]}/server_info", timeout=5) as resp:
+        state = json.loads(resp.read())["internal_states"][0]
+    return state["num_running_reqs"] + state["num_waiting_reqs"]
 
 
 def make_judge(path, fleet, **overrides):
@@ -95,18 +104,22 @@ def test_a_judge_past_its_timeout_is_cut_within_the_bound_and_its_engine_freed(j
             verdicts = await slow.score(TEXTS)
             cut_after = time.perf_counter() - started
             started = time.perf_counter()
-            after = await quick.score(TEXTS[:1])
-            return verdicts, cut_after, after, time.perf_counter() - started
+            while running_requests(fleet) and time.perf_counter() - started < 10:
+                await asyncio.sleep(0.05)
+            freed_after = time.perf_counter() - started
+            return verdicts, cut_after, freed_after, await quick.score(TEXTS[:1])
         finally:
             await slow.client.aclose()
             await quick.client.aclose()
 
-    verdicts, cut_after, after, quick_s = asyncio.run(judged())
+    verdicts, cut_after, freed_after, after = asyncio.run(judged())
     assert all(v["score"] is None and "timed out" in v["error"] for v in verdicts)
     assert cut_after < 0.5 + 1.5, cut_after  # all four at once (max_concurrency 4), each cut at 0.5 s
     metrics = slow.metrics()
     assert metrics["reward/judge_timeouts"] == 4 and metrics["reward/judge_calls"] == 4
-    assert after[0]["score"] is not None and quick_s < 3.0, quick_s  # the hung requests no longer hold the engine
+    # the engine dropped the cut requests (four 1900-token answers take it ~16 s on 2 CPU cores) and still serves
+    assert freed_after < 3.0, freed_after
+    assert after[0]["score"] is not None
 
 
 @pytest.mark.slow
