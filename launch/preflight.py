@@ -119,6 +119,8 @@ def tokenizer_readers(cfg: SluiceConfig) -> list[tuple[str, str | None]]:
             readers.append((f"{section}.task {task_path}", args.get("tokenizer")))
     if cfg.rollout.function.startswith("rollout_fns.openai_agent:"):
         readers.append((f"rollout.function {cfg.rollout.function} (chat requests)", None))
+    if cfg.judge is not None or cfg.reward_model is not None:  # they read the policy's prompts and responses as text
+        readers.append(("judge: / reward_model: (decoding the policy's responses)", None))
     return readers
 
 

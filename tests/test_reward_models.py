@@ -184,3 +184,13 @@ def test_a_dry_run_refuses_a_judge_parser_that_does_not_import(tmp_path):
     assert "plugins:" in check_plugins(load_config("examples/configs/judge_reward.yaml"))
     with pytest.raises(ConfigError, match="score_parsr"):
         check_plugins(load_config("examples/configs/judge_reward.yaml", ["judge.parser=rollout_fns.judge:score_parsr"]))
+
+
+def test_a_judge_on_a_policy_without_a_tokenizer_is_refused_before_anything_starts():
+    from launch.preflight import check_tokenizer
+
+    cfg = load_config("examples/configs/demo.yaml", ["judge.num_engines=1"])  # EchoTask's token-id tiny model
+    with pytest.raises(ConfigError, match="judge: / reward_model: .*model.tiny.tokenizer: true"):
+        check_tokenizer(cfg, plan_only=False)
+    assert "judge: / reward_model:" in check_tokenizer(load_config("examples/configs/judge_reward.yaml"),
+                                                         plan_only=False)
