@@ -42,7 +42,8 @@ def config_reference(cls: type | None = None, prefix: str = "", width: int = 118
 
     cls = cls or SluiceConfig
     hints, lines = typing.get_type_hints(cls), []
-    docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base) for k, v in field_docs(base).items()}
+    docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)  # a section's inherited keys too
+            for k, v in field_docs(base).items()}
     for f in dataclasses.fields(cls):
         key, hint = prefix + f.name, optional_section(hints[f.name])
         if dataclasses.is_dataclass(hint):

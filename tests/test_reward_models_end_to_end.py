@@ -22,8 +22,8 @@ def judged_run(tmp_path_factory):
     cfg = load_config("examples/configs/judge_reward.yaml", [
         f"run.output_dir={tmp}", f"run.num_steps={STEPS}", f"rollout.prompts_per_step={GROUPS}",
         f"rollout.samples_per_prompt={SAMPLES}", f"rollout.task_args.path={tmp}/train.jsonl", "run.save_rollouts=true",
-        "run.loggers=[jsonl]",
-        "rollout.task_args.reward=rollout_fns.verifiers:exact_match_reward"])  # math_reward's worker processes outlive a run
+        "run.loggers=[jsonl]",  # math_reward's worker processes outlive a run: a reward that starts none
+        "rollout.task_args.reward=rollout_fns.verifiers:exact_match_reward"])
     run_dir = run(cfg)
     left = set(live_children(os.getpid())) - before
     trained = [json.loads((run_dir / "rollouts" / f"step_{s:08d}.json").read_text()) for s in range(1, STEPS + 1)]
