@@ -92,6 +92,7 @@ class RewardConfig:
     overlong_buffer: int = 0  # DAPO soft overlong punishment: a response of L > max_len - overlong_buffer tokens gets overlong_penalty * (L - (max_len - overlong_buffer)) / overlong_buffer taken off its reward, all of overlong_penalty from max_len on (reward/overlong_penalized_frac); 0: off
     overlong_penalty: float = 1.0  # the most the overlong punishment takes off a reward (DAPO: 1.0)
     overlong_max_len: int | None = None  # max_len of the overlong punishment, in response tokens; null: rollout.sampling.max_new_tokens (set it for multi-turn rollouts, whose response spans several generate calls)
+    task_weight: float = 1.0  # with judge: or reward_model:, the reward's "score" is task_weight x the task's score + each model's weight x its score (0: the models' scores alone)
 
     def __post_init__(self) -> None:
         if self.overlong_buffer < 0:

@@ -41,6 +41,7 @@ class RolloutContext:
     routed_experts: RoutedExpertsLayout | None = None  # rollout.return_routed_experts: ask for MoE routing (R3)
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
+    judge: Any = None  # the run's LLM judge (judge: section, glue.judge.Judge): `await ctx.judge.judge(SampleText(...))`; None without one
 
     def track(self, sample: Sample) -> Sample:
         """Register a sample being generated, so a checkpoint taken while its group is in flight keeps its tokens
@@ -157,7 +158,8 @@ class RolloutManager:
                  partial_rollouts: str = "resume", group_timeout_s: float | None = None, max_resumes: int = 8,
                  deterministic: bool = False, error_masking: bool = False,
                  routed_experts: RoutedExpertsLayout | None = None,
-                 reward_shaping: Callable[[list[Sample]], None] | None = None):
+                 reward_shaping: Callable[[list[Sample]], None] | None = None,
+                 group_rewards: Callable[[list[Sample]], Awaitable[None]] | None = None):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
@@ -170,6 +172,7 @@ class RolloutManager:
         self.error_masking = error_masking
         self.routed_experts = routed_experts  # rollout.return_routed_experts: the model's routing layout, or None
         self.reward_shaping = reward_shaping  # reward: section (glue.reward_shaping), applied to each scored group
+        self.group_rewards = group_rewards  # judge: / reward_model: (glue.reward_models), awaited on each group first
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
@@ -255,7 +258,8 @@ class RolloutManager:
                              max_resumes=self.max_resumes,
                              seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
                              error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
-                             resumed=self._resumed.pop(group_id, {}))
+                             resumed=self._resumed.pop(group_id, {}),
+                             judge=getattr(self.group_rewards, "judge", None))
         self._contexts[group_id] = ctx
         try:
             return await self._call_function(ctx, prompt)
@@ -272,6 +276,8 @@ class RolloutManager:
         for index, sample in enumerate(samples):
             sample.group_id, sample.index = ctx.group_id, index
             sample.validate()
+        if self.group_rewards is not None:
+            await self.group_rewards(samples)
         if self.reward_shaping is not None:
             self.reward_shaping(samples)
         return samples

@@ -55,7 +55,10 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     if cfg.run.debug == "off":
         bridge = start_bridge(cfg, trainer, fleet, run_dir, stack, clock)
     if fleet is not None:
-        manager = make_manager(cfg, client, model_path)
+        from launch.reward_models import start_model_rewards
+
+        manager = make_manager(cfg, client, model_path,
+                               start_model_rewards(cfg, plan, model_path, run_dir, stack, loop, clock))
     return fleet, client, trainer, bridge, manager, loop
 
 
@@ -112,7 +115,7 @@ def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contex
     return bridge
 
 
-def make_manager(cfg: SluiceConfig, client, model_path: str):
+def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None):
     from launch.runner import task_args_for
     from glue.reward_shaping import make_reward_shaping
     from glue.rollout import RolloutManager, resume_limit
@@ -133,4 +136,5 @@ def make_manager(cfg: SluiceConfig, client, model_path: str):
                           reward_shaping=make_reward_shaping(
                               overlong_buffer=cfg.reward.overlong_buffer,
                               overlong_penalty=cfg.reward.overlong_penalty,
-                              max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)))
+                              max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)),
+                          group_rewards=group_rewards)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from glue.config import EvalConfig, RewardConfig, RolloutConfig, SyncConfig
+from glue.reward_models import JudgeConfig, RewardModelConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 
@@ -48,6 +49,30 @@ class TinyModelConfig:
 class ModelConfig:
     path: str | None = None  # local HF checkpoint directory; when null a tiny random model is built from `tiny`
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass(kw_only=True)
+class JudgeSection(JudgeConfig):
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig(tokenizer=True, vocab_size=272)))  # the judge's checkpoint (path), or a tiny random text model (tiny, tokenizer: true)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_text_model("judge.model", self.model)
+
+
+@dataclass(kw_only=True)
+class RewardModelSection(RewardModelConfig):
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig(tokenizer=True, vocab_size=272)))  # an HF sequence-classification checkpoint with one label (path), or a tiny random one (tiny, tokenizer: true)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_text_model("reward_model.model", self.model)
+
+
+def check_text_model(key: str, model: ModelConfig) -> None:
+    """A reward model reads text: a tiny one needs its tokenizer."""
+    if model.path is None and not model.tiny.tokenizer:
+        raise ValueError(f"{key}.tiny.tokenizer must be true (a reward model reads text), or set {key}.path")
 
 
 LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> the package it needs
@@ -166,6 +191,8 @@ class SluiceConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    judge: JudgeSection | None = None  # an LLM judge scoring each finished group (glue.judge); null: none
+    reward_model: RewardModelSection | None = None  # a scalar reward model scoring each finished group (glue.scalar_rm); null: none
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)
 

@@ -11,6 +11,7 @@ import inspect
 import io
 import textwrap
 import tokenize
+import types
 import typing
 from typing import Any
 
@@ -40,9 +41,11 @@ def config_reference(cls: type | None = None, prefix: str = "", width: int = 118
     from launch.config import SluiceConfig
 
     cls = cls or SluiceConfig
-    hints, docs, lines = typing.get_type_hints(cls), field_docs(cls), []
+    hints, lines = typing.get_type_hints(cls), []
+    docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)  # a section's inherited keys too
+            for k, v in field_docs(base).items()}
     for f in dataclasses.fields(cls):
-        key, hint = prefix + f.name, hints[f.name]
+        key, hint = prefix + f.name, optional_section(hints[f.name])
         if dataclasses.is_dataclass(hint):
             if not prefix:
                 lines += ["", f"{key}:" + (f"  {docs[f.name]}" if docs.get(f.name) else "")]
@@ -52,6 +55,13 @@ def config_reference(cls: type | None = None, prefix: str = "", width: int = 118
         if docs.get(f.name):
             lines += textwrap.wrap(docs[f.name], width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return lines
+
+
+def optional_section(hint: Any) -> Any:
+    """`Section | None` (a section that is off unless given, e.g. judge:) reads as the section."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    is_optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return args[0] if is_optional and len(args) == 1 and dataclasses.is_dataclass(args[0]) else hint
 
 
 def _type_name(hint: Any) -> str:

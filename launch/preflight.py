@@ -44,6 +44,13 @@ def check_plugins(cfg: SluiceConfig) -> str:
         from launch.runner import eval_task
 
         _load(eval_task(cfg)[0], "eval.task")
+    if cfg.judge is not None:
+        from glue.judge import load_parser
+
+        try:
+            load_parser(cfg.judge.parser)
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
     return f"plugins: {cfg.rollout.function} and {cfg.rollout.task} import"
 
 
@@ -112,6 +119,8 @@ def tokenizer_readers(cfg: SluiceConfig) -> list[tuple[str, str | None]]:
             readers.append((f"{section}.task {task_path}", args.get("tokenizer")))
     if cfg.rollout.function.startswith("rollout_fns.openai_agent:"):
         readers.append((f"rollout.function {cfg.rollout.function} (chat requests)", None))
+    if cfg.judge is not None or cfg.reward_model is not None:  # they read the policy's prompts and responses as text
+        readers.append(("judge: / reward_model: (decoding the policy's responses)", None))
     return readers
 
 

@@ -197,6 +197,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     from glue.controller import no_evaluation, run_loop
     from glue.metrics import open_run_logger, run_info
     from glue.replay import ReplayStream, SavingStream
+    from glue.reward_models import reward_model_metrics
     from glue.staleness import StalenessGate
     from launch.config import to_dict
     from glue.stream import RolloutStream
@@ -242,7 +243,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         # rollout_only: nothing to move, the engines keep the weights they started with
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
-        extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None))},
+        extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None)),
+                               **reward_model_metrics(manager)},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
     try:
         return await watch.run(training)

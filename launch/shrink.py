@@ -124,6 +124,7 @@ def shrink(raw: dict[str, Any], *, data_dir: str | Path, engine: str = "sglang_s
     _shrink_cluster(edit, engine)
     _shrink_trainer(edit)
     _shrink_model(edit, name_hint)
+    _shrink_reward_models(edit)
     _shrink_data(edit, shrunk, Path(data_dir))
     _shrink_rollout(edit, steps)
     _shrink_sync(edit, steps)
@@ -213,6 +214,22 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
     edit.set("model.tiny", tiny, f"a tiny {family} of the recipe's family"
              + (" with a byte-level BPE tokenizer and ChatML template (the task tokenizes text)"
                 if tiny["tokenizer"] else ""))
+
+
+def _shrink_reward_models(edit: _Editor) -> None:
+    """A judge's or reward model's checkpoint is swapped for a tiny random text model of its family (both read
+    text); the judge keeps one engine."""
+    for section in ("judge", "reward_model"):
+        path = edit.get(f"{section}.model.path")
+        if path is None:
+            continue
+        family = infer_family(path, "")
+        tiny = {"family": family, "tokenizer": True, "vocab_size": TEXT_VOCAB, "num_layers": 2, "hidden_size": 64,
+                "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+        edit.set(f"{section}.model.path", None, f"the {section} checkpoint swapped for a tiny random {family}")
+        edit.set(f"{section}.model.tiny", tiny, f"a tiny {family} with a byte-level BPE tokenizer and ChatML template")
+    if (edit.get("judge.num_engines") or 1) > 1:
+        edit.set("judge.num_engines", 1, "one judge engine on CPU")
 
 
 def needs_tokenizer(task_path: str) -> bool:

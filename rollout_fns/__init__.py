@@ -24,6 +24,9 @@ A task is a class (built with `rollout.task_args`) or an object with `prompts(se
 has `prompt_tokens: list[int]` plus whatever the reward needs; single_turn copies the extra keys into
 `sample.metadata`) and `reward(sample) -> float`.
 
+- Rewards served by models (`judge:`, `reward_model:`; docs/reward_models.md) are added to each group after the
+  function returns; `ctx.judge` (or None) lets a function ask the run's LLM judge itself.
+
 Built-ins: `rollout_fns.single_turn:generate_group` (n concurrent generate calls per prompt),
 `rollout_fns.multi_turn:generate_group` (episodes against an environment, `rollout_fns.envs`, turn spans in
 `sample.metadata["turns"]`) and `rollout_fns.toy_tasks:EchoTask` (the demo's task). See docs/rollout_functions.md.
