@@ -1,0 +1,137 @@
+"""Parallel weight sources (issue 25 item 2), for real: a megatron-core trainer on Ray actors at PP=2 and at EP=2
+syncs embedded engines (and SGLang-strict ones) over gloo, from trainer rank 0 alone and from one source per pipeline
+stage / expert group, each through its own weight group; the engines end with bit-identical weights. An engine's
+refusal inside a parallel transfer surfaces at once, every source leaves its broadcast, and the next sync works."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from glue.config import SyncConfig
+from glue.embedded_engine.tiny_model import save_tiny_model
+from glue.trainer.config import TrainerConfig
+from loss import LossConfig
+from weight_sync.bridge import WeightSyncError, make_bridge
+from weight_sync.engine_calls import post_json, weight_checksums
+from weight_sync.sources import ParallelBroadcastTransport, interleave
+
+BUCKET = 12 << 10  # several buckets per source
+
+
+def test_engines_take_every_sources_buckets_in_one_round_robin_order():
+    assert interleave([3, 1, 2]) == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+    assert interleave([]) == []
+
+
+def test_parallel_sources_need_the_broadcast_transport():
+    with pytest.raises(ValueError, match="sync.sources: parallel needs sync.transport: broadcast"):
+        SyncConfig(transport="ipc", sources="parallel")
+    with pytest.raises(ValueError, match="sync.sources must be"):
+        SyncConfig(sources="many")
+
+
+@pytest.fixture
+def ray_session():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def post(url: str, route: str, payload: dict | None) -> dict:
+    return post_json(f"{url}{route}", payload, 30)
+
+
+def start_trainer(tmp_path, family: str, **layout):
+    from glue.trainer.group import TrainerGroup
+
+    model = save_tiny_model(str(tmp_path / family), family=family, seed=5)
+    return TrainerGroup(model, TrainerConfig(micro_batch_size=2, num_cpus_per_worker=1, **layout), LossConfig())
+
+
+def bridges(trainer, one_urls, parallel_urls, **cfg):
+    one = make_bridge(SyncConfig(sources="one", bucket_bytes=BUCKET, timeout_s=120, **cfg), source=trainer,
+                      engine_urls=one_urls)
+    parallel = make_bridge(SyncConfig(bucket_bytes=BUCKET, timeout_s=120, **cfg), source=trainer,
+                           engine_urls=parallel_urls)  # sources null: parallel, the layout has two
+    assert not isinstance(one.transport, ParallelBroadcastTransport)
+    assert isinstance(parallel.transport, ParallelBroadcastTransport)
+    assert parallel.transport.ranks == [0, 1]  # two source ranks, each with its own named group
+    assert all(len(part.layouts) >= 2 for part in parallel.transport.parts)
+    names = [name for part in parallel.transport.parts for name in part.groups.values()]
+    assert len(set(names)) == 2 and names[0].startswith("sluice_w_s0_") and names[1].startswith("sluice_w_s1_")
+    assert sorted(n for b in one.layouts for n in b.names) == sorted(n for b in parallel.layouts for n in b.names)
+    assert sum(b.nbytes for b in one.layouts) == sum(b.nbytes for b in parallel.layouts)
+    return one, parallel
+
+
+@pytest.mark.slow
+def test_pp2_parallel_sources_give_embedded_engines_the_one_source_weights_and_a_refusal_surfaces_at_once(
+        tmp_path, ray_session, engine_processes):
+    trainer = start_trainer(tmp_path, "qwen3", pipeline_model_parallel_size=2)
+    try:
+        start = save_tiny_model(str(tmp_path / "start"), family="qwen3", seed=0)  # not the trainer's weights
+        one_url, parallel_url = engine_processes.start(start), engine_processes.start(start)
+        before = weight_checksums(parallel_url, 30)
+        # verify full: every engine tensor equals the trainer's, by HF name
+        one, parallel = bridges(trainer, [one_url], [parallel_url], verify="full")
+        try:
+            one.sync(1)
+            parallel.sync(1)
+            after = weight_checksums(parallel_url, 30)
+            assert after == weight_checksums(one_url, 30)  # bit-identical to the single-source result
+            assert after != before
+            assert parallel.last_sync["buckets"] == len(parallel.layouts) and parallel.last_sync["bytes"] > 0
+        finally:
+            one.close()
+            parallel.close()
+        # an engine whose model does not fit refuses the first bucket it receives: the sync fails at once with its
+        # message (every source leaves its broadcast), the spent groups are dropped, and without it the next sync
+        # builds fresh groups and goes through
+        bad_url = engine_processes.start(save_tiny_model(str(tmp_path / "bad"), family="qwen3", vocab_size=48))
+        mixed = make_bridge(SyncConfig(bucket_bytes=BUCKET, timeout_s=120, verify="full"), source=trainer,
+                            engine_urls=[parallel_url, bad_url])
+        try:
+            t0 = time.perf_counter()
+            with pytest.raises(WeightSyncError, match=bad_url):
+                mixed.sync(2)
+            assert time.perf_counter() - t0 < 30, "the refusal waited for a timeout instead of surfacing at once"
+            assert all(not part.groups for part in mixed.transport.parts)
+            mixed.remove_engine(bad_url)
+            mixed.sync(3)
+            assert weight_checksums(parallel_url, 30) == after
+            assert post(parallel_url, "/model_info", None)["weight_version"] == "3"
+        finally:
+            mixed.close()
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.slow
+def test_ep2_parallel_sources_give_sglang_strict_engines_the_one_source_weights(tmp_path, ray_session,
+                                                                               engine_processes):
+    trainer = start_trainer(tmp_path, "qwen3_moe", data_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        start = save_tiny_model(str(tmp_path / "start"), family="qwen3_moe", seed=0)
+        one_url = engine_processes.start_sglang_stand_in(start)
+        parallel_url = engine_processes.start_sglang_stand_in(start)
+        before = post(parallel_url, "/weights_checker", {"action": "checksum"})["per_engine_checksum"]
+        one, parallel = bridges(trainer, [one_url], [parallel_url], verify="auto")  # strict: versions only
+        try:
+            one.sync(1)
+            parallel.sync(1)
+            sums = [post(url, "/weights_checker", {"action": "checksum"}) for url in (one_url, parallel_url)]
+            assert sums[0]["ranks"] == sums[1]["ranks"]  # SGLang's per-tensor checksums, bit-identical
+            assert sums[1]["per_engine_checksum"] != before
+            assert post(parallel_url, "/model_info", None)["weight_version"] == "1"
+        finally:
+            one.close()
+            parallel.close()
+    finally:
+        trainer.shutdown()
