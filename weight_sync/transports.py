@@ -21,7 +21,9 @@ class WeightSource(Protocol):
     """The trainer as the bridge sees it (blocking calls). `TrainerGroup` and `LocalWeightSource` implement it.
 
     A source on another node may also offer `weight_channel_address() -> (node address, free port there)`: the
-    broadcast group is then hosted at its own node's address, which the driver cannot know or bind.
+    broadcast group is then hosted at its own node's address, which the driver cannot know or bind. A source with
+    several ranks may offer `weight_source_plan() -> [(source rank, HF names it sends), ...]` for parallel sources
+    (`weight_sync.sources`); then `weight_channel_address(rank)` and a channel spec's `source` name the rank.
     """
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
