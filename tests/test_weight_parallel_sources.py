@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -48,11 +49,21 @@ def post(url: str, route: str, payload: dict | None) -> dict:
     return post_json(f"{url}{route}", payload, 30)
 
 
-def start_trainer(tmp_path, family: str, **layout):
+def start_trainer_and_engines(tmp_path, engine_starts, family: str, **layout):
+    """The trainer (seed-5 weights) and the engines, started side by side: `engine_starts` are calls that each start
+    one engine and return its URL."""
     from glue.trainer.group import TrainerGroup
 
     model = save_tiny_model(str(tmp_path / family), family=family, seed=5)
-    return TrainerGroup(model, TrainerConfig(micro_batch_size=2, num_cpus_per_worker=1, **layout), LossConfig())
+    with ThreadPoolExecutor(max_workers=len(engine_starts)) as pool:
+        engines = [pool.submit(start) for start in engine_starts]
+        trainer = TrainerGroup(model, TrainerConfig(micro_batch_size=2, num_cpus_per_worker=1, **layout),
+                               LossConfig())
+        try:
+            return trainer, [engine.result() for engine in engines]
+        except BaseException:
+            trainer.shutdown()
+            raise
 
 
 def bridges(trainer, one_urls, parallel_urls, **cfg):
@@ -74,10 +85,12 @@ def bridges(trainer, one_urls, parallel_urls, **cfg):
 @pytest.mark.slow
 def test_pp2_parallel_sources_give_embedded_engines_the_one_source_weights_and_a_refusal_surfaces_at_once(
         tmp_path, ray_session, engine_processes):
-    trainer = start_trainer(tmp_path, "qwen3", pipeline_model_parallel_size=2)
+    start = save_tiny_model(str(tmp_path / "start"), family="qwen3", seed=0)  # not the trainer's weights
+    bad = save_tiny_model(str(tmp_path / "bad"), family="qwen3", vocab_size=48)  # not the trainer's shapes
+    trainer, (one_url, parallel_url, bad_url) = start_trainer_and_engines(
+        tmp_path, [lambda model=model: engine_processes.start(model) for model in (start, start, bad)], "qwen3",
+        pipeline_model_parallel_size=2)
     try:
-        start = save_tiny_model(str(tmp_path / "start"), family="qwen3", seed=0)  # not the trainer's weights
-        one_url, parallel_url = engine_processes.start(start), engine_processes.start(start)
         before = weight_checksums(parallel_url, 30)
         # verify full: every engine tensor equals the trainer's, by HF name
         one, parallel = bridges(trainer, [one_url], [parallel_url], verify="full")
@@ -94,7 +107,6 @@ def test_pp2_parallel_sources_give_embedded_engines_the_one_source_weights_and_a
         # an engine whose model does not fit refuses the first bucket it receives: the sync fails at once with its
         # message (every source leaves its broadcast), the spent groups are dropped, and without it the next sync
         # builds fresh groups and goes through
-        bad_url = engine_processes.start(save_tiny_model(str(tmp_path / "bad"), family="qwen3", vocab_size=48))
         mixed = make_bridge(SyncConfig(bucket_bytes=BUCKET, timeout_s=120, verify="full"), source=trainer,
                             engine_urls=[parallel_url, bad_url])
         try:
@@ -116,11 +128,11 @@ def test_pp2_parallel_sources_give_embedded_engines_the_one_source_weights_and_a
 @pytest.mark.slow
 def test_ep2_parallel_sources_give_sglang_strict_engines_the_one_source_weights(tmp_path, ray_session,
                                                                                engine_processes):
-    trainer = start_trainer(tmp_path, "qwen3_moe", data_parallel_size=2, expert_model_parallel_size=2)
+    start = save_tiny_model(str(tmp_path / "start"), family="qwen3_moe", seed=0)
+    trainer, (one_url, parallel_url) = start_trainer_and_engines(
+        tmp_path, [lambda: engine_processes.start_sglang_stand_in(start)] * 2, "qwen3_moe", data_parallel_size=2,
+        expert_model_parallel_size=2)
     try:
-        start = save_tiny_model(str(tmp_path / "start"), family="qwen3_moe", seed=0)
-        one_url = engine_processes.start_sglang_stand_in(start)
-        parallel_url = engine_processes.start_sglang_stand_in(start)
         before = post(parallel_url, "/weights_checker", {"action": "checksum"})["per_engine_checksum"]
         one, parallel = bridges(trainer, [one_url], [parallel_url], verify="auto")  # strict: versions only
         try:
