@@ -147,3 +147,33 @@ def test_ep2_parallel_sources_give_sglang_strict_engines_the_one_source_weights(
             parallel.close()
     finally:
         trainer.shutdown()
+
+
+def plan_of(coords: list, producers: list) -> list:
+    """`WeightStream.source_plan` over hand-written coordinates and producers (one rule, one HF name each)."""
+    from glue.trainer.weight_stream import WeightStream
+
+    stream = WeightStream.__new__(WeightStream)  # the plan reads only these; no parallel state needed
+    stream.coords, stream.producers = coords, producers
+    stream.rule_of = {f"w{i}": i for i in range(len(producers))}
+    return stream.source_plan([f"w{i}" for i in range(len(producers))])
+
+
+def test_each_stage_and_expert_group_is_a_source_unless_their_ranks_overlap():
+    from glue.trainer.weight_stream import Coords, Producer, SourcePart
+
+    # PP=2 x EP=2, TP=1: dense stage s led by (pp s, ep 0); the ep-1 experts of stage s by (pp s, ep 1)
+    coords = [Coords(pp=pp, tp=0, dp=ep, ep=ep, etp=0, edp=0) for pp in (0, 1) for ep in (0, 1)]
+    producers = [Producer(stage=0, ep_rank=None, leader=0), Producer(stage=0, ep_rank=1, leader=1),
+                 Producer(stage=1, ep_rank=None, leader=2), Producer(stage=1, ep_rank=1, leader=3),
+                 Producer(stage=1, ep_rank=0, leader=2)]
+    assert plan_of(coords, producers) == [SourcePart(rank=0, members=(0,), names=("w0",)),
+                                          SourcePart(rank=1, members=(1,), names=("w1",)),
+                                          SourcePart(rank=2, members=(2,), names=("w2", "w4")),
+                                          SourcePart(rank=3, members=(3,), names=("w3",))]
+    # TP=2 x EP=2 (expert TP 1) x DP=2: the dense TP group {0, 1} holds the ep-1 leader's rank 1, so one source
+    # (rank 0; rank 1 sends it its experts point to point) instead of two that would share rank 1
+    coords = [Coords(pp=0, tp=tp, dp=dp, ep=tp, etp=0, edp=dp) for dp in (0, 1) for tp in (0, 1)]
+    producers = [Producer(stage=0, ep_rank=None, leader=0), Producer(stage=0, ep_rank=1, leader=1),
+                 Producer(stage=0, ep_rank=0, leader=0)]
+    assert plan_of(coords, producers) == [SourcePart(rank=0, members=(0, 1), names=("w0", "w1", "w2"))]
