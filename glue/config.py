@@ -153,8 +153,8 @@ class SyncConfig:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"sync.backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.sources not in (None, "one", "parallel"):
-            raise ValueError(f"sync.sources must be 'one' or 'parallel' (or null: parallel when the trainer has several "
-                             f"stages / expert groups), got {self.sources!r}")
+            raise ValueError(f"sync.sources must be 'one' or 'parallel' (or null: parallel when the trainer has "
+                             f"several stages / expert groups), got {self.sources!r}")
         if self.sources == "parallel" and self.transport != "broadcast":
             raise ValueError(f"sync.sources: parallel needs sync.transport: broadcast (got {self.transport!r}); "
                              "set sync.sources: one")

@@ -176,6 +176,9 @@ SOURCE_LAYOUTS = {  # trainer layouts with two sources each, and a model big eno
 }
 
 
+SPLIT = ("stage_s", "transfer_s", "verify_s", "wire_s", "pack_s", "copy_in_s")  # a sync's figures kept per mode
+
+
 def test_sync_from_one_source_and_from_parallel_sources(tmp_path_factory, engine_processes):
     """PP=2 and EP=2 trainers on Ray, one embedded engine: the same weights, in the same 4 MiB bucket size, synced
     from trainer rank 0 alone (`sync.sources: one`) and from one source per stage / expert group (`parallel`),
@@ -226,7 +229,7 @@ def test_sync_from_one_source_and_from_parallel_sources(tmp_path_factory, engine
                 median = sorted(runs[mode], key=lambda r: r["total_s"])[len(totals) // 2]
                 row[f"{key}_s"] = round(statistics.median(totals), 4)
                 row[f"{key}_all_s"] = [round(t, 4) for t in totals]
-                row[f"{key}_split"] = {k: round(median[k], 4) for k in ("stage_s", "transfer_s", "verify_s", "wire_s", "pack_s", "copy_in_s")}
+                row[f"{key}_split"] = {k: round(median[k], 4) for k in SPLIT}
             row["ratio"] = round(row["parallel_s"] / row["one_source_s"], 3)
             rows[name] = row
     finally:
