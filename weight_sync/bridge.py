@@ -16,6 +16,7 @@ from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransp
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
 
 VERIFY_MODES = ("auto", "checksum", "full", "off")
+SOURCE_MODES = (None, "one", "parallel")
 BUCKET_CHECKSUMS = "bucket_checksums"  # the embedded engine's capability that verify checksum / full rest on
 
 
@@ -23,17 +24,23 @@ class WeightBridge:
     """Moves the source's weights to every engine; `sync(version)` = transfer (tagged `version`) -> verify.
     `api_key` / `admin_api_key`: the engines' SGLang keys, when they were started with them. `pipeline`: buckets
     of the size that lets packing overlap the wire (`pipeline_bucket_bytes`, at most `bucket_bytes`); off: buckets
-    of `bucket_bytes`, packed and sent one after the other."""
+    of `bucket_bytes`, packed and sent one after the other. `sources`: "parallel" plans each source's buckets apart
+    and sends them through a group per source (`weight_sync.sources`; the source must offer `weight_source_plan`),
+    "one" through one group from one rank, None: parallel when the source reports more than one."""
 
     def __init__(self, source: WeightSource, engine_urls: Sequence[str], *, make_transport: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0,
-                 api_key: str | None = None, admin_api_key: str | None = None, pipeline: bool = True):
+                 api_key: str | None = None, admin_api_key: str | None = None, pipeline: bool = True,
+                 sources: str | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if sources not in SOURCE_MODES:
+            raise ValueError(f"sources must be one of {SOURCE_MODES}, got {sources!r}")
+        self.sources = sources  # one, parallel, or None: parallel when the source's layout has several
         self.source, self.engine_urls = source, list(engine_urls)
         self.bucket_bytes, self.verify, self.timeout_s = bucket_bytes, verify, timeout_s
         self.pipeline = pipeline
-        self._make_transport = make_transport  # (source, layouts, with_checksum, pipeline) -> Transport
+        self._make_transport = make_transport  # (source, layouts, with_checksum, pipeline, parts) -> Transport
         self.layouts: list[BucketLayout] = []
         self.transport: Transport | None = None
         self.version: int | None = None  # the last version every engine verifiably holds
@@ -47,10 +54,35 @@ class WeightBridge:
         (`_settle_verify`) and open the transport to every engine."""
         self.verify = self._settle_verify(self.engine_urls)
         specs = self.source.hf_weight_specs()
-        size = pipeline_bucket_bytes(spec_bytes(specs), self.bucket_bytes) if self.pipeline else self.bucket_bytes
-        self.layouts = plan_buckets(specs, size)
-        self.transport = self._make_transport(self.source, self.layouts, self.verify != "off", self.pipeline)
+        plan = self._source_plan()
+        if plan is None:
+            self.layouts = plan_buckets(specs, self._bucket_size(specs))
+            self.transport = self._make_transport(self.source, self.layouts, self.verify != "off", self.pipeline)
+        else:
+            by_name = {spec[0]: spec for spec in specs}
+            parts = [(rank, [by_name[n] for n in names]) for rank, names in plan]
+            parts = [(rank, plan_buckets(part, self._bucket_size(part))) for rank, part in parts]
+            self.transport = self._make_transport(self.source, [], self.verify != "off", self.pipeline, parts=parts)
+            self.layouts = self.transport.layouts
         self.transport.connect(self.engine_urls)
+
+    def _bucket_size(self, specs: list) -> int:
+        return pipeline_bucket_bytes(spec_bytes(specs), self.bucket_bytes) if self.pipeline else self.bucket_bytes
+
+    def _source_plan(self) -> list[tuple[int, list[str]]] | None:
+        """(source rank, HF names) per parallel source, or None for one source: `sources` one, a source that cannot
+        split (`weight_source_plan` missing: refused when parallel was asked for), or a layout with one stage and
+        one expert group."""
+        if self.sources == "one":
+            return None
+        plan_of = getattr(self.source, "weight_source_plan", None)
+        if plan_of is None:
+            if self.sources == "parallel":
+                raise ValueError("sync.sources: parallel needs a source with one rank per pipeline stage / expert "
+                                 "group (the megatron-core trainer); this one has a single rank: use one")
+            return None
+        plan = plan_of()
+        return plan if len(plan) > 1 else None
 
     def _settle_verify(self, urls: Sequence[str]) -> str:
         """The verification to run with these engines, from what they say they offer (`engine_capabilities`),
@@ -190,17 +222,27 @@ def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[st
     """The bridge `sync_cfg` (glue.config.SyncConfig: transport, backend, bucket_bytes, verify, ...) describes,
     connected to every engine; each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size) and
     was started with `api_key` / `admin_api_key` (SGLang's --api-key / --admin-api-key), if any. `pipeline`: see
-    `WeightBridge`; None: `sync_cfg.pipeline`, whose null means on with nccl and off with gloo."""
+    `WeightBridge`; None: `sync_cfg.pipeline`, whose null means on with nccl and off with gloo. `sync_cfg.sources`
+    (broadcast only): one source rank, or parallel sources (weight_sync.sources); null: parallel when the source
+    reports several."""
     transport, timeout_s = sync_cfg.transport, sync_cfg.timeout_s
     if pipeline is None:
         pipeline = getattr(sync_cfg, "pipeline", None)
         pipeline = sync_cfg.backend == "nccl" if pipeline is None else pipeline
     key = admin_key(api_key, admin_api_key)  # every weight route is an admin route
+    sources = getattr(sync_cfg, "sources", None)
     if transport == "broadcast":
-        def make(src, layouts, with_checksum, pipeline):
-            return BroadcastTransport(src, layouts, backend=sync_cfg.backend, master_address=sync_cfg.master_address,
-                                      with_checksum=with_checksum, timeout_s=timeout_s,
-                                      ranks_per_engine=engine_tp_size, key=key, pipeline=pipeline)
+        def make(src, layouts, with_checksum, pipeline, parts=None):
+            options = dict(backend=sync_cfg.backend, master_address=sync_cfg.master_address,
+                           with_checksum=with_checksum, timeout_s=timeout_s, ranks_per_engine=engine_tp_size, key=key,
+                           pipeline=pipeline)
+            if parts is not None:
+                from weight_sync.sources import ParallelBroadcastTransport
+
+                return ParallelBroadcastTransport(src, parts, **options)
+            return BroadcastTransport(src, layouts, **options)
+    elif sources == "parallel":
+        raise ValueError(f"sync.sources: parallel needs sync.transport: broadcast (got {transport!r}); use one")
     elif transport == "ipc":
         def make(src, layouts, with_checksum, pipeline):
             return IpcTransport(src, layouts, device="cuda" if sync_cfg.backend == "nccl" else "cpu",
@@ -214,7 +256,7 @@ def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[st
         raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {transport!r}")
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=sync_cfg.bucket_bytes,
                           verify=sync_cfg.verify, timeout_s=timeout_s, api_key=api_key, admin_api_key=admin_api_key,
-                          pipeline=pipeline)
+                          pipeline=pipeline, sources=sources if transport == "broadcast" else "one")
     bridge.connect()
     return bridge
 

@@ -21,7 +21,9 @@ class WeightSource(Protocol):
     """The trainer as the bridge sees it (blocking calls). `TrainerGroup` and `LocalWeightSource` implement it.
 
     A source on another node may also offer `weight_channel_address() -> (node address, free port there)`: the
-    broadcast group is then hosted at its own node's address, which the driver cannot know or bind.
+    broadcast group is then hosted at its own node's address, which the driver cannot know or bind. A source with
+    several ranks may offer `weight_source_plan() -> [(source rank, HF names it sends), ...]` for parallel sources
+    (`weight_sync.sources`); then `weight_channel_address(rank)` and a channel spec's `source` name the rank.
     """
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
@@ -134,7 +136,7 @@ class BroadcastTransport(_Base):
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str | None,
                  with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1, key: str | None = None,
-                 pipeline: bool = True):
+                 pipeline: bool = True, group_prefix: str = "sluice_weights"):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
                          pipeline=pipeline)
         self.backend, self.master_address = backend, master_address
@@ -142,7 +144,7 @@ class BroadcastTransport(_Base):
         self.address: tuple[str, int] | None = None  # (host, port) of the newest group, for logs and tests
         self.groups: dict[tuple[str, ...], str] = {}
         self._addresses: dict[str, tuple[str, int]] = {}  # group name -> where its store is hosted
-        self._names = (f"sluice_weights_{os.getpid()}_{i}" for i in itertools.count())
+        self._names = (f"{group_prefix}_{os.getpid()}_{i}" for i in itertools.count())
 
     def connect(self, urls: Sequence[str]) -> None:
         key = tuple(urls)

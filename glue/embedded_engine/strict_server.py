@@ -97,6 +97,9 @@ class StrictEngineServer(EngineServer):
         self.enable_memory_saver = enable_memory_saver  # without it SGLang's memory routes change nothing
         self.session: str | None = None  # the open weight-update session's selector
         self.update_lock = UpdateLock()
+        # SGLang's update_weights_from_distributed communicator runs one call at a time, queued in arrival order (an
+        # asyncio.Lock, FIFO-fair), whatever group each names: updates on different groups never run concurrently
+        self.distributed_queue = asyncio.Lock()
         self.startup_version = self.runner.weight_version  # the --weight-version server arg, as /server_info says
         self.served_version = self.runner.weight_version  # the tokenizer's weight_version, as /model_info says
         self.server_status = "Up"
@@ -281,10 +284,11 @@ class StrictEngineServer(EngineServer):
             problem = check_update_payload(body)
             if problem is not None:
                 return reply(False, f"Failed to receive weights: {problem}")
-            ok, message, _, _ = await asyncio.to_thread(
-                self.receiver.update_from_distributed, names=body["names"], dtypes=body["dtypes"],
-                shapes=body["shapes"], group_name=body.get("group_name", "weight_update_group"),
-                weight_version=body.get("weight_version"), load_format=body.get("load_format"))
+            async with self.distributed_queue:
+                ok, message, _, _ = await asyncio.to_thread(
+                    self.receiver.update_from_distributed, names=body["names"], dtypes=body["dtypes"],
+                    shapes=body["shapes"], group_name=body.get("group_name", "weight_update_group"),
+                    weight_version=body.get("weight_version"), load_format=body.get("load_format"))
             return reply(*self._finish_update(body, ok, DISTRIBUTED_OK if ok else message))
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> web.Response:

@@ -25,6 +25,8 @@ class TrainerGroup:
         if actor_options is not None and len(actor_options) != cfg.world_size:
             raise ValueError(f"TrainerGroup: {len(actor_options)} actor_options for {cfg.world_size} ranks")
         self.cfg, self.version = cfg, 0
+        self._members: dict[int, tuple[int, ...]] = {}  # parallel source rank -> the ranks producing its tensors
+        self._channel_members: dict[str, tuple[int, tuple[int, ...]]] = {}  # a parallel channel -> (source, members)
         actor_cls = ray.remote(TrainerWorker)
         self._actors = [
             actor_cls.options(**(actor_options[rank] if actor_options else {"num_cpus": cfg.num_cpus_per_worker}))
@@ -80,16 +82,26 @@ class TrainerGroup:
 
         return ray.get(self._actors[0].hf_weight_specs.remote())
 
-    def weight_channel_address(self) -> tuple[str, int]:
-        """Rank 0's node address and a port free there: where the weight group is hosted (across nodes the driver
-        knows neither)."""
+    def weight_channel_address(self, rank: int = 0) -> tuple[str, int]:
+        """A source rank's node address and a port free there: where its weight group is hosted (across nodes the
+        driver knows neither)."""
         import ray
 
-        return tuple(ray.get(self._actors[0].rendezvous_address.remote()))
+        return tuple(ray.get(self._actors[rank].rendezvous_address.remote()))
+
+    def weight_source_plan(self) -> list[tuple[int, list[str]]]:
+        """The parallel weight sources of this layout: (source rank, the HF names it sends) each, one per pipeline
+        stage and expert-parallel group (glue.trainer.weight_stream.WeightStream.source_plan)."""
+        parts = self._all("weight_source_plan")[0]
+        self._members.update({part.rank: part.members for part in parts})
+        return [(part.rank, list(part.names)) for part in parts]
 
     def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
-        """Every rank learns the channel's buckets; rank 0 opens it (broadcast: blocks until every engine joined)."""
+        """Every rank learns the channel's buckets; the channel's source rank (`spec["source"]`, default 0) opens it
+        (broadcast: blocks until every engine joined)."""
         self._all("open_weight_channel", name, spec)
+        if "source" in spec:
+            self._channel_members[name] = (spec["source"], self._members[spec["source"]])
 
     def stage_weights(self, with_tensor_checksums: bool = False) -> None:
         """Start a sync of the current weights. Nothing is gathered here: each bucket is, when it is sent, and its
@@ -97,12 +109,20 @@ class TrainerGroup:
         self._all("stage_weights", with_tensor_checksums)
 
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
-        """Every rank takes part in gathering bucket `index` (the ranks holding its shards, and rank 0); rank 0
-        sends it and answers with its checksum (and handle or path)."""
-        return self._all("send_weight_bucket", channel, index)[0]
+        """The ranks producing bucket `index` (those holding its shards, and the channel's source) gather it; the
+        source sends it and answers with its checksum (and handle or path). A parallel source's channel calls only
+        its own members, so the sources' buckets travel side by side."""
+        import ray
+
+        if channel not in self._channel_members:
+            return self._all("send_weight_bucket", channel, index)[0]
+        source, members = self._channel_members[channel]
+        answers = ray.get([self._actors[r].send_weight_bucket.remote(channel, index) for r in members])
+        return answers[members.index(source)]
 
     def close_weight_channel(self, name: str) -> None:
         self._all("close_weight_channel", name)
+        self._channel_members.pop(name, None)
 
     def full_hf_state(self) -> dict[str, Any]:
         """Every weight as a full HF-named CPU tensor (for checks and checkpoints)."""

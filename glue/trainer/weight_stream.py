@@ -2,6 +2,7 @@
 hold their shards just before it is packed (an all-gather inside the owning TP or expert-TP group, then a
 point-to-point send to the source rank from other pipeline stages and expert-parallel ranks) and dropped once it is
 sent. No rank holds more than its own shard plus about a bucket, and nothing of the model is copied to host memory.
+With parallel sources (`source_plan`) each pipeline stage and expert group sends its own tensors from its own rank.
 """
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from typing import Any
 
 import torch
 
-SOURCE_RANK = 0  # the trainer rank that sends every bucket (pp, tp, dp, ep all 0)
+SOURCE_RANK = 0  # the trainer rank that sends every bucket with one source (pp, tp, dp, ep all 0)
+
+
+@dataclass(frozen=True)
+class SourcePart:
+    """One parallel source: the rank that sends `names` (HF names, in bucket order) and every rank that takes part in
+    producing them (the owning TP / expert-TP groups, and the source)."""
+
+    rank: int
+    members: tuple[int, ...]
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -64,9 +75,27 @@ class WeightStream:
         self._ready: dict[str, torch.Tensor] = {}  # source rank: produced HF tensors not yet in a bucket
         self.peak_bytes = 0  # the most bytes of gathered HF tensors the source held at once (a bench figure)
 
-    @property
-    def is_source(self) -> bool:
-        return self.rank == SOURCE_RANK
+    def source_plan(self, hf_names: list[str]) -> list[SourcePart]:
+        """The parallel sources: each rule is sent by its producer's leader (one per pipeline stage, and one per
+        stage and expert-parallel rank for routed experts), leaders whose producing ranks overlap merged into one
+        source (the lowest leader, the others' tensors sent to it point to point), so no rank takes part in two
+        sources' collectives at once. Sources in order of their rank; names in `hf_names` order."""
+        members: dict[int, set[int]] = {}
+        for producer in self.producers:
+            holders = {r for r, c in enumerate(self.coords) if self._holds(producer, c)}
+            members.setdefault(producer.leader, {producer.leader}).update(holders)
+        merged: list[tuple[set[int], set[int]]] = []  # (leaders, members)
+        for leader, ranks in sorted(members.items()):
+            joined = [m for m in merged if m[1] & ranks]
+            merged = [m for m in merged if not m[1] & ranks]
+            merged.append(({leader, *(l for m in joined for l in m[0])}, ranks.union(*(m[1] for m in joined))))
+        source_of = {leader: min(leaders) for leaders, _ in merged for leader in leaders}
+        parts = []
+        for leaders, ranks in sorted(merged, key=lambda m: min(m[0])):
+            rank = min(leaders)
+            names = tuple(n for n in hf_names if source_of[self.producers[self.rule_of[n]].leader] == rank)
+            parts.append(SourcePart(rank=rank, members=tuple(sorted(ranks)), names=names))
+        return parts
 
     def reset(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensor_sums: bool = False) -> None:
         """A new sync: nothing produced yet. `specs`: (HF name, dtype, shape) of every tensor, for the source's
@@ -76,20 +105,21 @@ class WeightStream:
         self._made.clear()
         self._ready.clear()
 
-    def bucket(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Collective over every trainer rank: the HF tensors `names` on the source rank, {} on the others. Only
-        the ranks that hold a shard of a tensor, and the source, take part in producing it."""
+    def bucket(self, names: list[str], source: int = SOURCE_RANK) -> dict[str, torch.Tensor]:
+        """Collective over the ranks that produce `names` (every rank may call it; the others return at once): the
+        HF tensors `names` on the `source` rank, {} on the others. Only the ranks that hold a shard of a tensor, and
+        the source, take part in producing it."""
         sends: list[tuple[Any, torch.Tensor]] = []
         for index in dict.fromkeys(self.rule_of[name] for name in names):
             if index in self._made:
                 continue
             self._made.add(index)
-            self._ready.update(self._produce(index, sends))
+            self._ready.update(self._produce(index, sends, source))
         for request, _ in sends:  # the tensors stay referenced until their sends complete
             request.wait()
         held = sum(t.numel() * t.element_size() for t in self._ready.values())
         self.peak_bytes = max(self.peak_bytes, held)
-        return {name: self._ready.pop(name) for name in names} if self.is_source else {}
+        return {name: self._ready.pop(name) for name in names} if self.rank == source else {}
 
     # ---- one rule
     def _producer(self, rule: Any) -> Producer:
@@ -111,16 +141,17 @@ class WeightStream:
         assert matches, f"no trainer rank at {coords}"
         return matches[0]
 
-    def _holds(self, producer: Producer) -> bool:
-        """Is this rank in the group that assembles the rule (the first replica's TP or expert-TP group)?"""
-        me = self.me
+    def _holds(self, producer: Producer, me: Coords | None = None) -> bool:
+        """Is this rank (or the rank at `me`) in the group that assembles the rule (the first replica's TP or
+        expert-TP group)?"""
+        me = self.me if me is None else me
         if me.pp != producer.stage:
             return False
         if producer.ep_rank is None:
             return me.dp == 0
         return me.ep == producer.ep_rank and me.edp == 0
 
-    def _produce(self, index: int, sends: list) -> dict[str, torch.Tensor]:
+    def _produce(self, index: int, sends: list, source: int) -> dict[str, torch.Tensor]:
         from weight_sync.convert import local_name, rule_to_hf, shard_rank
 
         rule, producer = self.rules[index], self.producers[index]
@@ -136,13 +167,13 @@ class WeightStream:
             if rank != 0:
                 return {}
             tensors = rule_to_hf(rule, shards, self.hf_config)
-            if self.is_source:
+            if self.rank == source:
                 return tensors
             for name in rule.hf:
                 tensor = tensors[name].contiguous()
-                sends.append((torch.distributed.isend(tensor, dst=SOURCE_RANK), tensor))
+                sends.append((torch.distributed.isend(tensor, dst=source), tensor))
             return {}
-        if not self.is_source:
+        if self.rank != source:
             return {}
         received = {}
         for name in rule.hf:
@@ -156,21 +187,38 @@ class WeightStream:
 
 
 class TrainerWeightSource:
-    """One trainer rank's side of the weight bridge's source calls (weight_sync.transports.WeightSource). Every
-    rank takes part in every call; rank 0 holds the channels (weight_sync.source.BucketSource) and sends."""
+    """One trainer rank's side of the weight bridge's source calls (weight_sync.transports.WeightSource). A channel
+    has one source rank (its spec's `source`, default rank 0: one source for the whole model), which holds the
+    channel (weight_sync.source.BucketSource) and sends; the ranks that produce its tensors take part in each send."""
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, place: Any):
         self.model, self.hf_config, self.place = model, hf_config, place
         self.rank = torch.distributed.get_rank()
         self.bucket_names: dict[str, list[list[str]]] = {}  # channel -> the HF names of each of its buckets
+        self.channel_source: dict[str, int] = {}  # channel -> the rank that sends it
         self.staged_version: int | None = None  # the version stage() was called at, for send()'s guard
         self._stream: WeightStream | None = None
-        self._source: Any = None  # weight_sync.source.BucketSource, rank 0 only
+        self._source: Any = None  # weight_sync.source.BucketSource, on source ranks only
+
+    def _ensure_stream(self) -> WeightStream:
+        """The stream (collective the first time: it learns every rank's coordinates)."""
+        if self._stream is None:
+            self._stream = WeightStream(self.model, self.hf_config, self.place)
+        return self._stream
+
+    def source_plan(self) -> list[SourcePart]:
+        """Collective: the parallel sources of this model's layout (`WeightStream.source_plan`)."""
+        from glue.trainer.parallel import hf_weight_specs
+
+        return self._ensure_stream().source_plan([n for n, _, _ in hf_weight_specs(self.model, self.hf_config,
+                                                                                   self.place)])
 
     def open(self, name: str, spec: dict[str, Any]) -> None:
-        """Every rank learns the channel's buckets; rank 0 opens it (broadcast: blocks until every engine joined)."""
+        """Every rank learns the channel's buckets; its source rank opens it (broadcast: blocks until every engine
+        joined)."""
         self.bucket_names[name] = [list(layout["names"]) for layout in spec["layouts"]]
-        if self.rank == SOURCE_RANK:
+        self.channel_source[name] = int(spec.get("source", SOURCE_RANK))
+        if self.rank == self.channel_source[name]:
             if self._source is None:
                 from weight_sync.source import BucketSource
 
@@ -182,16 +230,16 @@ class TrainerWeightSource:
         Collective the first time (the stream learns every rank's coordinates)."""
         from glue.trainer.parallel import hf_weight_specs
 
-        if self._stream is None:
-            self._stream = WeightStream(self.model, self.hf_config, self.place)
-        self._stream.reset(hf_weight_specs(self.model, self.hf_config, self.place), with_tensor_checksums)
+        stream = self._ensure_stream()
+        stream.reset(hf_weight_specs(self.model, self.hf_config, self.place), with_tensor_checksums)
         self.staged_version = version
 
     def send(self, channel: str, index: int, version: int) -> dict[str, Any]:
-        """Collective: gather bucket `index` of `channel` (weight_stream.WeightStream) and, on rank 0, send it;
-        rank 0 answers with what the channel reports (checksum, handle or path, timings) plus, when staged with
-        tensor checksums, `tensor_sums` of the bucket's tensors. Refuses once a train step ran since `stage`: the
-        bucket would carry that step's weights under the staged version's tag."""
+        """Collective over the ranks producing the channel's tensors: gather bucket `index` of `channel`
+        (weight_stream.WeightStream) and, on the channel's source rank, send it; the source answers with what the
+        channel reports (checksum, handle or path, timings) plus, when staged with tensor checksums, `tensor_sums`
+        of the bucket's tensors. Refuses once a train step ran since `stage`: the bucket would carry that step's
+        weights under the staged version's tag."""
         if self.staged_version != version:
             staged = "nothing is staged" if self.staged_version is None else f"version {self.staged_version} was staged"
             raise RuntimeError(f"send_weight_bucket: {staged} but the trainer is at version {version}; call "
@@ -199,8 +247,9 @@ class TrainerWeightSource:
         if channel not in self.bucket_names:
             raise RuntimeError(f"weight channel {channel!r} is not open (open: {sorted(self.bucket_names)})")
         assert self._stream is not None, "stage() makes the stream"
-        tensors = self._stream.bucket(self.bucket_names[channel][index])
-        if self.rank != SOURCE_RANK:
+        source = self.channel_source[channel]
+        tensors = self._stream.bucket(self.bucket_names[channel][index], source)
+        if self.rank != source:
             return {}
         out = self._source.send_bucket(channel, index, tensors)
         if self._stream.tensor_sums:
@@ -217,5 +266,6 @@ class TrainerWeightSource:
         """Close one channel, or every channel."""
         for channel in [name] if name is not None else list(self.bucket_names):
             self.bucket_names.pop(channel, None)
+            self.channel_source.pop(channel, None)
             if self._source is not None:
                 self._source.close_channel(channel)

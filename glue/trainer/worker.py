@@ -338,6 +338,10 @@ class TrainerWorker:
         """Collective: start a sync of the current weights (nothing is gathered until a bucket is sent)."""
         self._weights().stage(self.version, with_tensor_checksums)
 
+    def weight_source_plan(self) -> list[Any]:
+        """Collective: the parallel weight sources of this layout (glue.trainer.weight_stream.SourcePart list)."""
+        return self._weights().source_plan()
+
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
         """Collective: gather bucket `index` of the staged weights onto rank 0, which sends it into `channel`
         (glue.trainer.weight_stream)."""

@@ -1,7 +1,8 @@
 """`make bench` scale section: what grows with the run's size, measured here, written to bench-results/scale.json
 one key per test (a test rewrites only its own key): `driver_ratio` (bytes the driver serialises per training step
-over the batch's bytes, per trainer world size) and `health_sweep_s` with its engines and timeout (one deep health
-sweep over many stand-in engines, some hung)."""
+over the batch's bytes, per trainer world size), `health_sweep_s` with its engines and timeout (one deep health
+sweep over many stand-in engines, some hung), `sizes` (memory during a sync) and `sources` (a sync from one source
+and from parallel sources)."""
 from __future__ import annotations
 
 import json
@@ -165,3 +166,75 @@ def torch_numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+SOURCE_LAYOUTS = {  # trainer layouts with two sources each, and a model big enough that a sync takes ~0.1 s here
+    "pp2": ({"pipeline_model_parallel_size": 2},
+            dict(family="qwen3", vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                 intermediate_size=1536)),
+    "ep2": ({"data_parallel_size": 2, "expert_model_parallel_size": 2}, MOE_SIZES["16_experts"]),
+}
+
+
+SPLIT = ("stage_s", "transfer_s", "verify_s", "wire_s", "pack_s", "copy_in_s")  # a sync's figures kept per mode
+
+
+def test_sync_from_one_source_and_from_parallel_sources(tmp_path_factory, engine_processes):
+    """PP=2 and EP=2 trainers on Ray, one embedded engine: the same weights, in the same 4 MiB bucket size, synced
+    from trainer rank 0 alone (`sync.sources: one`) and from one source per stage / expert group (`parallel`),
+    alternately, 5 times each after one warm-up each; the medians of total_s, and the median syncs' splits (wire_s,
+    pack_s: summed over buckets and, in parallel, over sources, so a source's wait for the engine to finish another
+    source's bucket counts as wire). Target: parallel <= 0.8 x one source."""
+    import statistics
+
+    import ray
+
+    from glue.config import SyncConfig
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.group import TrainerGroup
+    from loss import LossConfig
+    from weight_sync.bridge import make_bridge
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    rows = {}
+    try:
+        for name, (layout, shape) in SOURCE_LAYOUTS.items():
+            model = save_tiny_model(str(tmp_path_factory.mktemp(name)), seed=0, **shape)
+            engine = engine_processes.start(model)
+            group = TrainerGroup(model, TrainerConfig(micro_batch_size=2, num_cpus_per_worker=1, **layout),
+                                 LossConfig())
+            try:
+                made = {mode: make_bridge(SyncConfig(sources=mode, bucket_bytes=4 << 20, verify="checksum"),
+                                          source=group, engine_urls=[engine]) for mode in ("one", "parallel")}
+                runs: dict[str, list[dict[str, float]]] = {"one": [], "parallel": []}
+                parts = getattr(made["parallel"].transport, "parts", [])
+                bytes_per_source = [sum(b.nbytes for b in part.layouts) for part in parts]
+                try:
+                    for round_ in range(6):
+                        for mode, bridge in made.items():
+                            figures = bridge.sync(round_)
+                            if round_:
+                                runs[mode].append(figures)
+                finally:
+                    for bridge in made.values():
+                        bridge.close()
+            finally:
+                group.shutdown()
+            row = {"bytes": int(runs["one"][0]["bytes"]), "sources": len(bytes_per_source),
+                   "bytes_per_source": bytes_per_source, "buckets": int(runs["parallel"][0]["buckets"])}
+            for mode, key in (("one", "one_source"), ("parallel", "parallel")):
+                totals = [r["total_s"] for r in runs[mode]]
+                median = sorted(runs[mode], key=lambda r: r["total_s"])[len(totals) // 2]
+                row[f"{key}_s"] = round(statistics.median(totals), 4)
+                row[f"{key}_all_s"] = [round(t, 4) for t in totals]
+                row[f"{key}_split"] = {k: round(median[k], 4) for k in SPLIT}
+            row["ratio"] = round(row["parallel_s"] / row["one_source_s"], 3)
+            rows[name] = row
+    finally:
+        ray.shutdown()
+    pp2 = rows["pp2"]
+    write_section({"sources": {"one_source_s": pp2["one_source_s"], "parallel_s": pp2["parallel_s"],
+                               "layouts": rows}})
+    assert all(row["sources"] == 2 for row in rows.values()), rows
