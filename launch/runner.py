@@ -27,6 +27,10 @@ def run(cfg: SluiceConfig) -> Path:
     cfg, plan = resolve(cfg)
     if plan.notes:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
+    if cfg.run.mode == "sft":  # supervised fine-tuning: the trainer alone, on chat data (launch.sft)
+        from launch.sft import run_sft
+
+        return run_sft(cfg, plan)
     preflight(cfg, plan)
     run_dir = cfg.run_dir
     check_replay(cfg)
