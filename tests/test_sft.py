@@ -198,3 +198,16 @@ def test_the_exported_sft_policy_is_the_model_path_of_an_rl_run_and_its_trainer_
     assert set(loaded) == set(exported)
     assert all(torch.equal(loaded[name], exported[name]) for name in exported)
     assert not all(torch.equal(exported[name], initial[name]) for name in exported)  # SFT moved the weights
+
+
+def test_the_rehearsal_shrink_moves_an_sft_recipe_s_data_to_generated_chats_and_keeps_its_mode(tmp_path):
+    from launch.shrink import shrink
+
+    raw = {"run": {"mode": "sft", "num_steps": 3000}, "model": {"path": "/models/Qwen3-8B"},
+           "sft": {"data": "/data/ultrachat.parquet", "conversations_per_step": 256},
+           "trainer": {"tensor_model_parallel_size": 4, "data_parallel_size": 8}}
+    shrunk = shrink(raw, data_dir=tmp_path, name_hint="sft")
+    sft, record = shrunk.raw["sft"], shrunk.record
+    assert sft == {"data": str(tmp_path / "sft-ultrachat.jsonl"), "conversations_per_step": 16, "example_rows": 64}
+    assert shrunk.raw["model"]["tiny"]["tokenizer"] is True  # chats are rendered with the chat template
+    assert record.kept["run.mode"] == "sft" and record.scaled["sft.data"]["from"] == "/data/ultrachat.parquet"
