@@ -116,7 +116,6 @@ def restore_sft(cfg: SluiceConfig, checkpoint: Path | None, trainer) -> tuple[in
     """(first step, data cursor): from `checkpoint` (an SFT run's: its weights, optimizer and data cursor, with
     metrics.jsonl cut back to its step), or (1, 0) on a fresh start, clearing what a previous run left."""
     from glue.checkpoint import Checkpoints
-    from glue.sft.loop import MODE
 
     run_dir, metrics = cfg.run_dir, cfg.run_dir / "metrics.jsonl"
     if checkpoint is None:
@@ -124,10 +123,7 @@ def restore_sft(cfg: SluiceConfig, checkpoint: Path | None, trainer) -> tuple[in
         if cfg.run.overwrite:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return 1, 0
-    state = Checkpoints.read_state(checkpoint)
-    if state.get("mode") != MODE:
-        raise ConfigError(f"{checkpoint} is an RL run's checkpoint; an SFT run resumes only an SFT one. To fine-tune "
-                          f"its policy, export it (sluice export-hf {checkpoint} OUT) and set model.path=OUT")
+    state = Checkpoints.read_state(checkpoint)  # an SFT run's (launch.runner.find_checkpoint checked)
     version = trainer.load_checkpoint(str(checkpoint))
     kept = [line for line in (metrics.read_text().splitlines() if metrics.exists() else [])
             if line.strip() and json.loads(line).get("step", 0) <= state["step"]]

@@ -211,3 +211,18 @@ def test_the_rehearsal_shrink_moves_an_sft_recipe_s_data_to_generated_chats_and_
     assert sft == {"data": str(tmp_path / "sft-ultrachat.jsonl"), "conversations_per_step": 16, "example_rows": 64}
     assert shrunk.raw["model"]["tiny"]["tokenizer"] is True  # chats are rendered with the chat template
     assert record.kept["run.mode"] == "sft" and record.scaled["sft.data"]["from"] == "/data/ultrachat.parquet"
+
+
+def test_an_rl_run_refuses_to_resume_an_sft_checkpoint_and_says_to_start_from_its_policy(tmp_path):
+    from glue.checkpoint import Checkpoints
+    from launch.config import ConfigError, load_config
+    from launch.runner import find_checkpoint
+
+    Checkpoints(tmp_path / "runs/sft/checkpoints").save(3, lambda folder: None, {"mode": "sft", "version": 3,
+                                                                                "cursor": 48})
+    checkpoint = tmp_path / "runs/sft/checkpoints/step_00000003"
+    rl = load_config(REPO / "examples/configs/demo.yaml", [f"run.resume={checkpoint}"])
+    with pytest.raises(ConfigError, match="an SFT run's checkpoint .* set model.path=OUT"):
+        find_checkpoint(rl)
+    sft = load_config(REPO / "examples/configs/sft.yaml", [f"run.output_dir={tmp_path / 'runs'}"])
+    assert find_checkpoint(sft) == checkpoint  # run.resume auto: an SFT run continues its own
