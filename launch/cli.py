@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from launch.model_check import weight_sync_plan
 
-        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": weight_sync_plan(cfg)}, "checked": checked}
+        sync = weight_sync_plan(cfg) if plan.engines else "none: no engines (run.mode sft)"
+        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": sync}, "checked": checked}
         print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")
         return 0
     from glue.fleet import ProcessDied
