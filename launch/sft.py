@@ -62,8 +62,9 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
     return run_dir
 
 
-def check_sft_files(cfg: SluiceConfig) -> None:
-    """Before anything starts: the chat data is there (or will be written), and model.path has a tokenizer."""
+def check_sft_files(cfg: SluiceConfig) -> str:
+    """Before anything starts (and in a dry run): the chat data is there (or will be written), and model.path has a
+    tokenizer; returns the line a dry run prints."""
     from launch.model_check import has_tokenizer
 
     if not Path(cfg.sft.data).is_file() and cfg.sft.example_rows == 0:
@@ -72,6 +73,8 @@ def check_sft_files(cfg: SluiceConfig) -> None:
     if cfg.model.path is not None and not has_tokenizer(cfg.model.path):
         raise ConfigError(f"model.path={cfg.model.path!r} holds no tokenizer; run.mode=sft renders chats with the "
                           "model's tokenizer and chat template")
+    written = "" if Path(cfg.sft.data).is_file() else f" (written at start-up: {cfg.sft.example_rows} generated chats)"
+    return f"sft data: {cfg.sft.data}{written}"
 
 
 def load_data(cfg: SluiceConfig, model_path: str) -> tuple[list, dict]:
