@@ -226,3 +226,21 @@ def test_an_rl_run_refuses_to_resume_an_sft_checkpoint_and_says_to_start_from_it
         find_checkpoint(rl)
     sft = load_config(REPO / "examples/configs/sft.yaml", [f"run.output_dir={tmp_path / 'runs'}"])
     assert find_checkpoint(sft) == checkpoint  # run.resume auto: an SFT run continues its own
+
+
+def test_the_dry_run_of_an_sft_config_plans_the_trainer_alone_and_checks_its_data(tmp_path, capsys):
+    import yaml
+
+    from launch.cli import main
+
+    data = tmp_path / "chat.jsonl"
+    assert main(["--config", "examples/configs/sft.yaml", f"sft.data={data}", "--dry-run"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    plan = shown["plan"]
+    assert plan["engines"] == [] and plan["router"] == "" and len(plan["trainer"]) == 1
+    assert plan["placement_group"]["bundles"] == 1 and plan["weight_sync"].startswith("none")
+    assert f"sft data: {data} (written at start-up: 2000 generated chats)" in shown["checked"]
+    assert main(["--config", "examples/configs/sft.yaml", f"sft.data={data}", "sft.example_rows=0", "--dry-run"]) == 2
+    assert f"sft.data='{data}' does not exist" in capsys.readouterr().err
+    assert main(["--config", "examples/configs/sft.yaml", "model.tiny.tokenizer=false", "--dry-run"]) == 2
+    assert "set model.tiny.tokenizer: true" in capsys.readouterr().err
