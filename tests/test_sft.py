@@ -18,6 +18,7 @@ from loss import SftLossConfig, compute_loss, sft_loss
 from test_trainer_megatron import hf_teacher_forced_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
+SFT_YAML = REPO / "examples/configs/sft.yaml"
 STEPS, PER_STEP = 12, 16
 CHAT = [{"role": "system", "content": "Solve the problem."}, {"role": "user", "content": "What is 3+4?"},
         {"role": "assistant", "content": "3+4=7"}, {"role": "user", "content": "What is 1+1?"},
@@ -115,13 +116,15 @@ def sluice(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def test_a_run_on_bad_data_stops_before_anything_starts_naming_the_line(tmp_path):
+def test_a_run_on_bad_data_stops_before_anything_starts_naming_the_line(tmp_path, capsys):
+    from launch.cli import main
+
     bad = tmp_path / "chat.jsonl"
     bad.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT[:2]}) + "\n")
-    done = sluice(f"run.output_dir={tmp_path}", f"sft.data={bad}", "sft.example_rows=0", timeout=120)
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    assert f"{bad} line 2: no assistant turn" in done.stderr
-    assert "sluice: ray" not in done.stdout  # refused before Ray or the trainer started
+    assert main(["--config", str(SFT_YAML), f"run.output_dir={tmp_path}", f"sft.data={bad}"]) == 2
+    out = capsys.readouterr()
+    assert f"{bad} line 2: no assistant turn" in out.err
+    assert "sluice: model" in out.out and "sluice: ray" not in out.out  # refused before Ray or the trainer started
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +227,7 @@ def test_an_rl_run_refuses_to_resume_an_sft_checkpoint_and_says_to_start_from_it
     rl = load_config(REPO / "examples/configs/demo.yaml", [f"run.resume={checkpoint}"])
     with pytest.raises(ConfigError, match="an SFT run's checkpoint .* set model.path=OUT"):
         find_checkpoint(rl)
-    sft = load_config(REPO / "examples/configs/sft.yaml", [f"run.output_dir={tmp_path / 'runs'}"])
+    sft = load_config(SFT_YAML, [f"run.output_dir={tmp_path / 'runs'}"])
     assert find_checkpoint(sft) == checkpoint  # run.resume auto: an SFT run continues its own
 
 
@@ -234,13 +237,13 @@ def test_the_dry_run_of_an_sft_config_plans_the_trainer_alone_and_checks_its_dat
     from launch.cli import main
 
     data = tmp_path / "chat.jsonl"
-    assert main(["--config", "examples/configs/sft.yaml", f"sft.data={data}", "--dry-run"]) == 0
+    assert main(["--config", str(SFT_YAML), f"sft.data={data}", "--dry-run"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     plan = shown["plan"]
     assert plan["engines"] == [] and plan["router"] == "" and len(plan["trainer"]) == 1
     assert plan["placement_group"]["bundles"] == 1 and plan["weight_sync"].startswith("none")
     assert f"sft data: {data} (written at start-up: 2000 generated chats)" in shown["checked"]
-    assert main(["--config", "examples/configs/sft.yaml", f"sft.data={data}", "sft.example_rows=0", "--dry-run"]) == 2
+    assert main(["--config", str(SFT_YAML), f"sft.data={data}", "sft.example_rows=0", "--dry-run"]) == 2
     assert f"sft.data='{data}' does not exist" in capsys.readouterr().err
-    assert main(["--config", "examples/configs/sft.yaml", "model.tiny.tokenizer=false", "--dry-run"]) == 2
+    assert main(["--config", str(SFT_YAML), "model.tiny.tokenizer=false", "--dry-run"]) == 2
     assert "set model.tiny.tokenizer: true" in capsys.readouterr().err
