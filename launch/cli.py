@@ -41,7 +41,7 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
                          help="this help with every config key; TOPIC megatron, sglang or router lists that backend's "
                               "pass-through options instead")
         own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, eval, "
-                                          "cluster, sglang, router)")
+                                          "cluster, sft, sglang, router)")
         own.add_argument("--dry-run", action="store_true",
                          help="resolve and validate, check the model directory, plugins, data files, tokenizer, "
                               "ports and placement, print the config and the plan (ranks, engine and router commands, "
@@ -215,12 +215,17 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             checked = preflight(cfg, plan, here=False)
+            if cfg.run.mode == "sft":
+                from launch.sft import check_sft_files
+
+                checked.append(check_sft_files(cfg))
         except ConfigError as err:
             print(f"sluice: config error: {err}", file=sys.stderr)
             return 2
         from launch.model_check import weight_sync_plan
 
-        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": weight_sync_plan(cfg)}, "checked": checked}
+        sync = weight_sync_plan(cfg) if plan.engines else "none: no engines (run.mode sft)"
+        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": sync}, "checked": checked}
         print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")
         return 0
     from glue.fleet import ProcessDied

@@ -18,6 +18,7 @@ import yaml
 
 from glue.config import EvalConfig, RewardConfig, RolloutConfig, SyncConfig
 from glue.reward_models import JudgeConfig, RewardModelConfig
+from glue.sft.config import SftConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 
@@ -91,7 +92,7 @@ class RunConfig:
     output_dir: str = "runs"  # parent folder of run directories
     num_steps: int = 30  # training steps (one rollout batch each)
     seed: int = 0  # seeds the rollout side: prompt order and per-request sampling seeds
-    mode: Literal["sync", "async"] = "sync"  # sync: every rollout comes from the latest weights
+    mode: Literal["sync", "async", "sft"] = "sync"  # sync: every rollout comes from the latest weights; async: rollout runs on while the trainer trains; sft: supervised fine-tuning on the `sft:` section's chat data, no engines (docs/sft.md)
     ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null starts a local one
     ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)
     overwrite: bool = False  # a folder holding a previous run is refused unless true (replaced once start-up succeeded)
@@ -193,6 +194,7 @@ class SluiceConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     judge: JudgeSection | None = None  # an LLM judge scoring each finished group (glue.judge); null: none
     reward_model: RewardModelSection | None = None  # a scalar reward model scoring each finished group (glue.scalar_rm); null: none
+    sft: SftConfig = field(default_factory=SftConfig)  # the chat data of a run.mode sft run
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)
 
@@ -201,6 +203,10 @@ class SluiceConfig:
         if self.run.debug == "train_only" and self.eval.enabled:
             raise ValueError(f"eval.interval={self.eval.interval} needs engines, which run.debug=train_only does not "
                              "start; set eval.interval: 0")
+        if self.run.mode == "sft":
+            self.sft.check_against(has_tokenizer=self.model.path is not None or self.model.tiny.tokenizer,
+                                   temperature=self.trainer.temperature, eval_enabled=self.eval.enabled,
+                                   debug=self.run.debug, routing_replay=self.trainer.routing_replay)
 
     @property
     def run_dir(self) -> Path:

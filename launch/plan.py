@@ -183,7 +183,7 @@ def _check_layout(cfg: SluiceConfig) -> None:
     if engine_gpus % c.engine_tensor_parallel_size:
         raise ValueError(f"cluster.engine_tensor_parallel_size={c.engine_tensor_parallel_size} does not divide "
                          f"cluster.engine_gpus={engine_gpus}; every engine needs the same number of GPUs")
-    if engine_gpus // c.engine_tensor_parallel_size != cfg.rollout.num_engines:
+    if engine_gpus // c.engine_tensor_parallel_size != num_engines(cfg):
         raise ValueError(f"cluster.engine_gpus={engine_gpus} / engine_tensor_parallel_size="
                          f"{c.engine_tensor_parallel_size} = {engine_gpus // c.engine_tensor_parallel_size} engines, "
                          f"but rollout.num_engines={cfg.rollout.num_engines}; make them agree")
@@ -210,9 +210,16 @@ def _check_layout(cfg: SluiceConfig) -> None:
                              f"run.ray_num_cpus={cfg.run.ray_num_cpus}; raise it or lower cluster.cpus_per_bundle")
 
 
+def num_engines(cfg: SluiceConfig) -> int:
+    """The engines the run starts: rollout.num_engines, none in run.mode sft (the trainer alone runs)."""
+    return 0 if cfg.run.mode == "sft" else cfg.rollout.num_engines
+
+
 def _engine_gpus(cfg: SluiceConfig) -> int:
     c = cfg.cluster
-    return c.engine_gpus if c.engine_gpus is not None else cfg.rollout.num_engines * c.engine_tensor_parallel_size
+    if c.engine_gpus is not None and num_engines(cfg):
+        return c.engine_gpus
+    return num_engines(cfg) * c.engine_tensor_parallel_size
 
 
 def _num_bundles(cfg: SluiceConfig, engine_gpus: int) -> int:
@@ -298,7 +305,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     engine_args = layout + to_argv(cfg.sglang, sglang_options())
     model = cfg.model.path or str(cfg.run_dir / "init_model")
     engines = []
-    for e in range(cfg.rollout.num_engines):
+    for e in range(num_engines(cfg)):
         bundles = list(range(e * c.engine_tensor_parallel_size, (e + 1) * c.engine_tensor_parallel_size))
         devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
         engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
@@ -308,7 +315,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     router_args = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(cfg.router,
                                                                                              router_options())
     router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
-                      "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_args]
+                      "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_args] if engines else []
     notes = cfg.trainer.unsupported() + unused_by_trainer(cfg.trainer.megatron)
     if cfg.loss.kl_reward_coef > 0:
         notes.append("loss.kl_reward_coef > 0: the trainer has no reference logprobs before the advantages are "

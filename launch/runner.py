@@ -27,6 +27,10 @@ def run(cfg: SluiceConfig) -> Path:
     cfg, plan = resolve(cfg)
     if plan.notes:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
+    if cfg.run.mode == "sft":  # supervised fine-tuning: the trainer alone, on chat data (launch.sft)
+        from launch.sft import run_sft
+
+        return run_sft(cfg, plan)
     preflight(cfg, plan)
     run_dir = cfg.run_dir
     check_replay(cfg)
@@ -147,7 +151,7 @@ def find_checkpoint(cfg: SluiceConfig) -> Path | None:
     resume = cfg.run.resume
     if resume not in ("auto", "never"):
         try:
-            Checkpoints.read_state(resume)
+            check_resume_kind(Checkpoints.read_state(resume), resume, cfg.run.mode)
         except FileNotFoundError as err:
             raise ConfigError(f"run.resume={resume!r}: {err}") from None
         return Path(resume).resolve()
@@ -158,9 +162,20 @@ def find_checkpoint(cfg: SluiceConfig) -> Path | None:
         raise ConfigError(f"{cfg.run_dir} holds checkpoint {latest.name}, but a run.debug={cfg.run.debug} run does "
                           "not resume; start it under another run.name=..., or set run.overwrite=true")
     if latest is not None:
+        check_resume_kind(Checkpoints.read_state(latest), latest, cfg.run.mode)
         return latest
     check_run_dir(cfg)
     return None
+
+
+def check_resume_kind(state: dict, checkpoint, mode: str) -> None:
+    """An RL run resumes an RL run's checkpoint and an SFT run an SFT one (launch.sft); an RL run starts from an SFT
+    run's policy through model.path instead (its exported hf/)."""
+    if (state.get("mode") == "sft") != (mode == "sft"):
+        what = "an SFT run's" if state.get("mode") == "sft" else "an RL run's"
+        raise ConfigError(f"{checkpoint} is {what} checkpoint and this is a run.mode={mode} run, which resumes only "
+                          f"its own kind; to start from its policy, export it (sluice export-hf {checkpoint} OUT) and "
+                          "set model.path=OUT, under another run.name=...")
 
 
 def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colocation) -> dict | None:

@@ -18,6 +18,7 @@ STEPS = 2  # train steps of a rehearsal: the first one starts everything, the se
 MAX_TRAINER_RANKS = 2  # trainer world size on 2 cores (each rank is a process with its own model copy)
 MAX_PARALLEL = 2  # any one parallel dimension (TP, PP, EP, ETP, DP, engine TP / EP)
 PROMPTS, SAMPLES, NEW_TOKENS, EVAL_PROMPTS = 4, 4, 8, 4
+SFT_ROWS = 64  # generated chats an SFT recipe's rehearsal trains on
 TEXT_VOCAB = 272  # a tiny model with a tokenizer: 256 bytes, 4 specials, 12 merges (examples/configs/text_arith.yaml)
 
 # Checkpoint families by name, first match wins, where the checkpoint itself is not on this machine.
@@ -126,6 +127,7 @@ def shrink(raw: dict[str, Any], *, data_dir: str | Path, engine: str = "sglang_s
     _shrink_model(edit, name_hint)
     _shrink_reward_models(edit)
     _shrink_data(edit, shrunk, Path(data_dir))
+    _shrink_sft(edit, Path(data_dir))
     _shrink_rollout(edit, steps)
     _shrink_sync(edit, steps)
     _shrink_sglang(edit)
@@ -203,7 +205,8 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
     if path is None:
         return  # a tiny model already
     family = infer_family(path, name_hint)
-    tiny = {"family": family, "tokenizer": needs_tokenizer(edit.get("rollout.task", "")), "num_layers": 2,
+    tokenizer = edit.get("run.mode") == "sft" or needs_tokenizer(edit.get("rollout.task", ""))
+    tiny = {"family": family, "tokenizer": tokenizer, "num_layers": 2,
             "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
     if tiny["tokenizer"]:
         tiny["vocab_size"] = TEXT_VOCAB
@@ -263,6 +266,20 @@ def _shrink_data(edit: _Editor, shrunk: Shrunk, data_dir: Path) -> None:
         if not writes_own:
             merged = {**train_args, **args}
             shrunk.data_files[target] = (merged.get("prompt_key", "prompt"), merged.get("label_key", "answer"))
+
+
+def _shrink_sft(edit: _Editor, data_dir: Path) -> None:
+    """An SFT recipe's chat data moves under data_dir, as generated arithmetic chats (glue.sft.data) written by the
+    run itself: the recipe's own file is not on this machine, or is far more than two steps read."""
+    if edit.get("run.mode") != "sft":
+        return
+    if edit.get("sft.data") is not None:
+        edit.set("sft.data", str(data_dir / f"sft-{Path(edit.get('sft.data')).stem}.jsonl"),
+                 "generated arithmetic chats, written here by the run (sft.example_rows)")
+    if edit.get("sft.example_rows", 0) != SFT_ROWS:
+        edit.set("sft.example_rows", SFT_ROWS, "a small stand-in chat data set")
+    if edit.get("sft.conversations_per_step", 16) > PROMPTS * SAMPLES:
+        edit.set("sft.conversations_per_step", PROMPTS * SAMPLES, "small batch")
 
 
 def _shrink_rollout(edit: _Editor, steps: int) -> None:

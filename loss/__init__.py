@@ -16,12 +16,19 @@ from loss.corrections import (CLIP_REFERENCES, CORRECTIONS, OLD_LOGPROB_SOURCES,
 from loss.kl import KL_ESTIMATORS, token_entropy
 from loss.policy import POLICY_LOSSES
 from loss.presets import PRESETS, IncoherentLossWarning
+from loss.sft import SftLossConfig, sft_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "CLIP_REFERENCES", "CORRECTIONS", "KL_ESTIMATORS", "OLD_LOGPROB_SOURCES", "POLICY_LOSSES",
-    "PRESETS", "IncoherentLossWarning", "LossConfig", "compute_advantages", "compute_policy_loss", "count_tokens_and_seqs", "ewma_proximal_logprobs",
-    "gae", "token_entropy",
+    "PRESETS", "IncoherentLossWarning", "LossConfig", "SftLossConfig", "compute_advantages", "compute_loss", "compute_policy_loss", "count_tokens_and_seqs", "ewma_proximal_logprobs",
+    "gae", "sft_loss", "token_entropy",
 ]
+
+
+def compute_loss(cfg: LossConfig | SftLossConfig, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The trainer's per-micro-batch loss, by the kind of its config: `compute_policy_loss` for an RL run's
+    LossConfig, `sft_loss` (masked cross-entropy) for a `run.mode: sft` run's SftLossConfig."""
+    return sft_loss(cfg, **inputs) if isinstance(cfg, SftLossConfig) else compute_policy_loss(cfg, **inputs)
 
 
 def compute_advantages(cfg: LossConfig, *, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,

@@ -249,14 +249,14 @@ class TrainerWorker:
         share of the mini-batch's trained tokens; `ewma` (PPO-EWMA's state, [B, T]) gets this evaluation's update. A
         padding micro-batch's mask is all 0: its loss is 0 but its forward and backward still meet the other ranks'
         collectives."""
-        from loss import compute_policy_loss, ewma_proximal_logprobs
+        from loss import compute_loss, ewma_proximal_logprobs
 
         def take(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else mb.take(x).to(self.device)
 
         logprobs, entropy = self._forward(mb.take(batch.tokens), logits, self.loss_cfg.entropy_coef > 0, mb.seq_ids)
         mask = take(batch.logprob_mask.float()) * float(mb.is_real)
-        loss, metrics = compute_policy_loss(
+        loss, metrics = compute_loss(  # the RL policy loss, or SFT's cross-entropy (loss.SftLossConfig)
             self.loss_cfg, logprobs=logprobs, old_logprobs=take(old_logprobs),
             rollout_logprobs=take(batch.rollout_logprobs.float()), advantages=take(batch.advantages.float()),
             mask=mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,

@@ -1,0 +1,3 @@
+"""Supervised fine-tuning (`run.mode: sft`): chat data (`sft:` section, glue.sft.config) tokenized with the model's
+chat template into conversations whose assistant tokens alone are trained (glue.sft.data), fed step by step to the
+same megatron-core trainer an RL run uses, with loss.sft_loss (glue.sft.loop). launch.sft brings the run up."""
