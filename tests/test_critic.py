@@ -3,6 +3,7 @@ value model in a real trainer actor (megatron-core on gloo, Ray) trained on a fi
 checkpoint, then a short PPO run through every seam (engines behind sgl-router, the trainer, the bridge)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -96,7 +97,8 @@ def fixed_batch() -> TrainBatch:
 @pytest.fixture(scope="module")
 def critic_runs(tiny_model_dir, tmp_path_factory) -> dict:
     """One trainer trains STEPS steps on the fixed batch (checkpoint after step 2); a second one resumes that
-    checkpoint and trains step 3 again. Values after every step and the step metrics are kept."""
+    checkpoint and trains step 3 again; a third trains steps 1-2 at TP=2 with sequence parallelism. Values after
+    every step and the step metrics are kept."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
@@ -126,6 +128,14 @@ def critic_runs(tiny_model_dir, tmp_path_factory) -> dict:
             out["resumed_values_3"] = resumed.compute_values(batch)
         finally:
             resumed.shutdown()
+        split = TrainerGroup(tiny_model_dir, dataclasses.replace(cfg, tensor_model_parallel_size=2,
+                                                                 megatron={"sequence_parallel": True}), loss_cfg)
+        try:  # the same two steps with every layer split over 2 TP ranks, the sequence too
+            for _ in range(2):
+                split.train_step(batch)
+            out["tp2_values_2"] = split.compute_values(batch)
+        finally:
+            split.shutdown()
     finally:
         ray.shutdown()
     out["ckpt"] = ckpt
@@ -169,6 +179,17 @@ def test_a_resumed_trainer_continues_the_critic_with_its_weights_and_adam_state(
     assert torch.allclose(critic_runs["resumed_values_3"], critic_runs["values"][3], atol=1e-6)
     for key in ("critic/value_loss", "critic/grad_norm", "train/loss"):
         assert critic_runs["resumed_metrics"][key] == pytest.approx(critic_runs["metrics"][2][key], rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_the_critic_split_over_two_tensor_parallel_ranks_trains_like_one(critic_runs):
+    """The value head is whole on every TP rank, after the sequence-parallel hidden states are gathered; its
+    gradient is each rank's own. Two steps at TP=2 (the trunk moves from the second optimizer step, once the
+    head is no longer 0) give the values of TP=1."""
+    mask = critic_runs["batch"].logprob_mask.bool()
+    one, two = critic_runs["values"][2][mask], critic_runs["tp2_values_2"][mask]
+    assert one.abs().max() > 0.05  # they moved
+    assert torch.allclose(two, one, atol=2e-4), (two - one).abs().max()
 
 
 # ---- (c) PPO with the critic through every seam: engines behind sgl-router, the trainer on Ray, the bridge ----
