@@ -28,8 +28,8 @@ def test_gae_targets_by_hand_with_gamma_lambda_and_masked_positions():
     assert torch.allclose(adv, torch.tensor([[0.0, 0.265, 0.75, 0.0]]))
     assert torch.allclose(ret, torch.tensor([[0.0, 0.765, 1.0, 0.0]]))
     # whitened advantages (unbiased std over the 2 valid tokens: 0.485 / sqrt 2); returns stay the critic's targets
-    adv_w, ret_w = gae_targets(LossConfig(advantage_estimator="gae", gamma=0.9, gae_lambda=0.8,
-                                          whiten_advantages=True), rewards=torch.tensor([1.0]), values=values, mask=mask)
+    whitening = LossConfig(advantage_estimator="gae", gamma=0.9, gae_lambda=0.8, whiten_advantages=True)
+    adv_w, ret_w = gae_targets(whitening, rewards=torch.tensor([1.0]), values=values, mask=mask)
     assert torch.allclose(adv_w, torch.tensor([[0.0, -2 ** -0.5, 2 ** -0.5, 0.0]]), atol=1e-6)
     assert torch.equal(ret_w, ret)
 
@@ -97,7 +97,7 @@ def fixed_batch() -> TrainBatch:
 @pytest.fixture(scope="module")
 def critic_runs(tiny_model_dir, tmp_path_factory) -> dict:
     """One trainer trains STEPS steps on the fixed batch (checkpoint after step 2); a second one resumes that
-    checkpoint and trains step 3 again; a third trains steps 1-2 at TP=2 with sequence parallelism. Values after
+    checkpoint and trains step 3 again; a third trains steps 1-2 at TP=2 (sequence parallel) x DP=2. Values after
     every step and the step metrics are kept."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
@@ -128,12 +128,12 @@ def critic_runs(tiny_model_dir, tmp_path_factory) -> dict:
             out["resumed_values_3"] = resumed.compute_values(batch)
         finally:
             resumed.shutdown()
-        split = TrainerGroup(tiny_model_dir, dataclasses.replace(cfg, tensor_model_parallel_size=2,
-                                                                 megatron={"sequence_parallel": True}), loss_cfg)
-        try:  # the same two steps with every layer split over 2 TP ranks, the sequence too
+        layout = dict(tensor_model_parallel_size=2, data_parallel_size=2, megatron={"sequence_parallel": True})
+        split = TrainerGroup(tiny_model_dir, dataclasses.replace(cfg, **layout), loss_cfg)
+        try:  # the same two steps on 4 ranks: every layer split over 2 TP ranks (the sequence too), the rows over 2 DP
             for _ in range(2):
                 split.train_step(batch)
-            out["tp2_values_2"] = split.compute_values(batch)
+            out["split_values_2"] = split.compute_values(batch)
         finally:
             split.shutdown()
     finally:
@@ -182,12 +182,13 @@ def test_a_resumed_trainer_continues_the_critic_with_its_weights_and_adam_state(
 
 
 @pytest.mark.slow
-def test_the_critic_split_over_two_tensor_parallel_ranks_trains_like_one(critic_runs):
+def test_the_critic_split_over_tensor_and_data_parallel_ranks_trains_like_one(critic_runs):
     """The value head is whole on every TP rank, after the sequence-parallel hidden states are gathered; its
-    gradient is each rank's own. Two steps at TP=2 (the trunk moves from the second optimizer step, once the
-    head is no longer 0) give the values of TP=1."""
+    gradient is each rank's own; each DP rank values and trains its share of the rows (Adam state sharded over DP).
+    Two steps at TP=2 x DP=2 (the trunk moves from the second optimizer step, once the head is no longer 0) give
+    the values of one rank."""
     mask = critic_runs["batch"].logprob_mask.bool()
-    one, two = critic_runs["values"][2][mask], critic_runs["tp2_values_2"][mask]
+    one, two = critic_runs["values"][2][mask], critic_runs["split_values_2"][mask]
     assert one.abs().max() > 0.05  # they moved
     assert torch.allclose(two, one, atol=2e-4), (two - one).abs().max()
 
