@@ -105,7 +105,7 @@ def critic_runs(tiny_model_dir, tmp_path_factory) -> dict:
     from glue.trainer.group import TrainerGroup
 
     batch, ckpt = fixed_batch(), str(tmp_path_factory.mktemp("ckpt"))
-    loss_cfg = LossConfig(advantage_estimator="gae", gamma=1.0, gae_lambda=1.0, value_clip=0.2)
+    loss_cfg = LossConfig(advantage_estimator="gae", gamma=1.0, gae_lambda=1.0, value_clip=0.05)  # binds in epoch 2
     cfg = TrainerConfig(lr=1e-3, critic_lr=1e-3, num_epochs=2)  # the 2nd epoch's steps meet the value clip
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     out: dict = {"batch": batch, "values": [], "metrics": []}
@@ -163,7 +163,8 @@ def test_the_critics_values_move_toward_the_returns_on_a_fixed_batch(critic_runs
     assert first["critic/returns_mean"] == pytest.approx(0.5, abs=1e-6)
     assert first["critic/values_mean"] == 0.0 and first["critic/explained_variance"] == pytest.approx(0.0)
     assert last["critic/value_loss"] < 0.5 * first["critic/value_loss"]
-    assert 0 <= last["critic/value_clipfrac"] <= 1
+    # the clip acted: a second epoch's step met values already moved more than value_clip (0.05) in the first
+    assert max(m["critic/value_clipfrac"] for m in critic_runs["metrics"]) > 0
     assert first["critic/grad_norm"] > 0 and "train/loss" in first and first["weights/version"] == 1.0
 
 
