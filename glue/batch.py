@@ -15,7 +15,8 @@ from glue.types import Group, Sample, SampleStatus, TrainBatch
 
 def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple[int, int]] = frozenset(),
                       gate: StalenessGate | None = None) -> tuple[TrainBatch, dict[str, float]]:
-    """Group-relative advantages from the rewards (loss.compute_advantages), packed into right-padded tensors,
+    """Group-relative advantages from the rewards (loss.compute_advantages; 0 under GAE, whose advantages the trainer
+    computes from its critic's values), packed into right-padded tensors,
     and the step's metrics of what is trained: token staleness (when a gate is given), and with
     `loss_cfg.mask_truncated` the share of trained samples masked for hitting the length limit.
 
@@ -34,12 +35,15 @@ def build_train_batch(groups: list[Group], loss_cfg: Any, *, withheld: set[tuple
     mask = torch.zeros(len(samples), max(longest, 1))
     for b, s in enumerate(samples):
         mask[b, : len(s.response_tokens)] = torch.tensor(s.loss_mask, dtype=torch.float)
-    advantages = compute_advantages(
-        loss_cfg,
-        rewards=torch.tensor([s.scalar_reward for s in samples], dtype=torch.float),
-        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
-        mask=mask,
-    )
+    if getattr(loss_cfg, "uses_critic", False):  # GAE: the trainer's critic values the tokens (glue/trainer/critic.py)
+        advantages = torch.zeros_like(mask)
+    else:
+        advantages = compute_advantages(
+            loss_cfg,
+            rewards=torch.tensor([s.scalar_reward for s in samples], dtype=torch.float),
+            group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+            mask=mask,
+        )
     keep = [b for b, s in enumerate(samples) if (s.group_id, s.index) not in withheld]
     if not keep:
         raise RuntimeError("every sample of this step was too stale to train on; lower sync.max_staleness "

@@ -43,6 +43,7 @@ class LossConfig:
     whiten_advantages: bool = False  # whiten the advantages over all valid tokens of the batch after the estimator
     gamma: float = 1.0  # discount for reinforce_pp* returns and gae
     gae_lambda: float = 1.0  # gae's lambda
+    value_clip: float | None = 0.2  # gae's critic: PPO value clipping, each value moves at most this far from the critic's value before the update per train step (null: plain squared error; docs/critic.md)
     kl_reward_coef: float = 0.0  # > 0: subtract coef * KL(pi_old || pi_ref) per token from the reward (needs ref logprobs)
     # --- policy loss (compute_policy_loss) ---
     policy_loss: str = "ppo_clip"  # name in POLICY_LOSSES: ppo_clip, gspo, cispo, mu_grpo, reinforce
@@ -107,6 +108,7 @@ class LossConfig:
             ("kl_reward_coef", self.kl_reward_coef >= 0, ">= 0"),
             ("entropy_coef", self.entropy_coef >= 0, ">= 0"),
             ("norm_length", self.norm_length is None or self.norm_length >= 1, ">= 1"),
+            ("value_clip", self.value_clip is None or self.value_clip > 0, "> 0 (or null for no value clipping)"),
         ]
         for field, ok, want in in_range:
             if not ok:
@@ -115,6 +117,11 @@ class LossConfig:
             raise ValueError("loss.norm_length must be set for aggregation seq_mean_token_sum_norm "
                              "(Dr.GRPO's constant normaliser, also set by preset dr_grpo): set loss.norm_length "
                              "to rollout.sampling.max_new_tokens")
+
+    @property
+    def uses_critic(self) -> bool:
+        """The advantages come from a value model: the trainer builds a critic and computes them (docs/critic.md)."""
+        return self.advantage_estimator == "gae"
 
     @property
     def needs_old_logprobs(self) -> bool:

@@ -41,6 +41,8 @@ def save_rank(worker: Any, directory: str) -> None:
         torch.save({"optimizer": worker.training.state_dict(), "precision": worker.precision,
                     "torch_rng": torch.get_rng_state(), "version": worker.version, "layout": layout_key(worker)},
                    rank_file(directory, worker.rank))
+        if worker.critic is not None:
+            worker.critic.save(directory, worker.rank)
     finally:
         if offloaded:
             worker.offload()
@@ -68,6 +70,8 @@ def load_rank(worker: Any, directory: str) -> int:
             print(f"trainer: checkpoint {directory} was taken at layout {saved['layout']}, this run is "
                   f"{layout_key(worker)}: weights resharded, main weights taken from them, Adam moments restart",
                   flush=True)
+    if worker.critic is not None:
+        worker.critic.load(directory, worker.rank, same_layout=saved["layout"] == layout_key(worker))
     worker.version = int(saved["version"])
     if worker._snapshots is not None:
         worker._snapshots.save(worker.version, worker.model)

@@ -30,6 +30,7 @@ class TrainerConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16: bf16 model weights with fp32 main weights, gradients and Adam state (megatron's mixed precision); fp32: everything fp32; auto: bf16 when the checkpoint's torch_dtype is bf16/fp16 or a megatron flag asks for it (--bf16, --params-dtype bfloat16), else fp32
     use_distributed_optimizer: bool = True  # megatron's distributed optimizer: main weights and Adam state sharded over the data-parallel ranks (false: each DP rank holds all of its model shard's state)
     lr: float = 1e-3  # Adam learning rate, the peak of the schedule (tiny random models need a high one)
+    critic_lr: float | None = None  # loss.advantage_estimator gae: the critic's Adam learning rate (its own optimizer and schedule; null = lr)
     min_lr: float = 0.0  # the schedule's floor for cosine / linear decay
     lr_warmup_steps: int = 0  # optimizer steps over which the lr rises linearly from 0 to lr (step k of the warm-up runs at lr * k / lr_warmup_steps)
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"  # lr after the warm-up: constant, or decaying to min_lr at lr_decay_steps (megatron's OptimizerParamScheduler)
@@ -64,6 +65,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.dp_balance must be 'tokens' or 'rows', got {self.dp_balance!r}")
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.critic_lr is not None and not self.critic_lr > 0:
+            raise ValueError(f"trainer.critic_lr must be > 0 (or null to use trainer.lr), got {self.critic_lr}")
         self._check_precision_and_schedule()
         if self.weight_decay < 0:
             raise ValueError(f"trainer.weight_decay must be >= 0, got {self.weight_decay}")

@@ -56,6 +56,10 @@ class TrainerGroup:
         """Logprob of tokens[:, t+1] at position t with the current weights: FloatTensor [B, T], last column 0."""
         return self._all("compute_logprobs", batch)[0]
 
+    def compute_values(self, batch: TrainBatch) -> Any:
+        """The critic's values of the batch's tokens, FloatTensor [B, T] (loss.advantage_estimator gae only)."""
+        return self._all("compute_values", batch)[0]
+
     def compute_old_logprobs(self, batch: TrainBatch) -> Any:
         """The old logprobs `train_step` would train `batch` against (trainer.old_logprobs: recomputed with the
         current weights, or each token's at its own version from the snapshots): FloatTensor [B, T]."""

@@ -50,6 +50,7 @@ class TrainerWorker:
         self._snapshots = PolicySnapshots(keep_versions) if uses_snapshots else None
         self._weight_source: Any = None  # glue.trainer.weight_stream.TrainerWeightSource, made on first use
         self._offloaded: list[Any] | None = None  # host copies while offloaded (colocated placement)
+        self.critic: Any = None  # glue.trainer.critic.Critic with loss.advantage_estimator gae, built by initialize
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This host's address (Ray's node IP inside an actor, else loopback) and a free port, for rank 0."""
@@ -90,6 +91,10 @@ class TrainerWorker:
         # megatron's DDP (its gradient and parameter buffers now back self.model's parameters) and optimizer
         self.training = optim.build(self.model, self.cfg, self.precision)
         self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
+        if getattr(self.loss_cfg, "uses_critic", False):  # GAE: a value model beside the policy (docs/critic.md)
+            from glue.trainer.critic import Critic
+
+            self.critic = Critic.build(self, build)
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
         return optim.precision_line(self.precision, self.cfg, self.hf_config, self.place.dp_size)
@@ -158,6 +163,12 @@ class TrainerWorker:
             return logprobs
         return logprobs, sum_tensor_over_dp(share_tensor_from_last_stage(entropy), self.place).cpu()
 
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's value at every position of the batch, [B, T] on CPU (loss.advantage_estimator gae only)."""
+        if self.critic is None:
+            raise RuntimeError("this trainer has no critic: it is built only with loss.advantage_estimator: gae")
+        return self.critic.values(batch)
+
     @torch.no_grad()
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The old (proximal) logprobs `train_step` trains against, [B, T] on CPU, per `trainer.old_logprobs`:
@@ -182,8 +193,11 @@ class TrainerWorker:
         steps, each accumulating micro-batch gradients normalised by the mini-batch's global counts. The version
         then moves by one however many optimizer steps ran: engines load one version per train_step."""
         old_logprobs, entropy, metrics, proximal = None, None, {}, None
+        if self.critic is not None:  # the critic's values give the advantages; it trains toward the returns
+            batch, metrics = self.critic.train_step(batch)
         if self.loss_cfg.needs_old_logprobs:
-            old_logprobs, entropy, metrics = self._old_logprobs(batch, with_entropy=True)
+            old_logprobs, entropy, old_metrics = self._old_logprobs(batch, with_entropy=True)
+            metrics.update(old_metrics)
         if self._snapshots is not None and self.loss_cfg.needs_proximal_logprobs:
             # decoupled PPO: the snapshots are the behaviour policy; the clip is against the weights before the update
             proximal, entropy = self.compute_logprobs(batch, with_entropy=True)
@@ -273,7 +287,8 @@ class TrainerWorker:
         params = [p.data for p in self.model.parameters()]
         if self.reference is not None:
             params += [p.data for p in self.reference.parameters()]
-        return params + self.training.state_tensors()
+        critic = self.critic.state_tensors() if self.critic is not None else []
+        return params + self.training.state_tensors() + critic
 
     def training_state_bytes(self) -> int:
         """Bytes the weights, gradient buffers, main weights and optimizer state hold right now (0 while
