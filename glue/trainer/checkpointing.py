@@ -1,16 +1,17 @@
 """One trainer rank's part of a checkpoint (glue.checkpoint writes the folder), with no gather:
 
-- `dist/`: the model's weights in megatron-core's sharded format (`dist_checkpointing`, torch_dist): every rank
-  writes its own shards (one replica of each: data-parallel copies are written once), and any TP / PP / EP layout
-  reads them back (megatron reshards on load);
-- `trainer/rank_<r>.pt`: this rank's optimizer shard (fp32 main weights and Adam moments: its share of them with the
-  distributed optimizer), the lr schedule, precision, torch RNG state, policy version and layout;
+- `dist/`: the model's weights and the optimizer's state (fp32 main weights, Adam moments and step, shaped like the
+  parameters: megatron's `fully_reshardable` form) in megatron-core's sharded format (`dist_checkpointing`,
+  torch_dist): every rank writes its own weight shards (one replica of each: data-parallel copies are written once),
+  and any TP / PP / DP / EP layout reads them back (megatron reshards on load);
+- `trainer/rank_<r>.pt`: the lr schedule, precision, torch RNG state, policy version, layout and optimizer count;
 - `hf_config/`: the initial model's config and tokenizer files (what `launch.export_hf` needs to write an HF
   directory from `dist/`, offline, tensor by tensor).
 
-Resuming at the layout the checkpoint was taken at is exact. At another layout the weights reshard and the main
-weights are taken from them; the Adam moments restart (they are per layout), which is said in one line.
-Checkpoints written before `dist/` existed (an `hf/` directory) still load.
+Resuming at the layout the checkpoint was taken at is exact; at another layout weights, main weights and Adam
+moments all reshard (the RNG state is per rank and restarts), except between layouts that chain megatron's
+optimizers differently (expert parallelism on one side only), where the Adam moments restart with one line.
+Checkpoints of earlier sluice versions (optimizer shards in the rank files) are refused with one line.
 """
 from __future__ import annotations
 
@@ -26,19 +27,18 @@ DIST, HF_CONFIG = "dist", "hf_config"
 def save_rank(worker: Any, directory: str) -> None:
     """Collective: every rank writes its shards of the weights and its optimizer file. An offloaded trainer
     (colocated placement: the engines hold the devices now) is brought back for the write and offloaded again."""
-    from megatron.core import dist_checkpointing
-
     offloaded = worker._offloaded is not None
     if offloaded:
         worker.onload()
     try:
         dist = os.path.join(directory, DIST)
         os.makedirs(dist, exist_ok=True)
-        dist_checkpointing.save({"model": worker.model.sharded_state_dict()}, dist)
+        save_sharded(worker.model, worker.training, dist)
         if worker.rank == 0:
             _copy_config_files(worker.model_path, os.path.join(directory, HF_CONFIG))
         os.makedirs(os.path.join(directory, "trainer"), exist_ok=True)
-        torch.save({"optimizer": worker.training.state_dict(), "precision": worker.precision,
+        torch.save({"scheduler": worker.training.scheduler.state_dict(), "optimizers": worker.training.optimizer_count,
+                    "precision": worker.precision,
                     "torch_rng": torch.get_rng_state(), "version": worker.version, "layout": layout_key(worker)},
                    rank_file(directory, worker.rank))
         if worker.critic is not None:
@@ -49,40 +49,65 @@ def save_rank(worker: Any, directory: str) -> None:
 
 
 def load_rank(worker: Any, directory: str) -> int:
-    """Collective: the weights at this rank's layout (whatever the saving layout), then this rank's optimizer and
-    RNG state when the layout is the saving one. Returns the policy version."""
-    from glue.trainer import model
-
+    """Collective: the weights and optimizer state at this rank's layout (whatever the saving layout), and the RNG
+    state when the layout is the saving one. Returns the policy version."""
     saved = _rank_state(worker, directory)
+    if "scheduler" not in saved:
+        raise ValueError(f"{directory} was written by an earlier sluice (its optimizer state is not in dist/): resume "
+                         f"it with that version, or start a new run from its weights (`sluice export-hf` then "
+                         f"model.path)")
     if saved.get("precision", worker.precision) != worker.precision:
         raise ValueError(f"checkpoint {directory} was trained in {saved['precision']}, this run in {worker.precision}: "
                          f"set trainer.precision: {saved['precision']} to resume it")
-    if os.path.isdir(os.path.join(directory, DIST)):
-        load_sharded_weights(worker.model, os.path.join(directory, DIST))
-    else:  # a checkpoint from before dist/: every weight in one HF directory
-        model.load_hf_weights(worker.model, os.path.join(directory, "hf"), worker.hf_config, worker.place.layout())
     if saved["layout"] == layout_key(worker):
-        worker.training.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])
+    if saved["optimizers"] == worker.training.optimizer_count:
+        load_sharded(worker.model, worker.training, os.path.join(directory, DIST), saved["scheduler"])
     else:
-        worker.training.restart_from_weights(saved["optimizer"]["scheduler"])
-        if worker.rank == 0:
-            print(f"trainer: checkpoint {directory} was taken at layout {saved['layout']}, this run is "
-                  f"{layout_key(worker)}: weights resharded, main weights taken from them, Adam moments restart",
-                  flush=True)
+        _load_weights_only(worker, directory, saved)
     if worker.critic is not None:
-        worker.critic.load(directory, worker.rank, same_layout=saved["layout"] == layout_key(worker))
+        worker.critic.load(directory, worker.rank)
     worker.version = int(saved["version"])
     if worker._snapshots is not None:
         worker._snapshots.save(worker.version, worker.model)
     return worker.version
 
 
-def load_sharded_weights(module: torch.nn.Module, dist: str) -> None:
-    """Collective: `module`'s parameters (this rank's shards) from a `dist/` checkpoint of any layout."""
+def _load_weights_only(worker: Any, directory: str, saved: dict[str, Any]) -> None:
+    """Collective: a layout that splits the optimizer differently (expert parallelism on one side only: megatron
+    keeps routed experts in an optimizer of their own under EP) takes the weights, and the Adam moments restart."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, dist)["model"]
+    dist = os.path.join(directory, DIST)
+    _load_module(worker.model, dist_checkpointing.load({"model": worker.model.sharded_state_dict()}, dist)["model"],
+                 dist)
+    worker.training.restart_from_weights(saved["scheduler"])
+    if worker.rank == 0:
+        print(f"trainer: checkpoint {directory} was taken at layout {saved['layout']} with {saved['optimizers']} "
+              f"optimizer(s), this run is {layout_key(worker)} with {worker.training.optimizer_count}: weights "
+              f"resharded, main weights taken from them, Adam moments restart", flush=True)
+
+
+def save_sharded(module: torch.nn.Module, training: Any, dist: str) -> None:
+    """Collective: `module`'s weight shards and its optimizer's state (glue.trainer.optim.Training) into `dist`."""
+    from megatron.core import dist_checkpointing
+
+    model_sharded = module.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sharded, "optimizer": training.sharded_state_dict(model_sharded)}, dist)
+
+
+def load_sharded(module: torch.nn.Module, training: Any, dist: str, scheduler_state: dict[str, Any]) -> None:
+    """Collective: this rank's weights and optimizer state from `dist`, resharded to its layout, and the schedule."""
+    from megatron.core import dist_checkpointing
+
+    model_sharded = module.sharded_state_dict()
+    wanted = {"model": model_sharded, "optimizer": training.sharded_state_dict(model_sharded, is_loading=True)}
+    loaded = dist_checkpointing.load(wanted, dist)
+    _load_module(module, loaded["model"], dist)
+    training.load_sharded_state_dict(loaded["optimizer"], scheduler_state)
+
+
+def _load_module(module: torch.nn.Module, loaded: dict[str, Any], dist: str) -> None:
     missing, unexpected = module.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

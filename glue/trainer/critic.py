@@ -162,31 +162,28 @@ class Critic:
         return [p.data for p in self.model.parameters()] + self.training.state_tensors()
 
     def save(self, directory: str, rank: int) -> None:
-        """Collective: the critic's weight shards (megatron's sharded format) and this rank's optimizer shard into
-        `directory`/critic/."""
-        from megatron.core import dist_checkpointing
+        """Collective: the critic's weight shards and optimizer state (megatron's sharded format, reshardable like the
+        policy's) into `directory`/critic/dist, and this rank's schedule into `directory`/critic/."""
+        from glue.trainer.checkpointing import save_sharded
 
         dist = os.path.join(directory, CRITIC_DIR, "dist")
         os.makedirs(dist, exist_ok=True)
-        dist_checkpointing.save({"model": self.model.sharded_state_dict()}, dist)
-        torch.save({"optimizer": self.training.state_dict()}, critic_rank_file(directory, rank))
+        save_sharded(self.model, self.training, dist)
+        torch.save({"scheduler": self.training.scheduler.state_dict()}, critic_rank_file(directory, rank))
 
-    def load(self, directory: str, rank: int, same_layout: bool) -> None:
-        """Collective: the critic's weights from `directory`/critic/ at this rank's layout; its optimizer state when
-        the layout is the saving one (else its main weights are taken from the weights and Adam restarts)."""
-        from glue.trainer.checkpointing import load_sharded_weights
+    def load(self, directory: str, rank: int) -> None:
+        """Collective: the critic's weights and optimizer state from `directory`/critic/ at this rank's layout."""
+        from glue.trainer.checkpointing import load_sharded
 
         dist = os.path.join(directory, CRITIC_DIR, "dist")
         if not os.path.isdir(dist):
             raise FileNotFoundError(f"{directory} holds no critic ({dist} is missing): it was written by a run without "
                                     "loss.advantage_estimator: gae; resume it with the estimator it was trained with")
-        load_sharded_weights(self.model, dist)
-        path = critic_rank_file(directory, rank if same_layout else 0)
-        saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
-        if same_layout:
-            self.training.load_state_dict(saved)
-        else:
-            self.training.restart_from_weights(saved["scheduler"])
+        path = critic_rank_file(directory, rank)
+        if not os.path.exists(path):  # taken with fewer ranks: the schedule is the same on every rank
+            path = critic_rank_file(directory, 0)
+        scheduler = torch.load(path, map_location="cpu", weights_only=False)["scheduler"]
+        load_sharded(self.model, self.training, dist, scheduler)
 
 
 def critic_rank_file(directory: str, rank: int) -> str:

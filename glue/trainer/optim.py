@@ -94,15 +94,47 @@ class Training:
         self.optimizer.step_with_ready_grads()
         return {"grad_norm": norm, "lr": float(lr)}
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its shard of the main weights and Adam moments with the distributed
-        optimizer) and the schedule, for a checkpoint at the same layout."""
+    def sharded_state_dict(self, model_sharded: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
+        """The optimizer state (main weights, Adam moments, step) as megatron sharded tensors shaped like the model's
+        (megatron's `fully_reshardable` form: each model-parallel shard's state gathered over its own DP group by gloo
+        and written by that group's rank 0), so dist_checkpointing reshards it to any TP / PP / DP / EP layout."""
+        if is_loading:
+            self._allocate_adam_state()
+        return self.optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata={
+            "distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True})
+
+    def _allocate_adam_state(self) -> None:
+        """Adam's state as torch creates it at the first step (step, both moments at zero), so a trainer that has not
+        stepped yet has the structure a loaded state is copied into (megatron's own init only makes the moments)."""
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for param in _main_params(part):
+                state = part.optimizer.state[param]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
+                                 exp_avg_sq=torch.zeros_like(param))
+
+    def load_sharded_state_dict(self, state: dict[str, Any], scheduler_state: dict[str, Any]) -> None:
+        """After `dist_checkpointing.load` of `sharded_state_dict(..., is_loading=True)`: the optimizer state at
+        this rank's layout, and the schedule."""
         parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return {"optimizers": [_rank_state(part) for part in parts], "scheduler": self.scheduler.state_dict()}
+        for part in parts:
+            _keep_steps_on_reshard(part)
+        self.optimizer.load_state_dict(state)
+        for part in parts:  # megatron hands every parameter one shared step tensor; torch's Adam adds 1 to it per
+            for param_state in part.optimizer.state.values():  # parameter, so each needs its own
+                if "step" in param_state:
+                    param_state["step"] = param_state["step"].clone()
+        self.scheduler.load_state_dict(scheduler_state)
+
+    @property
+    def optimizer_count(self) -> int:
+        """How many optimizers megatron chained (dense, and routed experts under expert parallelism): the optimizer
+        state reshards between layouts with the same count."""
+        return len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def restart_from_weights(self, scheduler_state: dict[str, Any]) -> None:
-        """After the model's weights were loaded from a checkpoint of another layout: the main weights are taken
-        from them (megatron's reload_model_params), the Adam moments start empty, the schedule continues."""
+        """After the weights alone were loaded: the main weights are taken from them (megatron's
+        reload_model_params), the Adam moments start empty, the schedule continues."""
         self.optimizer.reload_model_params()
         self.scheduler.load_state_dict(scheduler_state)
 
@@ -118,38 +150,29 @@ class Training:
                         if torch.is_tensor(v) and v.dim() > 0]
         return buffers + tensors
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        if len(parts) != len(state["optimizers"]):
-            raise ValueError(f"the checkpoint holds {len(state['optimizers'])} optimizers, this trainer has "
-                             f"{len(parts)}: resume at the layout the checkpoint was taken at")
-        for part, saved in zip(parts, state["optimizers"]):
-            _load_rank_state(part, saved)
-        self.scheduler.load_state_dict(state["scheduler"])
+
+def _keep_steps_on_reshard(part: Any) -> None:
+    """Why: with torch's Adam (no apex / transformer-engine: every CPU run), megatron's distributed optimizer puts
+    the checkpoint's step into each parameter's state and then copies the resharded tensors over every key of that
+    state, `step` included, which the resharded tensors lack (KeyError). The step is handed back to that copy as the
+    value it already holds; the moments and main weights are copied as megatron does."""
+    original = getattr(part, "_set_main_param_and_optimizer_states", None)
+    if original is None or getattr(original, "keeps_steps", False):
+        return
+
+    def set_states(model_param: Any, tensors: dict[str, torch.Tensor]) -> None:
+        group, order = part.model_param_group_index_map[model_param]
+        step = part.optimizer.state[part.optimizer.param_groups[group]["params"][order]].get("step")
+        original(model_param, tensors if step is None or "step" in tensors else {**tensors, "step": step})
+
+    set_states.keeps_steps = True
+    part._set_main_param_and_optimizer_states = set_states
 
 
 def _main_params(part: Any) -> list[torch.Tensor]:
     """The fp32 tensors one of megatron's optimizers updates, in its inner torch optimizer's order: this rank's shard
     of the main weights (distributed optimizer), fp32 copies of bf16 weights, or the fp32 weights themselves."""
     return [p for group in part.optimizer.param_groups for p in group["params"]]
-
-
-def _rank_state(part: Any) -> dict[str, Any]:
-    inner = part.optimizer  # the torch optimizer over this rank's main weights
-    return {"inner": inner.state_dict(), "main": [p.detach().clone() for p in _main_params(part)]}
-
-
-def _load_rank_state(part: Any, saved: dict[str, Any]) -> None:
-    main = _main_params(part)
-    if len(main) != len(saved["main"]) or any(a.shape != b.shape for a, b in zip(main, saved["main"])):
-        raise ValueError("the checkpoint's optimizer shard does not match this rank's: resume at the layout the "
-                         "checkpoint was taken at")
-    with torch.no_grad():
-        for p, value in zip(main, saved["main"]):
-            p.copy_(value)
-    part.optimizer.load_state_dict(saved["inner"])
-    if hasattr(part, "_copy_main_params_to_model_params"):
-        part._copy_main_params_to_model_params()
 
 
 def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Training:
