@@ -90,7 +90,8 @@ def test_help_shows_sluice_keys_with_their_docs_and_the_backends_only_on_request
     assert "  run.num_steps  (int, default: 30)\n      training steps" in text
     assert "  sync.max_staleness  (" in text and "  loss.preset  (" in text
     assert "sluice --help megatron (" in text and "sluice --help router (" in text
-    assert len(text.splitlines()) < 500
+    assert len(text.splitlines()) < 700  # sluice's own keys (~530 lines with judge, reward_model, sft, teacher); the
+    # backends' ~950 options stay out
     assert main(["--help", "megatron"]) == 0
     megatron = capsys.readouterr().out
     assert "--tensor-model-parallel-size" in megatron and "  run.num_steps  (" not in megatron
