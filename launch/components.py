@@ -56,6 +56,10 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
         bridge = start_bridge(cfg, trainer, fleet, run_dir, stack, clock)
     if fleet is not None:
         manager = make_manager(cfg, client, model_path)
+    if fleet is not None and cfg.teacher is not None:  # on-policy distillation: the teacher scores every group
+        from launch.teacher import start_teacher
+
+        manager = start_teacher(cfg, plan, manager, model_path, run_dir, stack, loop, clock)
     return fleet, client, trainer, bridge, manager, loop
 
 

@@ -43,6 +43,8 @@ def config_reference(cls: type | None = None, prefix: str = "", width: int = 118
     hints, docs, lines = typing.get_type_hints(cls), field_docs(cls), []
     for f in dataclasses.fields(cls):
         key, hint = prefix + f.name, hints[f.name]
+        section = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]  # an optional section: X | None
+        hint = section[0] if section and type(None) in typing.get_args(hint) else hint
         if dataclasses.is_dataclass(hint):
             if not prefix:
                 lines += ["", f"{key}:" + (f"  {docs[f.name]}" if docs.get(f.name) else "")]

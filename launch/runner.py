@@ -198,6 +198,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     from glue.metrics import open_run_logger, run_info
     from glue.replay import ReplayStream, SavingStream
     from glue.staleness import StalenessGate
+    from glue.teacher import distillation_batch_builder
     from launch.config import to_dict
     from glue.stream import RolloutStream
 
@@ -243,7 +244,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
         extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None))},
-        evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
+        evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
+        **({"build_batch": distillation_batch_builder(cfg.teacher)} if cfg.teacher is not None else {})))
     try:
         return await watch.run(training)
     finally:
