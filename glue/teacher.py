@@ -24,6 +24,7 @@ class TeacherConfig:
     num_engines: int = 1  # engines of the teacher's fleet, behind its own sgl-router (same engine program and --sglang-* flags as the policy's)
     kl_coef: float = 1.0  # each response token's advantage gets -kl_coef * (log pi_student - log pi_teacher) of that token
     objective: Literal["reverse_kl", "reverse_kl_plus_task"] = "reverse_kl"  # reverse_kl: the teacher's signal alone (the task reward is only logged); reverse_kl_plus_task: added to the task reward's advantage
+    center: bool = True  # subtract the step's mean reverse-KL advantage over its trained tokens (a baseline; off, a student worse than the teacher everywhere pushes down every token it sampled: docs/distillation.md compares both)
     startup_timeout_s: float = 120  # how long the teacher's engines may take to serve /health
 
     def __post_init__(self) -> None:
@@ -114,7 +115,7 @@ def distillation_batch_builder(cfg: TeacherConfig) -> Callable[..., tuple[Any, d
                                "finished groups as they arrive (or a run.replay_from run must have had a teacher)")
         batch.advantages, distill = distillation_advantages(
             batch.advantages, student_logprobs=batch.rollout_logprobs, teacher_logprobs=batch.teacher_logprobs,
-            mask=batch.logprob_mask, coef=cfg.kl_coef, objective=cfg.objective)
+            mask=batch.logprob_mask, coef=cfg.kl_coef, objective=cfg.objective, center=cfg.center)
         return batch, {**metrics, **distill}
 
     return build

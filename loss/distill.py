@@ -28,13 +28,19 @@ def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torc
 
 def distillation_advantages(task_advantages: torch.Tensor, *, student_logprobs: torch.Tensor,
                             teacher_logprobs: torch.Tensor, mask: torch.Tensor, coef: float,
-                            objective: str) -> tuple[torch.Tensor, dict[str, float]]:
+                            objective: str, center: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """All [B, T]. The advantages to train with: the reverse-KL advantage alone (`objective` "reverse_kl") or added
     to `task_advantages` ("reverse_kl_plus_task"), 0 where mask is 0; and metrics over the valid tokens:
-    `distill/reverse_kl` (mean k), `distill/teacher_logprob_mean`, `distill/kl_advantage_abs_mean`."""
+    `distill/reverse_kl` (mean k), `distill/teacher_logprob_mean`, `distill/kl_advantage_abs_mean`.
+    `center` subtracts the batch's mean reverse-KL advantage over the valid tokens (a baseline: the expected
+    gradient is unchanged, up to the baseline's dependence on the batch, and a student that is worse than the teacher
+    everywhere no longer pushes down every token it sampled)."""
     if objective not in DISTILL_OBJECTIVES:
         raise ValueError(f"distillation objective must be one of {sorted(DISTILL_OBJECTIVES)}, got {objective!r}")
     kl_adv = reverse_kl_advantages(student_logprobs, teacher_logprobs, mask, coef=coef).to(task_advantages.dtype)
+    if center:
+        valid_kl = kl_adv[mask > 0]
+        kl_adv = torch.where(mask > 0, kl_adv - (valid_kl.mean() if valid_kl.numel() else 0.0), 0.0)
     advantages = kl_adv + task_advantages * (mask > 0) if DISTILL_OBJECTIVES[objective] else kl_adv
     valid = mask > 0
     count = max(int(valid.sum()), 1)

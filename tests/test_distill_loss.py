@@ -35,3 +35,13 @@ def test_an_unknown_objective_is_refused_by_name():
     z = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="reverse_kl"):
         distillation_advantages(z, student_logprobs=z, teacher_logprobs=z, mask=z + 1, coef=1.0, objective="forward")
+
+
+def test_centering_subtracts_the_mean_kl_advantage_of_the_valid_tokens_only():
+    student = torch.tensor([[-1.0, -1.0, -1.0]])
+    teacher = torch.tensor([[-1.0, -4.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv, _ = distillation_advantages(torch.zeros(1, 3), student_logprobs=student, teacher_logprobs=teacher, mask=mask,
+                                     coef=1.0, objective="reverse_kl", center=True)
+    # uncentered: [0, -3, masked]; the valid mean -1.5 is subtracted: the better-than-average token turns positive
+    assert adv.tolist() == [[1.5, -1.5, 0.0]]
