@@ -39,10 +39,9 @@ class TeacherConfig:
             raise ValueError(f"teacher.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
 
 
-def build_teacher_model(build: str, out_dir: str, policy_dir: str) -> str:
-    """Run `teacher.build` (checked against its contract first) to write the teacher's checkpoint; returns out_dir."""
+def load_build_hook(build: str) -> Callable[[str, str], None]:
+    """`teacher.build`'s function, checked against its contract (`fn(out_dir, policy_dir)`)."""
     import inspect
-    from pathlib import Path
 
     from glue.plugins import load_object
 
@@ -50,7 +49,14 @@ def build_teacher_model(build: str, out_dir: str, policy_dir: str) -> str:
     params = [p.name for p in inspect.signature(fn).parameters.values()][:2] if callable(fn) else []
     if params != BUILD_PARAMS:
         raise TypeError(f"teacher.build {build!r} must be a function ({', '.join(BUILD_PARAMS)}), got {fn!r}")
-    fn(out_dir, policy_dir)
+    return fn
+
+
+def build_teacher_model(build: str, out_dir: str, policy_dir: str) -> str:
+    """Run `teacher.build` to write the teacher's checkpoint; returns out_dir."""
+    from pathlib import Path
+
+    load_build_hook(build)(out_dir, policy_dir)
     if not (Path(out_dir) / "config.json").is_file():
         raise FileNotFoundError(f"teacher.build {build!r} wrote no config.json into {out_dir}")
     return out_dir

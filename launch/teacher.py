@@ -15,6 +15,33 @@ from launch.plan import RunPlan
 POLICY_ONLY_FLAGS = ("--enable-return-routed-experts",)
 
 
+def check_teacher(cfg: SluiceConfig) -> str:
+    """Preflight (launch.preflight, before anything starts): `teacher.path` holds a checkpoint with the policy's
+    vocabulary when both are on disk, or `teacher.build` imports with the right signature."""
+    import json
+
+    t = cfg.teacher
+    if t.build is not None:
+        try:
+            from glue.teacher import load_build_hook
+
+            load_build_hook(t.build)
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+        return f"teacher: {t.build} builds it at start-up"
+    config = Path(t.path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"teacher.path={t.path!r} holds no config.json; point it at the teacher's HF checkpoint")
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    policy = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    policy_vocab = json.loads(policy.read_text()).get("vocab_size") if policy and policy.is_file() else \
+        cfg.model.tiny.vocab_size if cfg.model.path is None else None
+    if policy_vocab is not None and vocab != policy_vocab:
+        raise ConfigError(f"teacher.path={t.path!r} has vocab_size {vocab}, the policy {policy_vocab}: the teacher "
+                          "scores the student's token ids, so both need one tokenizer")
+    return f"teacher: {t.path} (vocab_size {vocab})"
+
+
 def teacher_model(cfg: SluiceConfig, policy_dir: str, run_dir: Path) -> str:
     """The teacher's checkpoint directory (absolute): `teacher.path`, or what `teacher.build` writes into
     <run dir>/teacher_model."""

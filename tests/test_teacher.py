@@ -53,3 +53,18 @@ def test_the_echo_teacher_solves_the_echo_task_greedily_and_is_sure_of_it(tmp_pa
                 tokens.append(int(probs.argmax()))
                 assert float(probs.max()) == pytest.approx(COPY_CONFIDENCE, abs=1e-3)
         assert task.reward(Sample(prompt_tokens=prompt, response_tokens=tokens[len(prompt):])) == 1.0
+
+
+def test_preflight_refuses_a_teacher_without_the_policys_vocabulary_or_a_build_that_does_not_import(tmp_path):
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from launch.teacher import check_teacher
+
+    save_tiny_model(tmp_path / "teacher64", vocab_size=64)
+    cfg = load_config("examples/configs/distill.yaml", ["teacher.build=null", f"teacher.path={tmp_path}/teacher64"])
+    with pytest.raises(ConfigError, match="vocab_size 64, the policy 32"):
+        check_teacher(cfg)
+    same = load_config("examples/configs/distill.yaml", ["teacher.build=null", f"teacher.path={tmp_path}/teacher64",
+                                                         "model.tiny.vocab_size=64"])
+    assert "vocab_size 64" in check_teacher(same)
+    with pytest.raises(ConfigError, match="did you mean 'EchoTask'"):
+        check_teacher(load_config("examples/configs/distill.yaml", ["teacher.build=rollout_fns.toy_tasks:EchoTas"]))
