@@ -70,7 +70,7 @@ gpu-check:
 learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
 
-# On-policy distillation vs RL alone on the echo task, same step count (docs/distillation.md): ~15 minutes on 2 cores.
+# On-policy distillation vs RL alone on the echo task, same step count (docs/distillation.md): 8 runs, ~7.5 minutes on 2 cores (more under load).
 distill-learning: install
 	$(PY) -m pytest tests/bench/test_distill_learning.py -m learning -q -s
 

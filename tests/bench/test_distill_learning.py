@@ -1,8 +1,9 @@
 """`make distill-learning`: on-policy distillation against RL alone at the same step count. The demo's tiny random
-Qwen2 learns the echo task from examples/configs/distill.yaml's copying teacher (reverse KL alone, centered and
-not), or from the echo reward alone (the same config with `teacher=null`: GRPO), 30 steps of 16 prompts x 8 samples
-each, two seeds. The echo reward is measured in every run (rollout/reward_mean, sampled at temperature 1). Writes
-bench-results/distill.json and docs/distillation.json; docs/distillation.md carries the table."""
+Qwen2 learns the echo task from examples/configs/distill.yaml's copying teacher (reverse KL alone, centered and not;
+or added to the task's advantage), or from the echo reward alone (the same config with `teacher=null`: GRPO), 30
+steps of 16 prompts x 8 samples each, two seeds. The echo reward is measured in every run (rollout/reward_mean,
+sampled at temperature 1). Writes bench-results/distill.json and docs/distillation.json; docs/distillation.md
+carries the table."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ STEPS, SEEDS = 30, (0, 1)
 SETTINGS = {
     "distill_reverse_kl_centered": [],
     "distill_reverse_kl_uncentered": ["teacher.center=false"],
+    "distill_reverse_kl_plus_task": ["teacher.objective=reverse_kl_plus_task"],
     "rl_only_grpo": ["teacher=null"],
 }
 
