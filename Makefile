@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table chaos rehearse smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table distill-learning chaos rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -69,6 +69,10 @@ gpu-check:
 
 learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
+
+# On-policy distillation vs RL alone on the echo task, same step count (docs/distillation.md): 8 runs, ~7.5 minutes on 2 cores (more under load).
+distill-learning: install
+	$(PY) -m pytest tests/bench/test_distill_learning.py -m learning -q -s
 
 # An async run, R3 off and on, in which an engine is SIGKILLed, an engine is SIGSTOPped and the run is SIGTERMed and
 # resumed, each at a random step (CHAOS_SEED=<n> repeats a draw); bench-results/chaos.json says what was injected and

@@ -39,14 +39,16 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
                    sync_guard: Callable[[Callable[[], None]], None] = lambda sync: sync(),
                    train_guard: Callable[[Callable[[], Any]], Any] = lambda call: call(),
                    extra_metrics: Callable[[], dict[str, float]] = dict,
-                   evaluate: Callable[[int], Awaitable[dict[str, float]]] = no_evaluation) -> int:
+                   evaluate: Callable[[int], Awaitable[dict[str, float]]] = no_evaluation,
+                   build_batch: Callable[..., tuple[TrainBatch, dict]] = build_train_batch) -> int:
     """Train steps `first_step`..`num_steps`, or until `stop()` holds after a step (a checkpoint is written then,
     as at the last step and every `checkpoints.interval`); returns the last step trained. Every trained token is
     at most `stream.gate.max_staleness` versions old. `sync_guard(sync)` runs each weight sync (in a worker thread;
     glue.fleet_watch keeps it apart from engine restarts), `train_guard(call)` each train step and checkpoint (their
     trainer collectives never meet a repair's); `extra_metrics()` adds to every step's record.
     `await evaluate(step)` runs after each step's sync, when the engines hold a known version (and for step 0 before
-    the first step); what it returns (glue.evaluation: {} unless due) joins the step's record."""
+    the first step); what it returns (glue.evaluation: {} unless due) joins the step's record. `build_batch` turns a
+    step's groups into the batch and its metrics (glue.teacher's adds the distillation term)."""
     gate = stream.gate
     phases.before_rollout()
     stream.start()
@@ -58,7 +60,7 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             with timer("rollout"):  # the trainer waits for a batch
                 groups, withheld = await stream.next_batch()
             groups = sorted(groups, key=lambda g: g.group_id)  # one order whatever order they finished in
-            batch, staleness = build_train_batch(groups, loss_cfg, withheld=withheld, gate=gate)
+            batch, staleness = build_batch(groups, loss_cfg, withheld=withheld, gate=gate)
             with timer("train"):
                 train_metrics = await asyncio.to_thread(train_guard, lambda: train_phase(phases, trainer, batch))
             stream.trained(trainer.version)

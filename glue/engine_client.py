@@ -111,8 +111,9 @@ class EngineClient:
                 connector._close()  # the synchronous part of close(): the old loop can no longer be awaited on
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                       routed_experts_start_len: int | None = None) -> dict:
-        """POST {router}/generate with SGLang's fields; returns the engine's JSON answer.
+                       routed_experts_start_len: int | None = None, logprob_start_len: int | None = None) -> dict:
+        """POST {router}/generate with SGLang's fields; returns the engine's JSON answer. `logprob_start_len=n` also
+        asks for `meta_info.input_token_logprobs` of input positions n .. end (SGLang's prompt scoring).
 
         `routed_experts_start_len=n` asks for SGLang's `return_routed_experts` (MoE routing of positions n .. end,
         for routing replay). sgl-router 0.3.2 re-serialises /generate through its own field list and drops that
@@ -121,6 +122,8 @@ class EngineClient:
         flight, ties taken in turn (`_pick_engine`). Other generates keep going through the router."""
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                    "return_logprob": return_logprob}
+        if logprob_start_len is not None:
+            payload["logprob_start_len"] = int(logprob_start_len)
         target = lambda: f"{self.router_url}/generate"  # noqa: E731
         if routed_experts_start_len is not None:
             payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))

@@ -45,6 +45,7 @@ class Sample:
     index: int = 0  # position within the group
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: Any = None  # np.ndarray int8/int16 [prompt + response - 1, layers, top_k], or None
+    teacher_logprobs: list[float] = field(default_factory=list)  # on-policy distillation: the teacher's logprob of each response token (glue.teacher), else empty
 
     def append_response(self, tokens: list[int], logprobs: list[float], version: int, trainable: bool = True) -> None:
         """Append tokens produced (trainable) or injected (tool / env output) at one policy version."""
@@ -75,6 +76,9 @@ class Sample:
                     f"sample {self.group_id}/{self.index}: {name} has {len(getattr(self, name))} entries "
                     f"but there are {n} response tokens"
                 )
+        if self.teacher_logprobs and len(self.teacher_logprobs) != n:
+            raise ValueError(f"sample {self.group_id}/{self.index}: teacher_logprobs has {len(self.teacher_logprobs)} "
+                             f"entries but there are {n} response tokens")
         if self.routed_experts is not None:
             rows = len(self.prompt_tokens) + n - 1
             shape = getattr(self.routed_experts, "shape", ())
@@ -165,6 +169,7 @@ class TrainBatch:
     seq_lens: list[int]  # real (unpadded) length of each row
     rewards: list[float]
     routed_experts: Any = None  # int8/int16 Tensor [B, T, L, K] of experts per token and layer (-1: none), or None
+    teacher_logprobs: Any = None  # FloatTensor [B, T]: the teacher's logprob of token t+1 (0 where masked), or None
 
     @classmethod
     def from_samples(cls, samples: list[Sample], advantages: list[float] | Any) -> "TrainBatch":
@@ -190,6 +195,7 @@ class TrainBatch:
         versions[mask == 0] = -1
         return cls(
             routed_experts=_routed_experts_tensor(samples, T),
+            teacher_logprobs=_teacher_logprobs_tensor(samples, mask),
             tokens=tokens,
             logprob_mask=mask,
             rollout_logprobs=rollout_lp,
@@ -198,6 +204,24 @@ class TrainBatch:
             seq_lens=seq_lens,
             rewards=[s.scalar_reward for s in samples],
         )
+
+
+def _teacher_logprobs_tensor(samples: list[Sample], mask: Any) -> Any:
+    """`TrainBatch.teacher_logprobs` aligned like `rollout_logprobs` (0 where `mask` is 0); None when no sample was
+    scored by a teacher."""
+    import torch
+
+    if not any(s.teacher_logprobs for s in samples):
+        return None
+    out = torch.zeros(mask.shape)
+    for b, s in enumerate(samples):
+        if len(s.teacher_logprobs) != len(s.response_tokens):
+            raise ValueError(f"TrainBatch: sample {s.group_id}/{s.index} has {len(s.teacher_logprobs)} teacher "
+                             f"logprobs for {len(s.response_tokens)} response tokens; every sample of a distillation "
+                             "batch is scored by the teacher")
+        p = len(s.prompt_tokens)
+        out[b, p - 1: p - 1 + len(s.response_tokens)] = torch.tensor(s.teacher_logprobs, dtype=torch.float)
+    return out * mask
 
 
 def _routed_experts_tensor(samples: list[Sample], T: int) -> Any:

@@ -59,6 +59,10 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
 
         manager = make_manager(cfg, client, model_path,
                                start_model_rewards(cfg, plan, model_path, run_dir, stack, loop, clock))
+    if fleet is not None and cfg.teacher is not None:  # on-policy distillation: the teacher scores every group
+        from launch.teacher import start_teacher
+
+        manager = start_teacher(cfg, plan, manager, model_path, run_dir, stack, loop, clock)
     return fleet, client, trainer, bridge, manager, loop
 
 

@@ -19,6 +19,7 @@ import yaml
 from glue.config import EvalConfig, RewardConfig, RolloutConfig, SyncConfig
 from glue.reward_models import JudgeConfig, RewardModelConfig
 from glue.sft.config import SftConfig
+from glue.teacher import TeacherConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 
@@ -197,9 +198,14 @@ class SluiceConfig:
     sft: SftConfig = field(default_factory=SftConfig)  # the chat data of a run.mode sft run
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)
+    teacher: TeacherConfig | None = None  # on-policy distillation: the teacher's model and fleet (docs/distillation.md); null: none
 
     def __post_init__(self) -> None:
         self.reward.check_against(self.rollout.sampling.max_new_tokens)
+        if self.teacher is not None and self.cluster.uses_gpus:
+            raise ValueError("teacher: the teacher's engines run beside the driver, outside the placement group, "
+                             "which suits CPU runs only; on GPUs (cluster.gpus_per_node > 0) they would need bundles of "
+                             "their own, not planned yet: run distillation with cluster.gpus_per_node: 0")
         if self.run.debug == "train_only" and self.eval.enabled:
             raise ValueError(f"eval.interval={self.eval.interval} needs engines, which run.debug=train_only does not "
                              "start; set eval.interval: 0")

@@ -20,9 +20,11 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
     """Run every check; returns one line per check (the dry run prints them). `here=False` is a dry run, which may
     plan a GPU run on a login node (too few local GPUs is reported, not refused) from a model directory holding
     config.json alone (reported as plan-only; a real start needs the weights)."""
+    from launch.teacher import check_teacher
+
     return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
             check_data(cfg), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
-            check_placement(cfg, plan, here=here)]
+            check_placement(cfg, plan, here=here), *([check_teacher(cfg)] if cfg.teacher is not None else [])]
 
 
 def check_plugins(cfg: SluiceConfig) -> str:

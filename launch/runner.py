@@ -207,6 +207,7 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
 async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, watch,
                        stop=lambda: False, resume_state: dict | None = None, evaluator=None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
+    from glue.batch import build_train_batch
     from glue.buffer import RolloutBuffer
     from glue.checkpoint import Checkpoints
     from glue.controller import no_evaluation, run_loop
@@ -214,6 +215,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     from glue.replay import ReplayStream, SavingStream
     from glue.reward_models import reward_model_metrics
     from glue.staleness import StalenessGate
+    from glue.teacher import distillation_batch_builder
     from launch.config import to_dict
     from glue.stream import RolloutStream
 
@@ -260,7 +262,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         train_guard=watch.guarded_train,
         extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None)),
                                **reward_model_metrics(manager)},
-        evaluate=evaluator.evaluate if evaluator is not None else no_evaluation))
+        evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
+        build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch))
     try:
         return await watch.run(training)
     finally:

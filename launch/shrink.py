@@ -131,6 +131,7 @@ def shrink(raw: dict[str, Any], *, data_dir: str | Path, engine: str = "sglang_s
     _shrink_rollout(edit, steps)
     _shrink_sync(edit, steps)
     _shrink_sglang(edit)
+    _shrink_teacher(edit)
     record.kept = {key: value for key, value in _leaves(original).items()
                    if not any(key == k or key.startswith(k + ".") for k in (*record.scaled, *record.dropped))}
     return shrunk
@@ -314,6 +315,30 @@ def _shrink_sync(edit: _Editor, steps: int) -> None:
         edit.set("sync.interval", steps, "a weight sync happens within the rehearsal")
         if edit.get("sync.max_staleness") is not None:
             edit.set("sync.max_staleness", max(steps - 1 + slack, 0), "keeps the recipe's max_staleness - interval")
+
+
+def _shrink_teacher(edit: _Editor) -> None:
+    """A distillation recipe's teacher (`teacher:`): its checkpoint swapped for a random model of the tiny policy's
+    shape and vocabulary (`stand_in_teacher`, built at start-up), its fleet to at most MAX_PARALLEL engines."""
+    if edit.get("teacher") is None:
+        return
+    if edit.get("teacher.path") is not None:
+        edit.drop("teacher.path", "the teacher's checkpoint is not rehearsed: a random model of the tiny policy's "
+                                  "shape stands in (teacher.build)")
+        edit.set("teacher.build", "launch.shrink:stand_in_teacher", "stands in for teacher.path")
+    engines = edit.get("teacher.num_engines")
+    if engines is not None and engines > MAX_PARALLEL:
+        edit.set("teacher.num_engines", MAX_PARALLEL, "small fleet")
+
+
+def stand_in_teacher(out_dir: str, policy_dir: str) -> None:
+    """`teacher.build` of a shrunk distillation recipe: a random model with the policy's config (so its vocabulary)
+    and other weights than the policy's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(policy_dir)).to(torch.float32).save_pretrained(out_dir)
 
 
 def _shrink_sglang(edit: _Editor) -> None:

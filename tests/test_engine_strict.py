@@ -170,12 +170,14 @@ def test_strict_meta_info_has_the_keys_sglang_builds_for_finished_and_queue_abor
     meta = strict.strict_output(seq)["meta_info"]
     assert {"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
             "completion_tokens", "cached_tokens", "weight_versions", "e2e_latency"} <= finished_keys
-    assert set(meta) - {"output_token_logprobs", "output_token_logprobs_length"} <= finished_keys
+    logprob_keys = assigned_dict_keys(method(manager, None, "add_logprob_to_meta_info"), "meta_info")
+    assert {"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"} <= logprob_keys
+    assert set(meta) - logprob_keys <= finished_keys
     queue_abort_keys = {"id", "finish_reason", "weight_version", "e2e_latency", "weight_versions", "completion_tokens"}
     assert queue_abort_keys <= abort_keys
     seq.aborted_in_queue = True
     queued = strict.strict_output(seq)
-    assert set(queued["meta_info"]) - {"output_token_logprobs", "output_token_logprobs_length"} == \
+    assert set(queued["meta_info"]) - logprob_keys == \
         {"id", "finish_reason", "weight_version", "e2e_latency", "weight_versions", "completion_tokens"}
     assert queued["output_ids"] == [] and queued["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"
 

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.kv_batch import KVBatch, cache_tensors
+from glue.embedded_engine.prompt_logprobs import record_input_logprobs, wants_input_logprobs
 from glue.embedded_engine.request_schema import GenerationRequest
 from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.sampling import sample_token
@@ -45,6 +46,7 @@ class Sequence:
     seed: int = 0  # the request's sampling seed (SGLang's sampling_seed, or drawn from the engine's --seed)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None  # logprob_start_len's input logprobs, once prefilled
     versions: list[str] = field(default_factory=list)  # weight version that produced each output token
     routing: list[torch.Tensor] = field(default_factory=list)  # return_routed_experts: int32 [n, layers, top_k]
     # chunks, the routed experts of positions 0, 1, ... in order (routed_experts.RoutingRecorder.record)
@@ -350,23 +352,32 @@ class ModelRunner:
             return out, version
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Run each context-length group's contexts together and move the survivors into the running batch."""
+        """Run each context-length group's contexts together and move the survivors into the running batch. A
+        request for 0 new tokens is answered from the prefill (its input logprobs), or at once if it asked none."""
         by_length: dict[int, list[Sequence]] = {}
         for seq in seqs:
-            if seq.request.sampling.max_new_tokens == 0:
-                with self._cond:
-                    self._finish(seq, {"type": "length", "length": 0})
+            if seq.request.sampling.max_new_tokens == 0 and not wants_input_logprobs(seq.request):
+                self._finish_unsampled(seq)
                 continue
             by_length.setdefault(len(seq.context_ids), []).append(seq)
         for length, group in by_length.items():
             ids = torch.tensor([s.context_ids for s in group], dtype=torch.long)
             out, version = self._forward(group, [0] * len(group), input_ids=ids, past_key_values=DynamicCache())
-            going_on = self._take_tokens(group, out.logits[:, -1], version)
+            record_input_logprobs(group, out.logits)
+            rows = [i for i, s in enumerate(group) if s.request.sampling.max_new_tokens > 0]
+            for seq in (s for s in group if s.request.sampling.max_new_tokens == 0):
+                self._finish_unsampled(seq)
+            going_on = [rows[i] for i in self._take_tokens([group[r] for r in rows], out.logits[rows, -1], version)]
             if going_on:
                 index = torch.tensor(going_on, dtype=torch.long, device=self.device)
                 kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache_tensors(out.past_key_values)]
                 self._batch.add(kv, [length] * len(going_on))
                 self._running.extend(group[i] for i in going_on)
+
+    def _finish_unsampled(self, seq: Sequence) -> None:
+        """Answer a request for 0 new tokens (finish reason length 0, as SGLang)."""
+        with self._cond:
+            self._finish(seq, {"type": "length", "length": 0})
 
     def _deterministic_step(self, admitted: list[Sequence]) -> None:
         """`--enable-deterministic-inference`: every token comes from a forward of one request over its whole
@@ -375,15 +386,18 @@ class ModelRunner:
         beside it, nor on whether its request was retracted, aborted and continued, or re-issued after a restart
         from the tokens it had. Slow (quadratic in the length): for tests and reproducible runs on small models."""
         for seq in admitted:
-            if seq.request.sampling.max_new_tokens == 0:
-                with self._cond:
-                    self._finish(seq, {"type": "length", "length": 0})
-            else:
+            if seq.request.sampling.max_new_tokens > 0:
                 self._running.append(seq)
+                continue
+            if wants_input_logprobs(seq.request):
+                out, _ = self._forward([seq], [0], use_cache=False, input_ids=torch.tensor([seq.context_ids]))
+                record_input_logprobs([seq], out.logits)
+            self._finish_unsampled(seq)
         going_on = []
         for seq in self._running:
             out, version = self._forward([seq], [0], use_cache=False,
                                          input_ids=torch.tensor([seq.context_ids], dtype=torch.long))
+            record_input_logprobs([seq], out.logits)
             going_on.extend(seq for i in self._take_tokens([seq], out.logits[:, -1], version) if i == 0)
         self._running = going_on
 

@@ -74,6 +74,7 @@ class GenerationRequest:
     return_logprob: bool
     return_routed_experts: bool = False  # answer meta_info.routed_experts (MoE routing of positions [start, seqlen - 1))
     routed_experts_start_len: int = 0  # the first absolute position whose routing is answered
+    logprob_start_len: int = -1  # first input position whose logprob is answered (-1: none; glue.embedded_engine.prompt_logprobs)
 
 
 def _is_neutral(value: Any) -> bool:
@@ -113,6 +114,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: An
     n = len(prompts)
     params = _per_item(body.get("sampling_params") or {}, n, "sampling_params", is_batch)
     logprob_flags = _per_item(body.get("return_logprob"), n, "return_logprob", is_batch)
+    start_lens = _per_item(body.get("logprob_start_len"), n, "logprob_start_len", is_batch)
     routing, start_len = _routed_experts_fields(body, records_routing)
     rids = body.get("rid")
     rids = _per_item(rids, n, "rid", is_batch) if not (is_batch and isinstance(rids, str)) else [f"{rids}_{i}" for i in range(n)]
@@ -131,10 +133,25 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: An
         if start_len > len(prompt):  # SGLang's scheduler refuses it the same way
             raise RequestError("routed_experts_start_len", f"is {start_len}, more than the {len(prompt)} input "
                                                            f"tokens of input_ids{where}; send a smaller one")
+        logprob_start = _logprob_start_len(start_lens[i], f"logprob_start_len{where}", len(prompt))
         requests.append(GenerationRequest(rid=rid, input_ids=prompt, sampling=sampling,
                                           return_logprob=bool(logprob_flags[i]), return_routed_experts=routing,
-                                          routed_experts_start_len=start_len))
+                                          routed_experts_start_len=start_len,
+                                          logprob_start_len=logprob_start if logprob_flags[i] else -1))
     return requests, is_batch
+
+
+def _logprob_start_len(value: Any, field: str, prompt_len: int) -> int:
+    """SGLang's `logprob_start_len`: -1 (the default: no input logprobs) or a position in [0, len(input_ids)]
+    (the scheduler aborts a larger one with this message); ignored without return_logprob."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise RequestError(field, f"must be -1 or an integer >= 0, got {value!r}")
+    if value > prompt_len:
+        raise RequestError(field, f"logprob_start_len={value} is higher than the number of input tokens "
+                                  f"{prompt_len}. Please use a smaller logprob_start_len.")
+    return value
 
 
 def _routed_experts_fields(body: dict, records_routing: bool) -> tuple[bool, int]:
@@ -156,8 +173,6 @@ def _reject_unsupported_fields(body: dict) -> None:
         raise RequestError("text", "the embedded engine has no tokenizer; send input_ids instead of text")
     if body.get("stream"):
         raise RequestError("stream", "streaming is not supported by the embedded engine; send stream=false")
-    if body.get("logprob_start_len") not in (None, -1):
-        raise RequestError("logprob_start_len", "input-token logprobs are not computed by the embedded engine; use -1")
     for name in ("top_logprobs_num", "token_ids_logprob"):
         if not _is_neutral(body.get(name)):
             raise RequestError(name, "is not supported by the embedded engine; leave it unset")

@@ -18,6 +18,7 @@ from glue.embedded_engine.auth import key_gate
 from glue.embedded_engine.json_body import describe, read_body
 from glue.embedded_engine.model_runner import PAUSE_MODES, MemoryReleasedError, ModelRunner, Sequence
 from glue.embedded_engine.openai_chat import ChatFront
+from glue.embedded_engine.prompt_logprobs import input_token_logprobs
 from glue.embedded_engine.request_schema import RequestError, parse_generate
 from glue.embedded_engine.routed_experts import encode_routed_experts
 from glue.embedded_engine.routes import ADMIN_PATHS, ROUTES, Route
@@ -74,6 +75,7 @@ def format_output(seq: Sequence) -> dict[str, Any]:
         "e2e_latency": seq.finished_at - seq.created_at,
     }
     if seq.request.return_logprob:
+        meta["input_token_logprobs"] = input_token_logprobs(seq)
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
         meta["output_token_logprobs_length"] = len(seq.output_ids)
     if seq.request.return_routed_experts:

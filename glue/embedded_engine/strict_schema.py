@@ -8,6 +8,7 @@ from typing import Any
 
 from glue.embedded_engine.json_body import Field, field
 from glue.embedded_engine.model_runner import Sequence
+from glue.embedded_engine.prompt_logprobs import input_token_logprobs
 from glue.embedded_engine.routed_experts import encode_routed_experts
 
 _BASE = {"rid": field(str), "http_worker_ipc": field(str)}  # BaseReq: every struct carries these two
@@ -118,7 +119,8 @@ def _waiting_queue_abort(seq: Sequence) -> dict[str, Any]:
 
 
 def _add_logprobs(meta: dict[str, Any], seq: Sequence, count: int) -> None:
-    if seq.request.return_logprob:
+    if seq.request.return_logprob:  # tokenizer_manager.add_logprob_to_meta_info
+        meta["input_token_logprobs"] = input_token_logprobs(seq)
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
                                          zip(seq.logprobs[:count], seq.output_ids[:count])]
         meta["output_token_logprobs_length"] = count
