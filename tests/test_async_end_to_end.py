@@ -77,6 +77,7 @@ def test_sigterm_in_async_mode_stops_after_the_step_in_progress_with_exit_0_and_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 27 s; the graceful stop on the first signal stays in CI
 def test_a_second_signal_stops_at_once_with_exit_130_and_leaves_nothing_running(tmp_path):
     # on-policy (max_staleness 0) with rewards that take 2-3 s, every step waits >= 2 s for fresh groups, so both
     # signals (0.2 s apart, right after step 1 is logged) land within step 2

@@ -119,6 +119,7 @@ def test_a_run_spans_a_head_and_a_worker_node_through_the_script_and_stops_by_pi
     assert head.wait_session_empty(30) == [], "the head script left processes behind"
 
 
+@pytest.mark.long  # 22 s; the two-node run above stays in CI
 def test_a_head_whose_worker_never_joins_stops_within_its_deadline_with_one_line(tmp_path, roles):
     head = Role(tmp_path, "head", free_port(), [*RUN, f"run.output_dir={tmp_path}/runs"], NODE_IP=HEAD_IP,
                 NODE_WAIT_S="6")
