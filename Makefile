@@ -50,7 +50,7 @@ demo-async: install
 test: install
 	$(PY) -m pytest tests -m "not gpu and not bench and not learning and not chaos and not long" -q --durations=25
 
-# Whole runs killed and resumed or compared bit for bit (resume, zero staleness): ~6 minutes, kept out of `make test` so CI
+# Whole runs killed and resumed or compared bit for bit, and second variants of end-to-end runs (~10 minutes), kept out of `make test` so CI
 # stays under 25 minutes on 2 cores.
 test-long: install
 	$(PY) -m pytest tests -m long -q --durations=10

@@ -74,6 +74,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_finishes_with_not
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 27 s; the restart of a killed engine stays in CI
 def test_an_engine_killed_with_no_restarts_left_ends_the_run_with_one_line_naming_the_engine_and_its_log(tmp_path):
     metrics = tmp_path / "f" / "metrics.jsonl"
     command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", "run.mode=sync",

@@ -38,6 +38,7 @@ def test_bundles_map_to_gpus_in_order_and_each_trainer_rank_gets_its_bundles_gpu
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 26 s; the passthrough flags stay in CI through tests/test_launch_passthrough.py and the MoE cluster run
 def test_a_two_rank_cpu_run_configured_through_passthrough_flags_trains(tmp_path, capsys):
     argv = ["--config", DEMO, "--tensor-model-parallel-size", "2", "--hidden-dropout", "0.0",
             "--sglang-max-running-requests", "32", "--router-request-timeout-secs", "120",

@@ -143,6 +143,7 @@ def _private_mounts_work() -> bool:
 
 
 @pytest.mark.skipif(not _private_mounts_work(), reason="needs `unshare --mount` (root) to hide a folder from a node")
+@pytest.mark.long  # 23 s; the two-node run stays in CI
 def test_a_model_directory_the_worker_node_cannot_see_is_named_with_the_node_before_any_engine_starts(tmp_path,
                                                                                                       roles):
     # The worker raylet runs in a mount namespace where the run folder is an empty tmpfs: the head writes the

@@ -64,6 +64,7 @@ def test_a_train_only_replay_of_a_deterministic_run_reproduces_its_training_with
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 26 s; the overlong punishment and truncation mask stay in CI through tests/test_length_control.py
 def test_the_saved_rewards_carry_the_overlong_punishment_and_truncated_samples_carry_no_loss(saved_run, tmp_path):
     assert saved_steps(saved_run) == [1, 2]
     task, records = EchoTask(), read_metrics(saved_run / "metrics.jsonl")
