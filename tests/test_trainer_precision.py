@@ -31,6 +31,7 @@ def test_bf16_weights_without_fp32_main_weights_are_refused():
     ({"lr_warmup_steps": -1}, "lr_warmup_steps must be"),
     ({"min_lr": 1.0, "lr": 0.1}, "min_lr must be in"),
     ({"megatron": {"fp16": True}}, "--fp16"),
+    ({"bf16_rounding": "stochastic"}, "trainer.bf16_rounding must be"),
 ])
 def test_bad_precision_and_schedule_settings_name_the_key(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -65,14 +66,15 @@ def test_megatron_optimizer_flags_reach_the_trainer_and_unsupported_ones_are_nam
 
 
 # ---- training, in spawned ranks ----
-def _bf16_steps_scenario(model_dir: str, lr: float, steps: int) -> dict:
-    """bf16 weights and fp32 main weights through `steps` train steps at a small lr."""
-    worker = start_worker(model_dir, LossConfig(), lr=lr, precision="bf16", grad_clip=0.0)
+def _bf16_steps_scenario(model_dir: str, lr: float, steps: int, fields: dict | None = None) -> dict:
+    """bf16 weights and fp32 main weights through `steps` train steps at a small lr (`fields`: more trainer keys)."""
+    worker = start_worker(model_dir, LossConfig(), lr=lr, precision="bf16", grad_clip=0.0, **(fields or {}))
     try:
         batch = make_batch()
         part = worker.training.optimizer.chained_optimizers[0]
         main = [p.detach().clone() for g in part.optimizer.param_groups for p in g["params"]]
         weights = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+        before = {id(p): p.detach().clone() for p in worker.model.parameters()}
         metrics = [worker.train_step(batch) for _ in range(steps)]
         main_after = [p.detach().clone() for g in part.optimizer.param_groups for p in g["params"]]
         return {"dtypes": sorted({str(p.dtype) for p in worker.model.parameters()}),
@@ -82,20 +84,53 @@ def _bf16_steps_scenario(model_dir: str, lr: float, steps: int) -> dict:
                 "weights_changed": sum(int((p.detach() != weights[n]).sum())
                                        for n, p in worker.model.named_parameters()),
                 "weights_equal_rounded_main": _weights_are_rounded_main(worker),
+                "weights_equal_dithered_main": _weights_are_rounded_main(worker, dithered=True),
+                "follow": _follow_ratio(worker, before),
                 "metrics": metrics}
     finally:
         stop_worker(worker)
 
 
-def _weights_are_rounded_main(worker) -> bool:
-    """Every bf16 weight equals its fp32 main weight rounded to bf16 (the distributed optimizer's shard of the
-    main weights maps onto a range of DDP's flat parameter buffer)."""
+def _owned(part, model_param) -> tuple[int, int]:
+    if hasattr(part, "shard_fp32_from_float16_groups"):
+        owned = part._get_model_param_range_map(model_param)["param"]
+        return owned.start, owned.end
+    return 0, model_param.numel()
+
+
+def _follow_ratio(worker, before: dict) -> float:
+    """How much of the main weights' drift the bf16 weights followed: sum(bf16 move * drift) / sum(drift^2)."""
     part = worker.training.optimizer.chained_optimizers[0]
-    for model_group, main_group in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
+    distributed = hasattr(part, "shard_fp32_from_float16_groups")
+    models, mains = ((part.model_float16_groups, part.shard_fp32_from_float16_groups) if distributed
+                     else (part.float16_groups, part.fp32_from_float16_groups))
+    along, norm = 0.0, 0.0
+    for model_group, main_group in zip(models, mains):
         for model_param, main_param in zip(model_group, main_group):
-            owned = part._get_model_param_range_map(model_param)["param"]
-            if not torch.equal(model_param.detach().view(-1)[owned.start:owned.end],
-                               main_param.detach().to(torch.bfloat16)):
+            start, end = _owned(part, model_param)
+            start_weights = before[id(model_param)].view(-1)[start:end].float()
+            drift = main_param.detach().view(-1).float() - start_weights
+            along += float((model_param.detach().view(-1)[start:end].float() - start_weights).mul(drift).sum())
+            norm += float(drift.square().sum())
+    return along / norm
+
+
+def _weights_are_rounded_main(worker, dithered: bool = False) -> bool:
+    """Every bf16 weight equals its fp32 main weight rounded to bf16, to nearest or with the dither of
+    `trainer.bf16_rounding: dithered` (the distributed optimizer's shard of the main weights maps onto a range of
+    DDP's flat parameter buffer; the non-distributed optimizer holds whole parameters)."""
+    from glue.trainer.optim import _salt, dithered_bf16
+
+    part = worker.training.optimizer.chained_optimizers[0]
+    distributed = hasattr(part, "shard_fp32_from_float16_groups")
+    models, mains = ((part.model_float16_groups, part.shard_fp32_from_float16_groups) if distributed
+                     else (part.float16_groups, part.fp32_from_float16_groups))
+    for g, (model_group, main_group) in enumerate(zip(models, mains)):
+        for i, (model_param, main_param) in enumerate(zip(model_group, main_group)):
+            start, end = _owned(part, model_param)
+            rounded = dithered_bf16(main_param, start, _salt(g, i)) if dithered else \
+                main_param.detach().to(torch.bfloat16).view(-1)
+            if not torch.equal(model_param.detach().view(-1)[start:end], rounded):
                 return False
     return True
 
@@ -111,6 +146,46 @@ def test_bf16_trains_bf16_weights_from_fp32_main_weights_that_keep_updates_below
     assert out["weights_changed"] < 0.1 * out["main_numel"]
     assert out["weights_equal_rounded_main"]
     assert [m["train/lr"] for m in out["metrics"]] == [pytest.approx(1e-6)] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed", [True, False])
+def test_dithered_bf16_rounding_lets_the_bf16_weights_follow_updates_below_their_spacing(tmp_path, distributed):
+    """`trainer.bf16_rounding: dithered`: after each step the bf16 weights are the main weights rounded with the
+    fixed dither, bit for bit, and far more of them move than with megatron's round to nearest, which holds almost
+    all still at this lr (docs/precision.md: on SmolLM2 this is what lets bf16 learn as fast as fp32)."""
+    model = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
+    fields = {"use_distributed_optimizer": distributed}
+    nearest = run_in_trainer_process(_bf16_steps_scenario, model, 1e-6, 3, fields)
+    dithered = run_in_trainer_process(_bf16_steps_scenario, model, 1e-6, 3, {**fields, "bf16_rounding": "dithered"})
+    assert dithered["weights_equal_dithered_main"] and not dithered["weights_equal_rounded_main"]
+    assert nearest["weights_equal_rounded_main"]
+    assert dithered["main_changed"] > 0.9 * dithered["main_numel"]
+    # projected on the main weights' drift, the dithered bf16 weights move by about the drift; nearest far less
+    assert dithered["follow"] == pytest.approx(1.0, abs=0.15) and nearest["follow"] < 0.5, \
+        (dithered["follow"], nearest["follow"])
+    assert dithered["weights_changed"] > 2 * nearest["weights_changed"]
+
+
+def test_dithered_bf16_keeps_grid_values_and_moves_weights_in_proportion_to_the_drift():
+    from glue.trainer.optim import dithered_bf16
+
+    torch.manual_seed(0)
+    grid = (torch.randn(200_000) * 0.05).to(torch.bfloat16).float()
+    assert torch.equal(dithered_bf16(grid, 0, 7).float(), grid)  # a weight on the bf16 grid stays
+    drift = 2e-5 * torch.randn(grid.numel()).sign()  # far below the spacing (~2e-4 at 0.05): nearest moves few
+    moved = dithered_bf16(grid + drift, 0, 7).float() - grid
+    nearest = (grid + drift).to(torch.bfloat16).float() - grid
+    # projected on the drift, the dithered bf16 change is the drift itself on average (round to nearest: ~a third)
+    assert (moved * drift).sum() / (drift * drift).sum() == pytest.approx(1.0, abs=0.05)
+    assert (nearest * drift).sum() / (drift * drift).sum() < 0.6
+    target = grid + drift
+    assert ((grid + moved - target).abs() <= target.abs() * 2 ** -7).all()  # within one ulp of the main weight
+    other = dithered_bf16(grid + drift, 0, 8).float() - grid  # another salt, another pattern
+    assert not torch.equal(other, moved)
+    special = torch.tensor([float("inf"), -float("inf"), -1.0, 0.0])
+    assert torch.equal(dithered_bf16(special, 0, 1).float(), special)
+    assert dithered_bf16(torch.tensor([float("nan")]), 0, 1).isnan().all()
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ class TrainerConfig:
     data_parallel_size: int = 1  # trainer replicas; world size = TP x PP x CP x DP
     megatron: dict[str, Any] = field(default_factory=dict)  # other megatron-core config fields, passed through as-is
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16: bf16 model weights with fp32 main weights, gradients and Adam state (megatron's mixed precision); fp32: everything fp32; auto: bf16 when the checkpoint's torch_dtype is bf16/fp16 or a megatron flag asks for it (--bf16, --params-dtype bfloat16), else fp32
+    bf16_rounding: Literal["nearest", "dithered"] = "nearest"  # bf16: how the fp32 main weights become the bf16 model weights after each step: nearest (megatron's cast) or dithered (a fixed per-weight dither: the bf16 weights follow updates far below bf16's spacing on average, where nearest holds them still; docs/precision.md)
     use_distributed_optimizer: bool = True  # megatron's distributed optimizer: main weights and Adam state sharded over the data-parallel ranks (false: each DP rank holds all of its model shard's state)
     lr: float = 1e-3  # Adam learning rate, the peak of the schedule (tiny random models need a high one)
     critic_lr: float | None = None  # loss.advantage_estimator gae: the critic's Adam learning rate (its own optimizer and schedule; null = lr)
@@ -90,6 +91,8 @@ class TrainerConfig:
     def _check_precision_and_schedule(self) -> None:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.bf16_rounding not in ("nearest", "dithered"):
+            raise ValueError(f"trainer.bf16_rounding must be nearest or dithered, got {self.bf16_rounding!r}")
         if self.megatron.get("fp16"):
             raise ValueError("--fp16 (megatron fp16 with loss scaling) is not run by this trainer; use trainer.precision: "
                              "bf16 (--bf16)")

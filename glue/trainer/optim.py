@@ -52,8 +52,10 @@ def precision_line(precision: str, cfg: TrainerConfig, hf_config: Any, dp_size: 
             else "the weights are the optimizer's main weights, float32 Adam state") + sharded
     widened = " (widened from the checkpoint)" if stored in (torch.bfloat16, torch.float16) and precision == "fp32" \
         else ""
-    return (f"trainer precision {precision}: checkpoint {stored_name}, model weights {weights}{widened}, {main}, "
-            f"float32 gradients; the weight bridge sends {weights}")
+    dither = " (rounded from the main weights with a fixed dither)" if precision == "bf16" and \
+        cfg.bf16_rounding == "dithered" else ""
+    return (f"trainer precision {precision}: checkpoint {stored_name}, model weights {weights}{dither}{widened}, "
+            f"{main}, float32 gradients; the weight bridge sends {weights}")
 
 
 @dataclass
@@ -200,12 +202,66 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
         "params_dtype": torch.bfloat16 if bf16 else torch.float32,
         "use_distributed_optimizer": cfg.use_distributed_optimizer})
     optimizer = get_megatron_optimizer(opt_config, [module])
+    if bf16 and cfg.bf16_rounding == "dithered":
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            _round_with_dither(part)
     warmup = cfg.lr_warmup_steps
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=cfg.lr_decay_steps or warmup + 1, lr_decay_style=cfg.lr_decay_style,
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return Training(module=module, optimizer=optimizer, scheduler=scheduler, clip_grad=cfg.grad_clip)
+
+
+def dithered_bf16(main: torch.Tensor, start: int, salt: int) -> torch.Tensor:
+    """`main` (float32) rounded to bf16 with a fixed dither per position (`trainer.bf16_rounding: dithered`): the
+    magnitude becomes floor(|x| + r * ulp) with r in [0, 1) from a golden-ratio hash of the position `start + i`
+    shifted by `salt`. A value on the bf16 grid stays where it is, and a float32 drift d moves about |d| / ulp of the
+    weights by one ulp, so on average the bf16 copy follows updates far below its spacing instead of swallowing them
+    (round to nearest moves none of them). inf and nan pass through. Flat bf16 result; int32 arithmetic in chunks."""
+    flat = main.detach().reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=flat.device)
+    chunk = 1 << 22
+    for lo in range(0, flat.numel(), chunk):
+        bits = flat[lo:lo + chunk].float().view(torch.int32)
+        idx = torch.arange(start + lo, start + lo + bits.numel(), dtype=torch.int32, device=flat.device) + salt
+        r = ((idx * -1640531535) >> 16) & 0xFFFF  # int32 wraps: ((i + salt) * 0x9E3779B1) mod 2^32, its top half
+        magnitude = bits & 0x7FFFFFFF
+        rounded = torch.where(magnitude >= 0x7F800000, magnitude, (magnitude + r) & -65536)
+        out[lo:lo + bits.numel()] = (rounded | (bits & -2147483648)).view(torch.float32).to(torch.bfloat16)
+    return out
+
+
+def _salt(group: int, index: int) -> int:
+    """A per-parameter int32 salt, so that two parameters do not share a dither pattern."""
+    return ((group * 7919 + index) * 40503 + 12345) & 0x7FFFFFFF
+
+
+def _round_with_dither(part: Any) -> None:
+    """Make megatron's main -> model weight copy of one optimizer (DistributedOptimizer or the non-distributed
+    Float16OptimizerWithFloat16Params) round its bf16 parameters with `dithered_bf16`; float32 ones copy as before."""
+    if hasattr(part, "shard_fp32_from_float16_groups"):
+        def copy() -> None:  # the distributed optimizer: each rank writes its shard into the param buffer
+            for g, (mains, params) in enumerate(zip(part.shard_fp32_from_float16_groups, part.model_float16_groups)):
+                for i, (main, param) in enumerate(zip(mains, params)):
+                    ranges = part._get_model_param_range_map(param)
+                    world = ranges["gbuf_world_in_bucket"]
+                    gbuf, _, bucket = part.model_param_gbuf_map[param]
+                    target = part.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end]
+                    target.copy_(dithered_bf16(main, ranges["param"].start, _salt(g, i)))
+            for mains, params in zip(part.shard_fp32_groups, part.model_fp32_groups):
+                for main, param in zip(mains, params):
+                    world = part._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                    gbuf, _, bucket = part.model_param_gbuf_map[param]
+                    part.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end].copy_(main)
+    elif hasattr(part, "fp32_from_float16_groups"):
+        def copy() -> None:
+            for g, (mains, params) in enumerate(zip(part.fp32_from_float16_groups, part.float16_groups)):
+                for i, (main, param) in enumerate(zip(mains, params)):
+                    param.data.view(-1).copy_(dithered_bf16(main, 0, _salt(g, i)))
+    else:
+        return  # an optimizer with no bf16 parameters (fp32, or an empty expert part)
+    part._copy_main_params_to_model_params = copy
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -2,7 +2,8 @@
 `bytes_per_param` (training state a rank holds per parameter of its model shard, counted from the tensors: bf16
 weights, megatron DDP's fp32 gradient buffer, fp32 main weights and Adam moments; bf16 with the distributed optimizer
 at DP=1 and DP=2), `sync_bytes_per_param` (bytes a weight sync sends per parameter to bf16 engines), `small_updates`
-(at lr 1e-6, 10 steps on SmolLM2-135M: cosine between the bf16 run's and the fp32 run's weight change, and the
+(at lr 1e-6, 10 steps on SmolLM2-135M: cosine between the bf16 run's and the fp32 run's weight change, the same
+for a bf16 run with `trainer.bf16_rounding: dithered`, and the
 fraction of weights bf16 training without fp32 main weights changes at all) and `step_s` (fp32 and bf16, same batch).
 """
 from __future__ import annotations
@@ -103,8 +104,10 @@ def _small_updates_main(model: str, lr: float, steps: int, results) -> None:
     batch = tiny_batch()
     batch.tokens = batch.tokens % 1000 + 100  # ordinary SmolLM2 tokens
     out = {}
-    for precision in ("fp32", "bf16"):
-        cfg = TrainerConfig(lr=lr, precision=precision, grad_clip=0.0, micro_batch_size=6, num_cpus_per_worker=1)
+    for run in ("fp32", "bf16", "bf16_dithered"):
+        precision = run.split("_")[0]
+        cfg = TrainerConfig(lr=lr, precision=precision, grad_clip=0.0, micro_batch_size=6, num_cpus_per_worker=1,
+                            bf16_rounding="dithered" if run == "bf16_dithered" else "nearest")
         worker = TrainerWorker(model_path=model, cfg=cfg, loss_cfg=LossConfig(), rank=0, world_size=1)
         worker.initialize("127.0.0.1", _free_port())
         start = {n: p.detach().float().clone() for n, p in worker.model.named_parameters()}
@@ -123,17 +126,19 @@ def _small_updates_main(model: str, lr: float, steps: int, results) -> None:
             names = [n for n, _ in worker.model.named_parameters()]
             ends = [p.detach() for _, p in worker.model.named_parameters()]
         delta = {n: e.float().view(-1) - start[n].view(-1) for n, e in zip(names, ends)}
-        out[precision] = {"delta": torch.cat([delta[n] for n in sorted(delta)]),  # the same order in both runs
-                          "step_s": sum(times[1:]) / max(len(times) - 1, 1)}
+        out[run] = {"delta": torch.cat([delta[n] for n in sorted(delta)]),  # the same order in every run
+                    "step_s": sum(times[1:]) / max(len(times) - 1, 1)}
         worker.shutdown()
         parallel_state.destroy_model_parallel()
     out["bf16_no_main"] = _bf16_without_main_weights(model, batch, lr, steps)
     a, b = out["fp32"]["delta"], out["bf16"]["delta"]
     results.put(pickle.dumps({"cosine_bf16_vs_fp32": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+                              "cosine_bf16_dithered_vs_fp32": float(torch.nn.functional.cosine_similarity(
+                                  a, out["bf16_dithered"]["delta"], dim=0)),
                               "changed_fraction_bf16_main": float((b != 0).float().mean()),
                               "changed_fraction_fp32": float((a != 0).float().mean()),
                               "changed_fraction_bf16_no_main": out["bf16_no_main"],
-                              "step_s": {"fp32": out["fp32"]["step_s"], "bf16": out["bf16"]["step_s"]}}))
+                              "step_s": {run: out[run]["step_s"] for run in ("fp32", "bf16", "bf16_dithered")}}))
 
 
 def _bf16_without_main_weights(model: str, batch, lr: float, steps: int) -> float:
