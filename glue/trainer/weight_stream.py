@@ -243,7 +243,7 @@ class TrainerWeightSource:
                 from weight_sync.source import BucketSource
 
                 self._source = BucketSource()
-            self._source.open_channel(name, spec)
+            self._source.open_channel(name, spec, streamed=True)
 
     def stage(self, version: int, with_tensor_checksums: bool) -> None:
         """Start a sync of the weights at `version`: nothing is gathered yet (each bucket is, when it is sent).
