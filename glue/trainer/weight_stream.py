@@ -1,7 +1,8 @@
 """The weight bridge's source on the trainer, bucket by bucket: a bucket's HF tensors are gathered from the ranks that
-hold their shards just before it is packed (an all-gather inside the owning TP or expert-TP group, then a
-point-to-point send to the source rank from other pipeline stages and expert-parallel ranks) and dropped once it is
-sent. No rank holds more than its own shard plus about a bucket, and nothing of the model is copied to host memory.
+hold their shards just before it is packed (each shard sent to rank 0 of the owning TP or expert-TP group and copied
+into the HF tensors as it arrives, then a point-to-point send to the source rank from other pipeline stages and
+expert-parallel ranks) and dropped once it is sent. No rank holds more than its own shard plus about a bucket, and
+nothing of the model is copied to host memory.
 With parallel sources (`source_plan`) each pipeline stage and expert group sends its own tensors from its own rank.
 """
 from __future__ import annotations
@@ -182,8 +183,8 @@ class WeightStream:
                        ) -> dict[str, torch.Tensor]:
         """Rule `index`'s HF tensors on rank 0 of its TP (or expert-TP) group, {} on the other members, which send
         it their shard (kept in `sends` until received). Rank 0 allocates the HF tensors and copies each shard into
-        its place as it arrives, through one shard-sized buffer: the tensor plus one shard, where gathering every
-        shard, concatenating and splitting held three copies of it at once (and gloo's all-gather a fourth)."""
+        its place as it arrives, through one shard-sized buffer: the tensor plus one shard, not every shard, their
+        concatenation and the split copies at once (nor gloo's all-gather's own flat copy)."""
         from weight_sync.convert import shard_into_hf
 
         rule = self.rules[index]
