@@ -170,3 +170,23 @@ def test_a_tp_size_that_splits_a_query_group_is_refused_with_the_fix(checkpoints
     config, hf_state = checkpoints["qwen3"]
     with pytest.raises(ValueError, match="tensor_model_parallel_size=4 must divide num_key_value_heads=2"):
         hf_to_megatron_local(hf_state, config, ParallelLayout(tp_rank=0, tp_size=4))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_shards_copied_one_at_a_time_into_the_hf_tensors_rebuild_the_checkpoint(checkpoints, family):
+    """`shard_into_hf` at TP=2, the vocab of 30 padded to 32 and to 64 (the second shard all padding): every kind
+    (row, column, vocab, q/k/v with bias, gate/up, replicated), shards taken in reverse rank order, gives the
+    checkpoint's tensors bit for bit."""
+    from weight_sync.convert import local_name, rules, shard_into_hf, shard_rank
+
+    config, hf_state = checkpoints[family]
+    for padded in (32, 64):
+        ranks = layouts(4, tp=2, padded=padded)
+        states = [hf_to_megatron_local(hf_state, config, layout) for layout in ranks]
+        for rule in rules(config):
+            hf = [torch.full_like(hf_state[name], -1.0) for name in rule.hf]
+            for state, layout in reversed(list(zip(states, ranks))):
+                rank, size = shard_rank(rule, layout)
+                shard_into_hf(rule, state[local_name(rule, layout, 4)], rank, size, hf, config)
+            for name, tensor in zip(rule.hf, hf):
+                assert torch.equal(tensor, hf_state[name]), (padded, name)

@@ -86,6 +86,33 @@ def test_a_pipelined_sync_packs_only_into_its_two_preallocated_buffers_bucket_af
         bridge.close()
 
 
+def test_a_streamed_broadcast_channel_keeps_one_buffer_even_when_pipelined(monkeypatch):
+    """A streaming source (the trainer's) brings each bucket's tensors with its send, and the broadcast ends before
+    the send returns, so a second buffer would never be used: the channel holds one, and every bucket goes out of
+    it. A weight group of the source alone (world size 1) stands in for the engines."""
+    from test_trainer_megatron import _free_port
+    from weight_sync.buckets import plan_buckets
+    from weight_sync.source import BucketSource
+
+    tensors = {f"w{i}": torch.full((1000,), float(i)) for i in range(4)}
+    layouts = plan_buckets([(n, "float32", (1000,)) for n in tensors], 4000)
+    spec = {"kind": "broadcast", "layouts": [b.to_json() for b in layouts], "pipeline": True,
+            "master_address": "127.0.0.1", "master_port": _free_port(), "world_size": 1, "group_name": "streamed",
+            "backend": "gloo", "timeout_s": 30}
+    seen = sent_buckets(monkeypatch)
+    source = BucketSource()
+    try:
+        source.open_channel("streamed", spec, streamed=True)
+        channel = source.channels["streamed"]
+        buffers = [b.data_ptr() for b in channel.buffers]
+        for layout in layouts:
+            source.send_bucket("streamed", layout.index, {n: tensors[n] for n in layout.names})
+    finally:
+        source.close()
+    assert len(layouts) == 4 and len(buffers) == 1
+    assert seen == [(buffers[0], 4000)] * 4
+
+
 def test_a_packing_failure_mid_pipeline_raises_once_and_leaves_no_thread_or_engine_stuck(engine, tiny_model_dir,
                                                                                        monkeypatch):
     source = random_source(tiny_model_dir, 13)

@@ -26,14 +26,18 @@ class _Channel:
     bucket is packed while the other travels. Broadcast: a packing thread works ahead, packing and checksumming
     bucket k+1 while bucket k is on the wire and while the engines check it. Ipc: the driver asks for bucket k+1
     while the engines copy bucket k out of the other segment. Off: one buffer, packing and sending one after the
-    other (the reference the pipelined path is tested against)."""
+    other (the reference the pipelined path is tested against). `streamed`: every bucket's tensors come with its
+    send (a streaming source, such as the trainer's) and nothing can be packed ahead, so a broadcast channel keeps
+    one buffer whatever `pipeline` says."""
 
-    def __init__(self, spec: Mapping[str, Any]):
+    def __init__(self, spec: Mapping[str, Any], streamed: bool = False):
         self.kind = spec["kind"]
         self.layouts = [BucketLayout.from_json(i, m) for i, m in enumerate(spec["layouts"])]
         self.with_checksum = bool(spec.get("with_checksum", True))
         biggest = max((b.nbytes for b in self.layouts), default=0)
         depth = 2 if spec.get("pipeline", True) and len(self.layouts) > 1 else 1
+        if streamed and self.kind == "broadcast":  # the broadcast ends before its send returns: one buffer is free
+            depth = 1
         self.group = self.writer = None
         self.segments: list[Any] = []
         self.buffers: list[torch.Tensor] = []
@@ -166,11 +170,12 @@ class BucketSource:
         self.channels: dict[str, _Channel] = {}
         self.staged: Mapping[str, torch.Tensor] = {}
 
-    def open_channel(self, name: str, spec: Mapping[str, Any]) -> None:
-        """Open a channel; for `broadcast` this blocks until every engine has joined the group."""
+    def open_channel(self, name: str, spec: Mapping[str, Any], streamed: bool = False) -> None:
+        """Open a channel; for `broadcast` this blocks until every engine has joined the group. `streamed`: every
+        `send_bucket` will bring the bucket's tensors (`_Channel`)."""
         if name in self.channels:
             raise RuntimeError(f"weight channel {name!r} is already open; close it first")
-        self.channels[name] = _Channel({**spec, "name": name})
+        self.channels[name] = _Channel({**spec, "name": name}, streamed)
 
     def stage(self, tensors: Mapping[str, torch.Tensor], with_tensor_checksums: bool) -> dict[str, str] | None:
         """Hold `tensors` for the coming `send_bucket` calls; per-tensor checksums for a full verification."""

@@ -1,7 +1,8 @@
 """The weight bridge's source on the trainer, bucket by bucket: a bucket's HF tensors are gathered from the ranks that
-hold their shards just before it is packed (an all-gather inside the owning TP or expert-TP group, then a
-point-to-point send to the source rank from other pipeline stages and expert-parallel ranks) and dropped once it is
-sent. No rank holds more than its own shard plus about a bucket, and nothing of the model is copied to host memory.
+hold their shards just before it is packed (each shard sent to rank 0 of the owning TP or expert-TP group and copied
+into the HF tensors as it arrives, then a point-to-point send to the source rank from other pipeline stages and
+expert-parallel ranks) and dropped once it is sent. No rank holds more than its own shard plus about a bucket, and
+nothing of the model is copied to host memory.
 With parallel sources (`source_plan`) each pipeline stage and expert group sends its own tensors from its own rank.
 """
 from __future__ import annotations
@@ -73,7 +74,6 @@ class WeightStream:
         self.tensor_sums: bool = False
         self._made: set[int] = set()  # rules produced in this sync (their HF names may span two buckets)
         self._ready: dict[str, torch.Tensor] = {}  # source rank: produced HF tensors not yet in a bucket
-        self.peak_bytes = 0  # the most bytes of gathered HF tensors the source held at once (a bench figure)
 
     def source_plan(self, hf_names: list[str]) -> list[SourcePart]:
         """The parallel sources: each rule is sent by its producer's leader (one per pipeline stage, and one per
@@ -117,8 +117,6 @@ class WeightStream:
             self._ready.update(self._produce(index, sends, source))
         for request, _ in sends:  # the tensors stay referenced until their sends complete
             request.wait()
-        held = sum(t.numel() * t.element_size() for t in self._ready.values())
-        self.peak_bytes = max(self.peak_bytes, held)
         return {name: self._ready.pop(name) for name in names} if self.rank == source else {}
 
     # ---- one rule
@@ -153,20 +151,19 @@ class WeightStream:
 
     def _produce(self, index: int, sends: list, source: int) -> dict[str, torch.Tensor]:
         from weight_sync.convert import local_name, rule_to_hf, shard_rank
+        from weight_sync.convert.layout import REPLICATED
 
         rule, producer = self.rules[index], self.producers[index]
         if self._holds(producer):
             layout = self.place.layout()
             shard = self.params[local_name(rule, layout, self.n_experts)].data
             rank, size = shard_rank(rule, layout)
-            shards = [shard]
-            if size > 1:
-                shards = [torch.empty_like(shard) for _ in range(size)]
-                group = self.groups["dense" if rule.expert is None else "expert"]
-                torch.distributed.all_gather(shards, shard.contiguous(), group=group)
+            if size > 1 and rule.kind != REPLICATED:
+                tensors = self._gather_shards(index, shard.contiguous(), rank, size, sends)
+            else:  # views of the parameter (q/k/v split apart are copies: no view has their shape)
+                tensors = rule_to_hf(rule, [shard], self.hf_config, copy=False) if rank == 0 else {}
             if rank != 0:
                 return {}
-            tensors = rule_to_hf(rule, shards, self.hf_config)
             if self.rank == source:
                 return tensors
             for name in rule.hf:
@@ -181,6 +178,30 @@ class WeightStream:
             received[name] = torch.empty(shape, dtype=dtype, device=self._device())
             torch.distributed.recv(received[name], src=producer.leader)
         return received
+
+    def _gather_shards(self, index: int, shard: torch.Tensor, rank: int, size: int, sends: list
+                       ) -> dict[str, torch.Tensor]:
+        """Rule `index`'s HF tensors on rank 0 of its TP (or expert-TP) group, {} on the other members, which send
+        it their shard (kept in `sends` until received). Rank 0 allocates the HF tensors and copies each shard into
+        its place as it arrives, through one shard-sized buffer: the tensor plus one shard, not every shard, their
+        concatenation and the split copies at once (nor gloo's all-gather's own flat copy)."""
+        from weight_sync.convert import shard_into_hf
+
+        rule = self.rules[index]
+        group = self.groups["dense" if rule.expert is None else "expert"]
+        if rank != 0:
+            sends.append((torch.distributed.isend(shard, dst=torch.distributed.get_global_rank(group, 0),
+                                                  group=group), shard))
+            return {}
+        tensors = {name: torch.empty(self.specs[name][1], dtype=self.specs[name][0], device=shard.device)
+                   for name in rule.hf}
+        hf = list(tensors.values())
+        shard_into_hf(rule, shard, 0, size, hf, self.hf_config)
+        arriving = torch.empty_like(shard)
+        for other in range(1, size):
+            torch.distributed.recv(arriving, src=torch.distributed.get_global_rank(group, other), group=group)
+            shard_into_hf(rule, arriving, other, size, hf, self.hf_config)
+        return tensors
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -223,7 +244,7 @@ class TrainerWeightSource:
                 from weight_sync.source import BucketSource
 
                 self._source = BucketSource()
-            self._source.open_channel(name, spec)
+            self._source.open_channel(name, spec, streamed=True)
 
     def stage(self, version: int, with_tensor_checksums: bool) -> None:
         """Start a sync of the weights at `version`: nothing is gathered yet (each bucket is, when it is sent).

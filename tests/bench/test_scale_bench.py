@@ -81,12 +81,13 @@ def test_health_sweep_over_64_stand_in_engines_with_4_hung():
     assert sorted(hung) == [5, 21, 42, 60] and sweep_s <= 2 * watch.health_timeout_s
 
 
-MOE_SIZES = {  # the same tiny Qwen3-MoE twice, the second with twice the experts (most of an MoE's bytes)
-    "8_experts": dict(family="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
-                      num_kv_heads=2, intermediate_size=1024, num_experts=8),
-    "16_experts": dict(family="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
-                       num_kv_heads=2, intermediate_size=1024, num_experts=16),
+MOE_SIZES = {  # the same tiny Qwen3-MoE with 8, 16 and 32 experts (most of an MoE's bytes): 15, 28 and 53 MB
+    f"{n}_experts": dict(family="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, intermediate_size=1024, num_experts=n) for n in (8, 16, 32)
 }
+SYNC_SIZES = ("8_experts", "32_experts")  # 3.5 x apart; a third size added a minute and nothing the two miss
+SYNC_BUCKET_BYTES = 1 << 20  # 2-7 % of these models, as 512 MiB-1 GiB buckets are of a 15-60 GB one
+MEASURED_SYNCS = 3  # after the first: each one's resident-memory growth is reported, the worst one kept
 
 
 def _memory(actor, reset: bool) -> int:
@@ -105,14 +106,89 @@ def _memory(actor, reset: bool) -> int:
     return ray.get(actor.__ray_call__.remote(read))
 
 
-def test_sync_memory_per_model_size(tmp_path_factory, engine_processes):
-    """EP=2 (DP=2) trainer on Ray, one embedded engine, broadcast syncs in 256 KiB buckets, at two model sizes:
-    the largest trainer rank's resident-memory growth during the second sync (VmHWM after minus VmRSS before; the
-    first one also builds the channel's buffers) and the most
-    bytes of gathered tensors the source held at once; beside it, the same growth for the whole-model gather the
-    sync used before streaming (`full_hf_state`)."""
+def _max_growth(group, step) -> int:
+    """The most any trainer rank's resident memory grew during `step()` (VmHWM after minus VmRSS before)."""
+    before = [_memory(a, reset=True) for a in group._actors]
+    step()
+    return max(_memory(a, reset=False) - b for a, b in zip(group._actors, before))
+
+
+def _count_sync_tensors(actor) -> None:
+    """From now on the actor's weight sends run inside one `TensorCensus` (tests/tensor_census.py): the bytes of
+    the tensors a sync allocates, as `torch.cuda.max_memory_allocated` counts them on a GPU."""
     import ray
 
+    from tensor_census import TensorCensus
+
+    def arm(worker):
+        source = worker._weight_source
+        census, send = TensorCensus(), getattr(source, "uncounted_send", source.send)
+
+        def counted(*args, **kwargs):
+            with census:
+                return send(*args, **kwargs)
+
+        source.send, source.uncounted_send, source.census = counted, send, census
+
+    ray.get(actor.__ray_call__.remote(arm))
+
+
+def _sync_tensors(actor) -> dict[str, int]:
+    """The census of the actor's sends so far, and the bytes of its channels' bucket buffers (kept between
+    syncs, allocated when a channel opens)."""
+    import ray
+
+    def read(worker):
+        source, census = worker._weight_source, getattr(worker._weight_source, "census", None)
+        buffers = sum(b.numel() * b.element_size() for c in getattr(source._source, "channels", {}).values()
+                      for b in c.buffers) if source._source is not None else 0
+        return {"peak": census.peak if census else 0, "largest": census.largest if census else 0,
+                "buffers": buffers}
+
+    return ray.get(actor.__ray_call__.remote(read))
+
+
+def _sync_memory(group, bridge, bucket: int) -> dict[str, Any]:
+    """One bridge's figures: the first sync's growth (it also opens the channels and imports the sync's code), the
+    growth of each of the next MEASURED_SYNCS syncs, then one more sync with the census armed (so its bookkeeping
+    stays out of the growth figures)."""
+    first = _max_growth(group, lambda: bridge.sync(1))
+    each = [_max_growth(group, lambda v=v: bridge.sync(v)) for v in range(2, 2 + MEASURED_SYNCS)]
+    for actor in group._actors:
+        _count_sync_tensors(actor)
+    bridge.sync(2 + MEASURED_SYNCS)
+    counted = [_sync_tensors(a) for a in group._actors]
+    tensor_peak, buffers = max(c["peak"] for c in counted), max(c["buffers"] for c in counted)
+    return {"bucket_bytes": bucket, "biggest_bucket_bytes": max(b.nbytes for b in bridge.layouts),
+            "max_rank_extra_bytes": max(each), "max_rank_extra_buckets": round(max(each) / bucket, 2),
+            "max_rank_extra_each_sync": each,
+            "max_rank_tensor_bytes": tensor_peak, "max_rank_tensor_buckets": round(tensor_peak / bucket, 2),
+            "rank0_host_copy_bytes": max(c["largest"] for c in counted), "channel_buffer_bytes": buffers,
+            "first_sync_extra_bytes": first}
+
+
+SIZE_LAYOUTS = {  # EP=2 alone (dense weights whole on rank 0), and with TP=2 (dense weights gathered shard by shard)
+    "ep2_dp2": {"data_parallel_size": 2, "expert_model_parallel_size": 2},
+    "tp2_ep2": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+}
+
+
+def test_sync_memory_per_model_size(tmp_path_factory, engine_processes):
+    """Two-rank trainers on Ray (EP=2 x DP=2, and TP=2 x EP=2), one embedded engine, broadcast syncs in 1 MiB
+    buckets from one source (rank 0 gathers what other ranks hold point to point) and from parallel sources, at
+    two model sizes. Per row: the largest trainer rank's resident-memory growth during a sync after the first
+    (VmHWM after minus VmRSS before, the worst of MEASURED_SYNCS; process-wide, so allocator, gloo and Ray count),
+    the bytes of tensors a sync allocates held at once on the largest rank (`max_rank_tensor_bytes`, counted by
+    TensorCensus: what max_memory_allocated is on a GPU) and the largest one of them (`rank0_host_copy_bytes`),
+    the channel's bucket buffers (kept between syncs) and the first sync's growth (those buffers, the code it
+    imports, the weight group's gloo context and threads: costs that do not come back); beside them,
+    the growth of the whole-model gather the sync used before streaming (`full_hf_state`). Targets: tensors plus
+    buffers <= 3 buckets, no copy larger than a bucket, resident growth growing less than half as fast as the
+    model."""
+    import ray
+    import ray.cloudpickle
+
+    import tensor_census
     from glue.config import SyncConfig
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.trainer.config import TrainerConfig
@@ -120,45 +196,45 @@ def test_sync_memory_per_model_size(tmp_path_factory, engine_processes):
     from loss import LossConfig
     from weight_sync.bridge import make_bridge
 
-    bucket = 256 << 10
+    ray.cloudpickle.register_pickle_by_value(tensor_census)  # the actors do not import from tests/
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
-        for name, shape in MOE_SIZES.items():
-            model = save_tiny_model(str(tmp_path_factory.mktemp(name)), seed=0, **shape)
+        for name in SYNC_SIZES:
+            model = save_tiny_model(str(tmp_path_factory.mktemp(name)), seed=0, **MOE_SIZES[name])
             engine = engine_processes.start(model)
-            cfg = TrainerConfig(data_parallel_size=2, expert_model_parallel_size=2, micro_batch_size=2,
-                                num_cpus_per_worker=1)
-            group = TrainerGroup(model, cfg, LossConfig())
-            try:
-                model_bytes = sum(int(torch_numel(s)) * 4 for _, _, s in group.hf_weight_specs())
-                bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=bucket), source=group,
-                                     engine_urls=[engine])
+            for layout_name, layout in SIZE_LAYOUTS.items():
+                group = TrainerGroup(model, TrainerConfig(micro_batch_size=2, num_cpus_per_worker=1, **layout),
+                                     LossConfig())
                 try:
-                    bridge.sync(1)  # the first sync also builds the channel's buffers and the stream's tables
-                    before = [_memory(a, reset=True) for a in group._actors]
-                    bridge.sync(2)
-                    extra = max(_memory(a, reset=False) - b for a, b in zip(group._actors, before))
-                    held = ray.get(group._actors[0].__ray_call__.remote(
-                        lambda worker: worker._weight_source._stream.peak_bytes))
+                    model_bytes = sum(int(torch_numel(s)) * 4 for _, _, s in group.hf_weight_specs())
+                    made = []
+                    for sources in ("one", "parallel"):
+                        bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=SYNC_BUCKET_BYTES,
+                                                        sources=sources), source=group, engine_urls=[engine])
+                        try:
+                            figures = _sync_memory(group, bridge, SYNC_BUCKET_BYTES)
+                        finally:
+                            bridge.close()
+                        made.append({"model": name, "layout": layout_name, "model_bytes": model_bytes,
+                                     "sources": sources, **figures})
+                    whole_gather_extra = _max_growth(group, group.full_hf_state)
+                    rows += [{**row, "whole_gather_extra_bytes": whole_gather_extra} for row in made]
                 finally:
-                    bridge.close()
-                before = [_memory(a, reset=True) for a in group._actors]
-                group.full_hf_state()
-                whole_gather_extra = max(_memory(a, reset=False) - b for a, b in zip(group._actors, before))
-            finally:
-                group.shutdown()
-            rows.append({"model": name, "model_bytes": model_bytes, "bucket_bytes": bucket,
-                         "max_rank_extra_bytes": extra, "rank0_host_copy_bytes": held,
-                         "whole_gather_extra_bytes": whole_gather_extra})
+                    group.shutdown()
     finally:
         ray.shutdown()
     write_section({"sizes": rows})
-    small, large = rows
-    growth = (large["max_rank_extra_bytes"] - small["max_rank_extra_bytes"]) / (large["model_bytes"] - small["model_bytes"])
-    assert all(r["rank0_host_copy_bytes"] <= r["bucket_bytes"] * 2 for r in rows), rows
-    assert growth < 0.5, (growth, rows)
+    for layout_name in SIZE_LAYOUTS:
+        for sources in ("one", "parallel"):
+            same = [r for r in rows if r["layout"] == layout_name and r["sources"] == sources]
+            small, large = same[0], same[-1]
+            growth = ((large["max_rank_extra_bytes"] - small["max_rank_extra_bytes"])
+                      / (large["model_bytes"] - small["model_bytes"]))
+            assert growth < 0.5, (layout_name, sources, growth, same)
+    assert all(r["rank0_host_copy_bytes"] <= r["bucket_bytes"] for r in rows), rows
+    assert all(r["max_rank_tensor_bytes"] + r["channel_buffer_bytes"] <= 3 * r["bucket_bytes"] for r in rows), rows
 
 
 def torch_numel(shape) -> int:

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
-from weight_sync.convert.layout import GATE_UP, QKV, REPLICATED, VOCAB, ParallelLayout, gather, pad_vocab, shard
+from weight_sync.convert.layout import (GATE_UP, QKV, REPLICATED, ROW, VOCAB, ParallelLayout, gather, pad_vocab,
+                                       shard)
 from weight_sync.convert.names import (EMBEDDING, FINAL_NORM, KIND_BY_SUFFIX, OUTPUT, Rule, cfg, is_tied,
                                        model_type, num_experts, rules)
 
@@ -101,14 +102,47 @@ def megatron_to_hf(states: dict[str, torch.Tensor] | Sequence[dict[str, torch.Te
     return out
 
 
-def rule_to_hf(rule: Rule, shards: list[torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+def rule_to_hf(rule: Rule, shards: list[torch.Tensor], hf_config: Any, copy: bool = True
+               ) -> dict[str, torch.Tensor]:
     """One megatron tensor, from its TP shards in TP-rank order, as the HF tensors it holds: gathered, its vocab
-    padding dropped, q/k/v or gate/up split apart."""
+    padding dropped, q/k/v or gate/up split apart. `copy=False`: the vocab padding is cut off as a view, not a copy
+    (for a reader that copies the tensor right away, like a streaming sync)."""
     full = gather(rule.kind, shards)
     vocab = int(cfg(hf_config, "vocab_size"))
     if rule.kind == VOCAB and full.shape[0] != vocab:
-        full = full[:vocab].clone()
+        full = full[:vocab].clone() if copy else full[:vocab]
     return dict(zip(rule.hf, _split(rule, full, attention_shape(hf_config))))
+
+
+def shard_into_hf(rule: Rule, shard_: torch.Tensor, rank: int, size: int, hf: Sequence[torch.Tensor],
+                  hf_config: Any) -> None:
+    """Copy TP rank `rank`'s shard (of `size`) of `rule`'s tensor into its places in the rule's HF tensors `hf`
+    (whole, in `rule.hf` order): once every rank's shard is in, `hf` holds what `rule_to_hf` gives. A gatherer
+    that takes the shards one at a time so holds the HF tensors and one shard, never all the shards, their
+    concatenation and the split copies side by side."""
+    if rule.kind == REPLICATED:
+        hf[0].copy_(shard_)
+    elif rule.kind == ROW:
+        cols = shard_.shape[1]
+        hf[0][:, rank * cols: (rank + 1) * cols].copy_(shard_)
+    elif rule.kind == GATE_UP:
+        rows = shard_.shape[0] // 2
+        for out, half in zip(hf, shard_.chunk(2, dim=0)):
+            out[rank * rows: (rank + 1) * rows].copy_(half)
+    elif rule.kind == QKV:  # group-major: TP rank r holds query groups [r * g, (r + 1) * g)
+        nq, ng, head_dim = attention_shape(hf_config)
+        per_group, groups, rest = nq // ng, ng // size, tuple(shard_.shape[1:])
+        x = shard_.reshape(groups, per_group + 2, head_dim, *rest)
+        q, k, v = (t.view(ng, -1, head_dim, *rest) for t in hf)
+        at = slice(rank * groups, (rank + 1) * groups)
+        q[at].copy_(x[:, :per_group])
+        k[at].copy_(x[:, -2:-1])
+        v[at].copy_(x[:, -1:])
+    else:  # column-parallel rows; a vocab shard's rows past the vocab are padding
+        start = rank * shard_.shape[0]
+        stop = min(start + shard_.shape[0], hf[0].shape[0])
+        if stop > start:
+            hf[0][start:stop].copy_(shard_[: stop - start])
 
 
 def _shards_of(rule: Rule, states: Sequence[dict], layouts: Sequence[ParallelLayout], n_experts: int,
