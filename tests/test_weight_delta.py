@@ -9,8 +9,8 @@ import torch
 from glue.config import SyncConfig
 from weight_sync.bridge import WeightSyncError, make_bridge
 from weight_sync.buckets import pack_bucket, plan_buckets, unpack_bucket
-from weight_sync.delta import (INDEX_SUFFIX, VALUES_SUFFIX, apply_delta, delta_layout, delta_nbytes, delta_tensors,
-                               diff_bucket)
+from weight_sync.delta import (DELTA_LOAD_FORMAT, INDEX_SUFFIX, VALUES_SUFFIX, apply_delta, delta_layout,
+                               delta_nbytes, delta_tensors, diff_bucket)
 from weight_sync.engine_calls import weight_checksums
 from weight_sync.source import LocalWeightSource, tensor_checksum
 
@@ -125,6 +125,30 @@ def test_a_chain_of_delta_syncs_leaves_engines_bit_identical_and_sends_a_fractio
         bridge.close()
 
 
+class TwoSources(LocalWeightSource):
+    """A state dict split between two parallel sources (as two pipeline stages would send it), in one process."""
+
+    def weight_source_plan(self) -> list[tuple[int, list[str]]]:
+        names = list(self.tensors)
+        return [(0, names[: len(names) // 2]), (1, names[len(names) // 2:])]
+
+
+def test_parallel_sources_send_deltas_and_engines_end_bit_identical(engines, tiny_model_dir):
+    source = TwoSources(model_source(tiny_model_dir).tensors)
+    bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=40_000, verify="full", delta=True,
+                                    sources="parallel"), source=source, engine_urls=engines)
+    try:
+        assert len(bridge.transport.parts) == 2
+        bridge.sync(1)
+        for version in (2, 3):
+            perturb(source.tensors, 0.01, seed=20 + version)
+            figures = bridge.sync(version)
+            assert figures["bytes_sent"] < 0.05 * figures["bytes_full"], figures
+        assert [weight_checksums(url, 30) for url in engines] == [source_sums(source)] * 2
+    finally:
+        bridge.close()
+
+
 @pytest.mark.parametrize("where", ["transfer", "verify"])
 def test_an_engine_failing_midway_through_a_delta_sync_makes_the_next_sync_whole_and_exact(engines, tiny_model_dir,
                                                                                           monkeypatch, where):
@@ -184,3 +208,13 @@ def test_delta_sync_is_refused_before_any_weight_moves_for_engines_that_cannot_a
                     engine_urls=[strict])
     with pytest.raises(ValueError, match="sync.delta: true needs sync.transport: broadcast"):
         SyncConfig(transport="ipc", delta=True)
+    # SGLang 0.5.x's /update_weights_from_distributed never reaches a custom loader: the strict stand-in refuses a
+    # delta bucket's request outright rather than receiving tensors it would hand to the model's own loader
+    from test_embedded_engine import call
+
+    assert call(strict, "/begin_weight_update", {})[0] == 200
+    status, answer = call(strict, "/update_weights_from_distributed", {
+        "names": ["lm_head.weight" + INDEX_SUFFIX, "lm_head.weight" + VALUES_SUFFIX], "dtypes": ["int32", "float32"],
+        "shapes": [[1], [1]], "group_name": "none", "load_format": DELTA_LOAD_FORMAT})
+    assert status == 400 and not answer["success"] and DELTA_LOAD_FORMAT in answer["message"]
+    assert call(strict, "/end_weight_update", {})[0] == 200
