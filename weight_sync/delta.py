@@ -69,9 +69,11 @@ def delta_tensors(layout: BucketLayout, current: torch.Tensor, changes: Sequence
                   ) -> list[tuple[str, torch.Tensor]]:
     """The delta as named tensors in wire order: 8-byte values, positions, then 4-, 2- and 1-byte values, so that
     every tensor starts at an offset its dtype can be viewed from when they are packed back to back."""
-    positions = [(s.name + INDEX_SUFFIX, p.to(index_dtype(layout))) for s, p in changes]
-    values = {size: [(s.name + VALUES_SUFFIX, slot_view(current, s)[p]) for s, p in changes
-                     if str_to_dtype(s.dtype).itemsize == size] for size in (8, 4, 2, 1)}
+    wide = index_dtype(layout)
+    positions = [(s.name + INDEX_SUFFIX, p.to(wide)) for s, p in changes]
+    values: dict[int, list[tuple[str, torch.Tensor]]] = {8: [], 4: [], 2: [], 1: []}
+    for s, p in changes:
+        values[str_to_dtype(s.dtype).itemsize].append((s.name + VALUES_SUFFIX, slot_view(current, s).index_select(0, p)))
     return values[8] + positions + values[4] + values[2] + values[1]
 
 
@@ -115,5 +117,6 @@ def apply_delta(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch
     with torch.no_grad():
         for name, where in positions.items():
             target = targets[name]
-            target.view(-1)[where.to(torch.int64)] = values[name].to(target.device)
+            target.view(-1).index_copy_(0, where.to(device=target.device, dtype=torch.int64),
+                                        values[name].to(target.device))
     return list(positions)

@@ -158,8 +158,7 @@ class _Channel:
                 self._delta_buffer = torch.empty(wire.nbytes, dtype=torch.uint8, device=flat.device)
             sent = pack_bucket(wire, dict(named), self._delta_buffer) if wire.slots else self._delta_buffer[:0]
             for slot, positions in changes:
-                view = slot_view(base, slot)
-                view.view(-1)[positions] = slot_view(current, slot).view(-1)[positions]
+                slot_view(base, slot).index_copy_(0, positions, slot_view(current, slot).index_select(0, positions))
             # what the engine checks after scattering: the tensors it wrote, whole
             sums = self._checksum_of([slot_view(current, s) for s, _ in changes])
             fields = {**wire.to_json(), "load_format": DELTA_LOAD_FORMAT}
