@@ -82,5 +82,6 @@ def test_delta_sync_on_smollm2_bf16(engine_processes):
             "whole_s_median": round(statistics.median(r["whole_s"] for r in mine), 3),
             "plain_whole_s": round(mine[-1]["plain_whole_s"], 3)}
     write_section({"delta": {"model": "SmolLM2-135M-Instruct", "precision": "bf16", "steps_per_lr": STEPS,
+                             "load_avg_1min_at_end": round(os.getloadavg()[0], 1),
                              "bytes_full": rows[0]["bytes_full"], **summary, "rows": rows}})
     assert all(0 < r["changed_frac"] < 1 and r["bytes_sent"] <= r["bytes_full"] for r in rows), rows
