@@ -161,6 +161,11 @@ def _check_sglang_engines(cfg: SluiceConfig) -> None:
                          "checker are the embedded engine's; SGLang answers updates with {success, message} and its "
                          "/weights_checker uses its own fused, TP-sharded names. Use sync.verify=auto (versions are "
                          "checked after every sync) or off")
+    if s.delta:
+        raise ValueError("sync.delta=true with SGLang engines: SGLang 0.5.x loads /update_weights_from_distributed "
+                         "through the model's own loader whatever its load_format (a custom weight loader is reached "
+                         "only from /update_weights_from_tensor), so it cannot apply delta buckets; use sync.delta="
+                         "false (docs/weight_sync.md, 'Delta sync')")
     if s.pause_mode == "in_place":
         raise ValueError("sync.pause_mode=in_place with SGLang engines: the sync's last bucket flushes the prefix "
                          "cache, which SGLang refuses while requests run (and in-place requests keep running across "

@@ -290,7 +290,7 @@ def test_a_strict_engine_starts_at_version_default_without_sluice_routes_or_hook
 def test_the_lenient_engine_advertises_its_extra_capabilities(engine_processes, tiny_model_dir):
     url = engine_processes.start(tiny_model_dir)
     info = call(url, "/get_server_info")[1]
-    assert info["sluice_capabilities"] == ["bucket_checksums", "test_hooks"]
+    assert info["sluice_capabilities"] == ["bucket_checksums", "test_hooks", "delta_sync"]
     assert call(url, "/begin_weight_update", {})[0] == 200 and call(url, "/begin_weight_update", {})[0] == 200
 
 

@@ -16,6 +16,7 @@ STRICT = ["cluster.engine=sglang_strict"]
     ("sync.verify=full", "sync.verify=full with SGLang engines"),
     ("sync.pause_mode=in_place", "sync.pause_mode=in_place with SGLang engines"),
     ("sync.transport=ipc", "sync.transport=ipc with SGLang engines"),
+    ("sync.delta=true", "sync.delta=true with SGLang engines"),
     ("sglang.pp_size=2", "--sglang-pp-size (sglang.pp_size) is set by sluice itself"),
 ])
 def test_dry_run_refuses_what_sglang_cannot_do_in_one_line(capsys, setting, says):
@@ -25,7 +26,7 @@ def test_dry_run_refuses_what_sglang_cannot_do_in_one_line(capsys, setting, says
 
 
 @pytest.mark.parametrize("setting", ["sync.verify=checksum", "sync.verify=full", "sync.pause_mode=in_place",
-                                     "sync.transport=ipc"])
+                                     "sync.transport=ipc", "sync.delta=true"])
 def test_the_same_settings_stay_allowed_with_the_embedded_engine(setting):
     resolve(load_config(None, [setting] + (["cluster.placement=colocated"] if "ipc" in setting else [])))
 

@@ -18,6 +18,7 @@ from weight_sync.verify import check_bucket_checksums, check_full, check_version
 VERIFY_MODES = ("auto", "checksum", "full", "off")
 SOURCE_MODES = (None, "one", "parallel")
 BUCKET_CHECKSUMS = "bucket_checksums"  # the embedded engine's capability that verify checksum / full rest on
+DELTA_SYNC = "delta_sync"  # the embedded engine's capability to apply delta buckets (weight_sync.delta)
 
 
 class WeightBridge:
@@ -26,12 +27,14 @@ class WeightBridge:
     of the size that lets packing overlap the wire (`pipeline_bucket_bytes`, at most `bucket_bytes`); off: buckets
     of `bucket_bytes`, packed and sent one after the other. `sources`: "parallel" plans each source's buckets apart
     and sends them through a group per source (`weight_sync.sources`; the source must offer `weight_source_plan`),
-    "one" through one group from one rank, None: parallel when the source reports more than one."""
+    "one" through one group from one rank, None: parallel when the source reports more than one. `delta` (broadcast
+    only): after a confirmed sync to the whole fleet, each bucket goes as its changes since then where that is
+    smaller (`weight_sync.delta`); the source must offer `prepare_weight_bucket`."""
 
     def __init__(self, source: WeightSource, engine_urls: Sequence[str], *, make_transport: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0,
                  api_key: str | None = None, admin_api_key: str | None = None, pipeline: bool = True,
-                 sources: str | None = None):
+                 sources: str | None = None, delta: bool = False):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if sources not in SOURCE_MODES:
@@ -48,11 +51,16 @@ class WeightBridge:
         self.left_behind = 0  # engines that could not leave a weight group (hung or gone), over the run
         self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
         self.requested_verify = verify
+        self.delta = delta
+        # Delta sync: do the source's baselines hold exactly what every engine holds? Only after a sync to the whole
+        # fleet that every engine confirmed; any failure, a new channel or a fleet change makes the next sync whole.
+        self.delta_ready = False
 
     def connect(self) -> None:
         """Plan the buckets from the source's weight specs, settle the verification the engines allow
         (`_settle_verify`) and open the transport to every engine."""
         self.verify = self._settle_verify(self.engine_urls)
+        self._check_delta(self.engine_urls)
         specs = self.source.hf_weight_specs()
         plan = self._source_plan()
         if plan is None:
@@ -65,6 +73,19 @@ class WeightBridge:
             self.transport = self._make_transport(self.source, [], self.verify != "off", self.pipeline, parts=parts)
             self.layouts = self.transport.layouts
         self.transport.connect(self.engine_urls)
+
+    def _check_delta(self, urls: Sequence[str]) -> None:
+        """Delta sync needs engines that apply delta buckets: sluice's embedded engine. SGLang 0.5.x hands
+        `/update_weights_from_distributed` to the model's own loader whatever its `load_format` (a custom loader
+        is reached only from `/update_weights_from_tensor`), so it is refused before any weight moves."""
+        if not self.delta:
+            return
+        lacking = [url for url in urls if DELTA_SYNC not in engine_capabilities(url, self.timeout_s, self.api_key)]
+        if lacking:
+            raise WeightSyncError(
+                f"sync.delta: true needs engines that apply delta buckets (sluice's embedded engine); {lacking[0]} "
+                "does not (an SGLang server, or --sglang-strict: SGLang 0.5.x loads /update_weights_from_distributed "
+                "through the model's own loader, see docs/weight_sync.md, 'Delta sync'): set sync.delta: false")
 
     def _bucket_size(self, specs: list) -> int:
         return pipeline_bucket_bytes(spec_bytes(specs), self.bucket_bytes) if self.pipeline else self.bucket_bytes
@@ -124,6 +145,8 @@ class WeightBridge:
         if self.verify != "off" and self._settle_verify([url]) == "off":
             raise WeightSyncError(f"engine {url} reports no bucket checksums, but this bridge verifies them for the "
                                   "rest of the fleet; every engine of a run must be of one kind")
+        self._check_delta([url])
+        self.delta_ready = False  # the fleet's channel is rebuilt: its baselines start empty
         if self.version is not None and not self.is_behind_source():
             self.transport.connect([url])
             try:
@@ -148,6 +171,7 @@ class WeightBridge:
         if url not in self.engine_urls or self.transport is None:
             return
         self._disconnect(self.engine_urls)
+        self.delta_ready = False
         self.engine_urls = [u for u in self.engine_urls if u != url]
         if self.engine_urls:
             self.transport.connect(self.engine_urls)
@@ -196,7 +220,12 @@ class WeightBridge:
         t0 = time.perf_counter()
         tensor_sums = self.source.stage_weights(self.verify == "full")
         t1 = time.perf_counter()
-        transfer = self._in_update_session(urls, lambda: self.transport.transfer(urls, version))
+        whole_fleet = list(urls) == self.engine_urls
+        if self.delta:
+            delta, self.delta_ready = self.delta_ready and whole_fleet, False
+            transfer = self._in_update_session(urls, lambda: self.transport.transfer(urls, version, delta=delta))
+        else:
+            transfer = self._in_update_session(urls, lambda: self.transport.transfer(urls, version))
         t2 = time.perf_counter()
         if self.verify != "off":
             check_bucket_checksums(transfer, [b.names for b in self.layouts])
@@ -208,12 +237,22 @@ class WeightBridge:
             run_together([lambda url=url: check_full(url, tensor_sums, self.timeout_s, self.admin_key) for url in urls],
                          self.timeout_s)
         t3 = time.perf_counter()
+        self.delta_ready = self.delta and whole_fleet  # every engine confirmed: the baselines are what they hold
         nbytes = float(sum(b.nbytes for b in self.layouts))
         phases = {"pack_s": 0.0, "wire_s": 0.0, "source_checksum_s": 0.0, "copy_in_s": 0.0, **transfer.timings}
         self.last_sync = {"stage_s": t1 - t0, "transfer_s": t2 - t1, "verify_s": t3 - t2, "total_s": t3 - t0,
                           "bytes": nbytes, "buckets": float(len(self.layouts)), "gb_per_s": nbytes / (t3 - t0) / 1e9,
                           "left_behind": float(self.left_behind),
-                          **phases}
+                          **phases, **self._byte_figures(transfer, nbytes)}
+
+    def _byte_figures(self, transfer: Any, nbytes: float) -> dict[str, float]:
+        """bytes_sent (on the wire) and bytes_full (what a whole sync sends); with delta sync also
+        delta_changed_frac (elements that changed since the last sync, of all; 1 for a whole sync)."""
+        if not self.delta:
+            return {"bytes_sent": nbytes, "bytes_full": nbytes}
+        figures = transfer.delta
+        return {"bytes_sent": figures.get("bytes_sent", 0.0), "bytes_full": nbytes,
+                "delta_changed_frac": figures.get("changed", 0.0) / max(figures.get("elements", 0.0), 1.0)}
 
 
 def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[str],
@@ -231,6 +270,10 @@ def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[st
         pipeline = sync_cfg.backend == "nccl" if pipeline is None else pipeline
     key = admin_key(api_key, admin_api_key)  # every weight route is an admin route
     sources = getattr(sync_cfg, "sources", None)
+    delta = bool(getattr(sync_cfg, "delta", False))
+    if delta and transport != "broadcast":
+        raise ValueError(f"sync.delta: true needs sync.transport: broadcast (got {transport!r}); set sync.delta: false")
+    pipeline = pipeline and not delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
     if transport == "broadcast":
         def make(src, layouts, with_checksum, pipeline, parts=None):
             options = dict(backend=sync_cfg.backend, master_address=sync_cfg.master_address,
@@ -256,7 +299,7 @@ def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[st
         raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {transport!r}")
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=sync_cfg.bucket_bytes,
                           verify=sync_cfg.verify, timeout_s=timeout_s, api_key=api_key, admin_api_key=admin_api_key,
-                          pipeline=pipeline, sources=sources if transport == "broadcast" else "one")
+                          pipeline=pipeline, sources=sources if transport == "broadcast" else "one", delta=delta)
     bridge.connect()
     return bridge
 

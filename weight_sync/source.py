@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
-from weight_sync.buckets import BucketLayout, check_bucket_tensors, checksum, dtype_to_str, pack_bucket
+from weight_sync.buckets import (BucketLayout, check_bucket_tensors, checksum, dtype_to_str, pack_bucket,
+                                str_to_dtype)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -42,6 +43,9 @@ class _Channel:
         self.segments: list[Any] = []
         self.buffers: list[torch.Tensor] = []
         self.ahead: dict[int, Future] = {}  # bucket index -> its packing (and checksum) on the packing thread
+        self.baseline: dict[int, torch.Tensor] = {}  # delta sync: bucket index -> a CPU copy of what was last sent
+        self.prepared: dict[int, dict[str, Any]] = {}  # bucket index -> what `prepare` chose to send
+        self._delta_buffer = torch.empty(0, dtype=torch.uint8)
         self._packer: ThreadPoolExecutor | None = None
         if self.kind == "broadcast":
             from weight_sync.process_group import create_process_group
@@ -74,6 +78,7 @@ class _Channel:
         for layout in self.layouts:
             check_bucket_tensors(layout, tensors)
         self.drop_ahead()
+        self.prepared.clear()
 
     def drop_ahead(self) -> None:
         wait(list(self.ahead.values()))
@@ -108,6 +113,9 @@ class _Channel:
         landed everywhere, and no engine is left waiting inside a collective for a bucket that never comes."""
         from weight_sync.broadcast import broadcast_bucket, wait_unless_aborted
 
+        prepared = self.prepared.pop(index, None)
+        if prepared is not None:
+            return self._broadcast_prepared(prepared)
         packing = self.ahead.pop(index, None)
         out = packing.result() if packing is not None else self._pack(index, tensors, checksum_too=False)
         if ahead:
@@ -128,6 +136,67 @@ class _Channel:
             del self.ahead[index + 1]
             raise following.exception()
         return {**out, "packed_ahead": packing is not None}
+
+    def prepare(self, index: int, tensors: Mapping[str, torch.Tensor], delta: bool) -> dict[str, Any]:
+        """Delta sync, broadcast: pack bucket `index` and choose what goes on the wire, the whole bucket or, with
+        `delta` and a baseline of it, only its changed elements (`weight_sync.delta`) when that is smaller. The
+        baseline then holds what was chosen (the engines hold it once the sync is confirmed; after a failure the
+        bridge asks for the whole bucket). Returns the request fields the engines need (`names`, `dtypes`,
+        `shapes`, `load_format`) and the bucket's `elements`, `changed` and `bytes_sent`; `send_bucket` sends it."""
+        from weight_sync.delta import (DELTA_LOAD_FORMAT, delta_layout, delta_nbytes, delta_tensors, diff_bucket,
+                                       slot_view)
+
+        assert self.kind == "broadcast", "delta sync runs on the broadcast transport"
+        layout = self.layouts[index]
+        out = self._pack(index, tensors, checksum_too=False)
+        flat = self.buffers[index % len(self.buffers)][: layout.nbytes]
+        t0 = time.perf_counter()
+        current = flat.cpu()
+        elements = sum(s.nbytes // str_to_dtype(s.dtype).itemsize for s in layout.slots)
+        base = self.baseline.get(index)
+        changes = diff_bucket(layout, current, base) if delta and base is not None else None
+        if changes is not None and delta_nbytes(layout, changes) < layout.nbytes:
+            named = delta_tensors(layout, current, changes)
+            wire = delta_layout(index, named)
+            if self._delta_buffer.numel() < wire.nbytes:
+                self._delta_buffer = torch.empty(wire.nbytes, dtype=torch.uint8, device=flat.device)
+            sent = pack_bucket(wire, dict(named), self._delta_buffer) if wire.slots else self._delta_buffer[:0]
+            for slot, positions in changes:
+                slot_view(base, slot).index_copy_(0, positions, slot_view(current, slot).index_select(0, positions))
+            # what the engine checks after scattering: the tensors it wrote, whole
+            sums = self._checksum_of([slot_view(current, s) for s, _ in changes])
+            fields = {**wire.to_json(), "load_format": DELTA_LOAD_FORMAT}
+            changed = sum(p.numel() for _, p in changes)
+        else:
+            if base is None:
+                base = self.baseline[index] = torch.empty(layout.nbytes, dtype=torch.uint8)
+            base.copy_(current)
+            sent, sums = flat, self._checksum(flat)
+            fields = {**layout.to_json(), "load_format": "flattened_bucket"}
+            changed = elements if changes is None else sum(p.numel() for _, p in changes)
+        del fields["offsets"]
+        out.update(sums)
+        out["pack_s"] += time.perf_counter() - t0
+        self.prepared[index] = {"flat": sent, "out": out}
+        return {**fields, "elements": elements, "changed": changed, "bytes_sent": int(sent.numel())}
+
+    def _checksum_of(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        from weight_sync.buckets import checksum_tensors
+
+        t0 = time.perf_counter()
+        value = checksum_tensors(tensors) if self.with_checksum else None
+        return {"checksum": value, "checksum_s": time.perf_counter() - t0}
+
+    def _broadcast_prepared(self, prepared: dict[str, Any]) -> dict[str, Any]:
+        """Send what `prepare` chose (nothing goes on the wire for a delta with no changes: the engines receive
+        nothing either)."""
+        from weight_sync.broadcast import broadcast_bucket, wait_unless_aborted
+
+        out, flat = prepared["out"], prepared["flat"]
+        t0 = time.perf_counter()
+        if flat.numel():
+            wait_unless_aborted(self.group, broadcast_bucket(self.group, flat, src=0, wait=False))
+        return {**out, "wire_s": time.perf_counter() - t0, "packed_ahead": False}
 
     def _pack_ahead(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue bucket `index` on the packing thread; its buffer is free (the broadcast before last, which used
@@ -191,10 +260,23 @@ class BucketSource:
         do not exist yet)."""
         if channel not in self.channels:
             raise RuntimeError(f"weight channel {channel!r} is not open (open: {sorted(self.channels)})")
+        if index in self.channels[channel].prepared:
+            return self.channels[channel].send(index, {}, ahead=False)
         if tensors is None:
             return self.channels[channel].send(index, self.staged)
         check_bucket_tensors(self.channels[channel].layouts[index], tensors)
         return self.channels[channel].send(index, tensors, ahead=False)
+
+    def prepare_bucket(self, channel: str, index: int, delta: bool,
+                       tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """Delta sync: choose what bucket `index` of the staged tensors (or of `tensors`, a streaming source's)
+        sends, whole or as a delta (`_Channel.prepare`); the next `send_bucket` of it sends that."""
+        if channel not in self.channels:
+            raise RuntimeError(f"weight channel {channel!r} is not open (open: {sorted(self.channels)})")
+        chosen = self.channels[channel]
+        if tensors is not None:
+            check_bucket_tensors(chosen.layouts[index], tensors)
+        return chosen.prepare(index, self.staged if tensors is None else tensors, delta)
 
     def close_channel(self, name: str) -> None:
         channel = self.channels.pop(name, None)
@@ -225,6 +307,9 @@ class LocalWeightSource:
 
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
         return self._source.send_bucket(channel, index)
+
+    def prepare_weight_bucket(self, channel: str, index: int, delta: bool) -> dict[str, Any]:
+        return self._source.prepare_bucket(channel, index, delta)
 
     def close_weight_channel(self, name: str) -> None:
         self._source.close_channel(name)

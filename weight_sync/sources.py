@@ -29,6 +29,9 @@ class SourceView:
     def send_weight_bucket(self, channel: str, index: int) -> dict[str, Any]:
         return self.source.send_weight_bucket(channel, index)
 
+    def prepare_weight_bucket(self, channel: str, index: int, delta: bool) -> dict[str, Any]:
+        return self.source.prepare_weight_bucket(channel, index, delta)
+
     def close_weight_channel(self, name: str) -> None:
         self.source.close_weight_channel(name)
 
@@ -61,21 +64,27 @@ class ParallelBroadcastTransport:
         for part in self.parts:
             part.connect(urls)
 
-    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
+    def transfer(self, urls: Sequence[str], weight_version: str, delta: bool | None = None) -> Transfer:
         """Every source sends its buckets in order while every engine takes the interleaved order, one request at a
         time; the last request carries `weight_version`. The first failure is raised at once: every group's abort
         key tells the members still inside a broadcast to leave, no further bucket starts, and every group is
-        dropped (the next sync builds fresh ones)."""
+        dropped (the next sync builds fresh ones). `delta` (delta sync; None: off): each source chooses a bucket's
+        form before sending it (`BroadcastTransport.transfer`), and the engines' request for it waits for that."""
         for part in self.parts:
             if tuple(urls) not in part.groups:
                 part.connect(urls)
         names = [part.groups[tuple(urls)] for part in self.parts]
         stop, sent, answers = threading.Event(), {}, {}
+        prepared: dict[tuple[int, int], dict[str, Any]] = {}
+        chosen = {key: threading.Event() for key in self.order}
 
         def send(k: int) -> None:
             for i in range(len(self.parts[k].layouts)):
                 if stop.is_set():
                     return
+                if delta is not None:
+                    prepared[k, i] = self.parts[k].source.prepare_weight_bucket(names[k], i, delta)
+                    chosen[k, i].set()
                 sent[k, i] = self.parts[k].source.send_weight_bucket(names[k], i)
 
         def receive(url: str) -> None:
@@ -83,6 +92,11 @@ class ParallelBroadcastTransport:
                 if stop.is_set():
                     return
                 payload = self._payload(self.parts[k].layouts[i], names[k], position, weight_version)
+                if delta is not None:
+                    while not chosen[k, i].wait(0.05):
+                        if stop.is_set():
+                            return
+                    payload.update({key: prepared[k, i][key] for key in ("names", "dtypes", "shapes", "load_format")})
                 answers[url, k, i] = call_update(url, "/update_weights_from_distributed", payload, self.timeout_s,
                                                  self.key)
 
@@ -102,6 +116,8 @@ class ParallelBroadcastTransport:
             raise
         result = Transfer(engines={url: [] for url in urls})
         for k, i in self.order:
+            if delta is not None:
+                result.add_prepared(prepared[k, i])
             result.add_source(sent[k, i])
             result.add_engines(urls, [answers[url, k, i] for url in urls], 1)
         return result

@@ -47,6 +47,11 @@ class Transfer:
     timings: dict[str, float] = field(default_factory=dict)
     engine_seconds: dict[str, float] = field(default_factory=dict, repr=False)  # copy-in (with checksums), per engine
     tensor_sums: dict[str, str] = field(default_factory=dict, repr=False)  # a streaming source's per-tensor sums
+    delta: dict[str, float] = field(default_factory=dict)  # delta sync: elements, changed and bytes_sent, summed
+
+    def add_prepared(self, prepared: Mapping[str, Any]) -> None:
+        for key in ("elements", "changed", "bytes_sent"):
+            self.delta[key] = self.delta.get(key, 0.0) + float(prepared[key])
 
     def add_source(self, sent: Mapping[str, Any]) -> None:
         self.source.append(sent["checksum"])
@@ -176,18 +181,26 @@ class BroadcastTransport(_Base):
             self.address = (host, free_port(host))
         return self.address
 
-    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
+    def transfer(self, urls: Sequence[str], weight_version: str, delta: bool | None = None) -> Transfer:
         """Bucket by bucket, the source and every engine enter the bucket's broadcast together; the next bucket's
         requests go out once every engine has answered, so each engine takes them in order (a request carries no
-        bucket index). The overlap is the source's: it packs ahead of the wire (`weight_sync.source`)."""
+        bucket index). The overlap is the source's: it packs ahead of the wire (`weight_sync.source`). `delta`
+        (delta sync on; None: off): the source first chooses each bucket's form, whole or, when True and smaller,
+        its changes since the last sync (`weight_sync.delta`), and the bucket's requests announce that form."""
         if tuple(urls) not in self.groups:  # never connected, or dropped by a failed transfer: a fresh group
             self.connect(urls)
         name = self.groups[tuple(urls)]
         result = Transfer(engines={url: [] for url in urls})
         for layout in self.layouts:
-            payload = {**layout.to_json(), "group_name": name, "load_format": "flattened_bucket",
-                       **self._flags(layout.index, weight_version)}
-            del payload["offsets"]  # SGLang's struct has no such field; packing order defines them
+            if delta is None:
+                payload = {**layout.to_json(), "group_name": name, "load_format": "flattened_bucket",
+                           **self._flags(layout.index, weight_version)}
+                del payload["offsets"]  # SGLang's struct has no such field; packing order defines them
+            else:
+                prepared = self.source.prepare_weight_bucket(name, layout.index, delta)
+                result.add_prepared(prepared)
+                payload = {key: prepared[key] for key in ("names", "dtypes", "shapes", "load_format")}
+                payload.update(group_name=name, **self._flags(layout.index, weight_version))
             calls = [lambda: self.source.send_weight_bucket(name, layout.index)]
             calls += [lambda url=url: call_update(url, "/update_weights_from_distributed", payload, self.timeout_s,
                                                   self.key) for url in urls]

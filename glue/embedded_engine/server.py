@@ -22,13 +22,14 @@ from glue.embedded_engine.prompt_logprobs import input_token_logprobs
 from glue.embedded_engine.request_schema import RequestError, parse_generate
 from glue.embedded_engine.routed_experts import encode_routed_experts
 from glue.embedded_engine.routes import ADMIN_PATHS, ROUTES, Route
-from glue.embedded_engine.weight_update import WeightReceiver, check_update_payload
+from glue.embedded_engine.weight_update import EMBEDDED_LOAD_FORMATS, WeightReceiver, check_update_payload
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_MESSAGE_CHARS = 2000  # an error message quotes the client's values; never echo a whole body back
 # What this engine answers beyond SGLang, advertised in /get_server_info so a client detects rather than assumes it:
-# per-bucket `checksums` in update replies, and test hooks (forward_count, is_paused, ...) in internal_states.
-SLUICE_CAPABILITIES = ("bucket_checksums", "test_hooks")
+# per-bucket `checksums` in update replies, test hooks (forward_count, is_paused, ...) in internal_states, and delta
+# buckets on /update_weights_from_distributed (load_format weight_sync.delta.apply_delta).
+SLUICE_CAPABILITIES = ("bucket_checksums", "test_hooks", "delta_sync")
 
 
 def error_response(message: str, field: str | None = None, status: int = 400) -> web.Response:
@@ -287,7 +288,7 @@ class EngineServer:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> web.Response:
-        problem = check_update_payload(body)
+        problem = check_update_payload(body, EMBEDDED_LOAD_FORMATS)
         if problem is not None:
             return web.json_response({"success": False, "message": problem}, status=400)
         if body.get("abort_all_requests"):

@@ -17,7 +17,8 @@ import torch
 from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.model_runner import ModelRunner
 from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
-from weight_sync.buckets import BucketLayout, checksum, dtype_to_str, unpack_bucket
+from weight_sync.buckets import BucketLayout, checksum, checksum_tensors, dtype_to_str, unpack_bucket
+from weight_sync.delta import DELTA_LOAD_FORMAT, apply_delta
 from weight_sync.ipc import MappedSegments, decode_shm_handle
 from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
 
@@ -32,6 +33,8 @@ WEIGHT_REQUEST_FIELDS = {
                                              "weight_version"),
 }
 LOAD_FORMATS = (None, "auto", "flattened_bucket")
+# What the embedded engine accepts beyond SGLang: delta buckets, applied by sluice's loader (weight_sync.delta).
+EMBEDDED_LOAD_FORMATS = (*LOAD_FORMATS, DELTA_LOAD_FORMAT)
 CHECKSUM_THREADS = 2  # the engine's torch runs on one thread; while a bucket is checked nothing else runs
 
 
@@ -169,6 +172,8 @@ class WeightReceiver:
                 return False, (f"Group {group_name} not in {sorted(self.groups)}. "
                                "Please call `init_weights_update_group` first."), None, {}
             t0 = time.perf_counter()
+            if load_format == DELTA_LOAD_FORMAT:
+                return self._receive_delta(groups, names, dtypes, shapes, weight_version)
             if load_format != "flattened_bucket":
                 receive = lambda g: receive_tensors(g, names, dtypes, shapes, src=0)  # noqa: E731
                 named = on_every_rank(groups, receive, receive)
@@ -196,6 +201,34 @@ class WeightReceiver:
             received_s = time.perf_counter() - t0
             ok, message, sums, timings = self._load_with_checksum(layout, flat, weight_version)
             return ok, message, sums, {**timings, "receive_s": received_s}
+
+    def _receive_delta(self, groups: list[WeightGroup], names: list[str], dtypes: list[str], shapes: list[list[int]],
+                       weight_version: str | None) -> tuple[bool, str, list[str] | None, dict[str, float]]:
+        """A delta bucket (weight_sync.delta): receive its positions and values as one flat bucket, scatter them into
+        the weights they name (`apply_delta`, all or nothing), and report the checksum of those weights, whole, as
+        they are now (what the source computed of its own). A delta with nothing in it moves no bytes."""
+        t0 = time.perf_counter()
+        layout = BucketLayout.from_json(0, {"names": names, "dtypes": dtypes, "shapes": shapes})
+        if self._receive_buffer.numel() < layout.nbytes:
+            self._receive_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        flat = self._receive_buffer[: layout.nbytes]
+        if layout.nbytes:
+            discard = lambda g: broadcast_bucket(g, torch.empty(layout.nbytes, dtype=torch.uint8), src=0)  # noqa: E731
+            on_every_rank(groups, lambda g: broadcast_bucket(g, flat, src=0), discard)
+        t1 = time.perf_counter()
+        with self.runner.model_lock:
+            if "weights" in self.runner.released:
+                return False, "the engine's weights are released; resume them before a delta update", None, {}
+            targets = checkpoint_tensors(self.runner.model)
+            try:
+                written = apply_delta(self.runner.model, unpack_bucket(layout, flat), targets)
+            except ValueError as e:
+                return False, f"Failed to update parameter online: {e}", None, {}
+            if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
+                self.runner.weight_version = weight_version
+            sums = [checksum_tensors([targets[name] for name in written])]
+        return True, f"Succeeded to update {len(written)} parameter(s) by delta.", sums, {
+            "receive_s": t1 - t0, "copy_in_s": time.perf_counter() - t1}
 
     def update_from_tensor(self, *, handles: list[str], weight_version: str | None
                            ) -> tuple[bool, str, list[str], dict[str, float]]:
@@ -277,8 +310,9 @@ def _timed_checksum(flat: torch.Tensor) -> tuple[str, float]:
     return checksum(flat), time.perf_counter() - t0
 
 
-def check_update_payload(body: Any) -> str | None:
-    """The first problem with an `/update_weights_from_distributed` body, or None."""
+def check_update_payload(body: Any, load_formats: tuple = LOAD_FORMATS) -> str | None:
+    """The first problem with an `/update_weights_from_distributed` body, or None. `load_formats`: those accepted
+    (SGLang's by default; the embedded engine's own face adds delta buckets, `EMBEDDED_LOAD_FORMATS`)."""
     if not isinstance(body, dict):
         return "body must be a JSON object"
     for name in ("names", "dtypes", "shapes"):
@@ -300,8 +334,8 @@ def check_update_payload(body: Any) -> str | None:
     version_problem = check_weight_version(body)
     if version_problem is not None:
         return version_problem
-    if body.get("load_format") not in LOAD_FORMATS:
-        return f"load_format {body['load_format']!r} is not supported by the embedded engine; use one of {LOAD_FORMATS}"
+    if body.get("load_format") not in load_formats:
+        return f"load_format {body['load_format']!r} is not supported by this engine; use one of {load_formats}"
     return None
 
 

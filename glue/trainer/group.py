@@ -124,6 +124,17 @@ class TrainerGroup:
         answers = ray.get([self._actors[r].send_weight_bucket.remote(channel, index) for r in members])
         return answers[members.index(source)]
 
+    def prepare_weight_bucket(self, channel: str, index: int, delta: bool) -> dict[str, Any]:
+        """Delta sync: the ranks producing bucket `index` gather it and its source chooses whether it goes whole or
+        as a delta, answering with the request fields the engines need; `send_weight_bucket` then sends it."""
+        import ray
+
+        if channel not in self._channel_members:
+            return self._all("prepare_weight_bucket", channel, index, delta)[0]
+        source, members = self._channel_members[channel]
+        answers = ray.get([self._actors[r].prepare_weight_bucket.remote(channel, index, delta) for r in members])
+        return answers[members.index(source)]
+
     def close_weight_channel(self, name: str) -> None:
         self._all("close_weight_channel", name)
         self._channel_members.pop(name, None)

@@ -220,6 +220,7 @@ class TrainerWeightSource:
         self.staged_version: int | None = None  # the version stage() was called at, for send()'s guard
         self._stream: WeightStream | None = None
         self._source: Any = None  # weight_sync.source.BucketSource, on source ranks only
+        self._prepared: dict[tuple[str, int], dict[str, Any]] = {}  # delta sync: buckets gathered, not yet sent
 
     def _ensure_stream(self) -> WeightStream:
         """The stream (collective the first time: it learns every rank's coordinates)."""
@@ -254,6 +255,7 @@ class TrainerWeightSource:
         stream = self._ensure_stream()
         stream.reset(hf_weight_specs(self.model, self.hf_config, self.place), with_tensor_checksums)
         self.staged_version = version
+        self._prepared.clear()
 
     def send(self, channel: str, index: int, version: int) -> dict[str, Any]:
         """Collective over the ranks producing the channel's tensors: gather bucket `index` of `channel`
@@ -261,23 +263,46 @@ class TrainerWeightSource:
         channel reports (checksum, handle or path, timings) plus, when staged with tensor checksums, `tensor_sums`
         of the bucket's tensors. Refuses once a train step ran since `stage`: the bucket would carry that step's
         weights under the staged version's tag."""
+        self._check_staged(channel, version)
+        assert self._stream is not None, "stage() makes the stream"
+        source = self.channel_source[channel]
+        sums = self._prepared.pop((channel, index), None)
+        if sums is not None:  # gathered and chosen by prepare()
+            return {**self._source.send_bucket(channel, index), **sums} if self.rank == source else {}
+        tensors = self._stream.bucket(self.bucket_names[channel][index], source)
+        if self.rank != source:
+            return {}
+        return {**self._source.send_bucket(channel, index, tensors), **self._tensor_sums(tensors)}
+
+    def prepare(self, channel: str, index: int, version: int, delta: bool) -> dict[str, Any]:
+        """Delta sync: like `send` up to the wire: gather bucket `index` and, on the source rank, choose whether it
+        goes whole or as a delta (weight_sync.source.BucketSource.prepare_bucket); the next `send` of it sends
+        that. The source answers with the request fields the engines need."""
+        self._check_staged(channel, version)
+        assert self._stream is not None, "stage() makes the stream"
+        source = self.channel_source[channel]
+        tensors = self._stream.bucket(self.bucket_names[channel][index], source)
+        if self.rank != source:
+            self._prepared[channel, index] = {}
+            return {}
+        answer = self._source.prepare_bucket(channel, index, delta, tensors)
+        self._prepared[channel, index] = self._tensor_sums(tensors)
+        return answer
+
+    def _tensor_sums(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        if not self._stream.tensor_sums:
+            return {}
+        from weight_sync.source import tensor_checksum
+
+        return {"tensor_sums": {name: tensor_checksum(t) for name, t in tensors.items()}}
+
+    def _check_staged(self, channel: str, version: int) -> None:
         if self.staged_version != version:
             staged = "nothing is staged" if self.staged_version is None else f"version {self.staged_version} was staged"
             raise RuntimeError(f"send_weight_bucket: {staged} but the trainer is at version {version}; call "
                                "stage_weights again and send every bucket before the next train_step")
         if channel not in self.bucket_names:
             raise RuntimeError(f"weight channel {channel!r} is not open (open: {sorted(self.bucket_names)})")
-        assert self._stream is not None, "stage() makes the stream"
-        source = self.channel_source[channel]
-        tensors = self._stream.bucket(self.bucket_names[channel][index], source)
-        if self.rank != source:
-            return {}
-        out = self._source.send_bucket(channel, index, tensors)
-        if self._stream.tensor_sums:
-            from weight_sync.source import tensor_checksum
-
-            out["tensor_sums"] = {name: tensor_checksum(t) for name, t in tensors.items()}
-        return out
 
     def drop_staged(self) -> None:
         """Forget the staged sync (offload: the next sync stages again)."""

@@ -362,6 +362,11 @@ class TrainerWorker:
         (glue.trainer.weight_stream)."""
         return self._weights().send(channel, index, self.version)
 
+    def prepare_weight_bucket(self, channel: str, index: int, delta: bool) -> dict[str, Any]:
+        """Collective: gather bucket `index` onto its source rank, which chooses whether it goes whole or as a delta
+        (delta sync; glue.trainer.weight_stream)."""
+        return self._weights().prepare(channel, index, self.version, delta)
+
     def close_weight_channel(self, name: str) -> None:
         if self._weight_source is not None:
             self._weight_source.close(name)
