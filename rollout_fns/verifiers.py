@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import threading
+import time
 from typing import Any
 
 from glue.isolated import DeadlineExceeded, IsolatedPool
@@ -117,6 +119,20 @@ def regex_reward(response_text: str, label: Any, sample: Sample | None = None, *
     return shape_score(is_correct=is_correct, is_format_ok=bool(matches), response_text=response_text,
                        sample=sample, format_penalty=format_penalty, max_response_chars=max_response_chars,
                        max_response_tokens=max_response_tokens, length_penalty=length_penalty)
+
+
+_verifier_delays = random.Random(0)
+
+
+def slow_regex_reward(response_text: str, label: Any, sample: Sample | None = None, *, min_delay_s: float = 0.5,
+                      max_delay_s: float = 2.0, **regex_args: Any) -> dict[str, float]:
+    """`regex_reward` behind a verifier that takes `min_delay_s`..`max_delay_s` (uniform) per answer, as a sandbox or
+    a remote judge does: what makes a sync run wait on its slowest answer while an async one keeps generating
+    (docs/async.md, the SmolLM2 comparison). Plain function: it runs on the reward threads."""
+    if not 0 <= min_delay_s <= max_delay_s:
+        raise ValueError(f"slow_regex_reward: need 0 <= min_delay_s <= max_delay_s, got {min_delay_s}, {max_delay_s}")
+    time.sleep(_verifier_delays.uniform(min_delay_s, max_delay_s))
+    return regex_reward(response_text, label, sample, **regex_args)
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,7 +10,8 @@ import pytest
 
 from glue.types import Sample
 from rollout_fns import verifiers
-from rollout_fns.verifiers import exact_match_reward, last_boxed, math_reward, normalize_answer, regex_reward
+from rollout_fns.verifiers import (exact_match_reward, last_boxed, math_reward, normalize_answer, regex_reward,
+                                   slow_regex_reward)
 
 
 @pytest.mark.parametrize("label, response", [
@@ -175,3 +176,16 @@ def test_last_boxed_handles_nesting_and_skips_an_unclosed_box():
 
 def test_normalize_answer_strips_dollars_quotes_case_and_final_period():
     assert normalize_answer(' $ "Forty  Two". ') == 'forty two'
+
+
+def test_the_slow_verifier_waits_then_scores_as_regex_reward_does():
+    import time
+
+    pattern = r"=\s*(-?\d+)"
+    started = time.perf_counter()
+    slow = slow_regex_reward("1+2=3", "3", pattern=pattern, min_delay_s=0.2, max_delay_s=0.3)
+    assert time.perf_counter() - started >= 0.2
+    assert slow == regex_reward("1+2=3", "3", pattern=pattern) and slow["correct"] == 1.0
+    assert slow_regex_reward("1+2=4", "3", pattern=pattern, min_delay_s=0, max_delay_s=0)["correct"] == 0.0
+    with pytest.raises(ValueError, match="min_delay_s <= max_delay_s"):
+        slow_regex_reward("1+2=3", "3", pattern=pattern, min_delay_s=1.0, max_delay_s=0.5)
