@@ -20,7 +20,7 @@ class ScriptedContext:
     def __init__(self, task: ToyCalculatorTask, tokens: list[int]):
         self.task, self.tokens = task, list(tokens)
         self.client, self.group_id, self.max_resumes, self.partial_rollouts = self, 0, 2, "resume"
-        self.sampling_params, self.routed_experts, self.error_masking = {"max_new_tokens": 1}, None, False
+        self.sampling_params, self.routed_experts, self.error_masking = {"max_new_tokens": 4}, None, False
 
     def sampling_for(self, index: int) -> dict:
         return dict(self.sampling_params)
@@ -29,9 +29,9 @@ class ScriptedContext:
         return {}
 
     async def generate(self, tokens: list[int], params: dict) -> dict:
-        token = self.tokens.pop(0)
-        return {"output_ids": [token], "meta_info": {"output_token_logprobs": [[-1.0, token, None]],
-                                                     "finish_reason": {"type": "length"}, "weight_version": "0"}}
+        turn = self.tokens.pop(0)  # one scripted turn
+        return {"output_ids": turn, "meta_info": {"output_token_logprobs": [[-1.0, t, None] for t in turn],
+                                                  "finish_reason": {"type": "length"}, "weight_version": "0"}}
 
     @property
     def reward_fn(self):
@@ -45,26 +45,27 @@ def episode(task: ToyCalculatorTask, prompt: dict, tokens: list[int]):
 def test_calling_the_tool_then_copying_its_answer_earns_the_whole_reward():
     task = ToyCalculatorTask(latency_s=(0.0, 0.0))
     prompt = {"prompt_tokens": [0, 4 + 2, 4 + 3], "a": 2, "b": 3}
-    sample = episode(task, prompt, [3, 12 + 5])
-    assert sample.response_tokens == [3, 17, 17]  # call, the tool's answer (an observation), the copied answer
-    assert sample.loss_mask == [1, 0, 1]
+    sample = episode(task, prompt, [[3, 9, 9, 9], [13, 13, 13, 13]])  # the answer is (2 + 3) mod 4 = 1: token 13
+    assert sample.response_tokens == [3, 9, 9, 9, 13, 13, 13, 13, 13]  # call turn, the tool's answer, the answer
+    assert sample.loss_mask == [1, 1, 1, 1, 0, 1, 1, 1, 1]  # the observation is not trained on
     assert sample.reward == pytest.approx(0.2 + 0.8)
     assert sample.status is SampleStatus.COMPLETED
 
 
-def test_an_answer_without_the_tool_earns_the_answer_share_and_a_wrong_one_nothing():
+def test_answers_earn_the_answer_share_per_right_token_with_or_without_the_tool():
     task = ToyCalculatorTask(latency_s=(0.0, 0.0))
-    prompt = {"prompt_tokens": [0, 4, 5], "a": 0, "b": 1}
-    assert episode(task, prompt, [13]).reward == pytest.approx(0.8)
-    assert episode(task, prompt, [14]).reward == 0.0
-    assert episode(task, prompt, [3, 9]).reward == pytest.approx(0.2)  # called, then answered wrong
+    prompt = {"prompt_tokens": [0, 4, 5], "a": 0, "b": 1}  # the answer is token 13
+    assert episode(task, prompt, [[13, 13, 13, 13]]).reward == pytest.approx(0.8)
+    assert episode(task, prompt, [[13, 14, 13, 1]]).reward == pytest.approx(0.8 * 2 / 4)
+    assert episode(task, prompt, [[13]]).reward == pytest.approx(0.8 / 4)  # missing tokens count as misses
+    assert episode(task, prompt, [[3], [3, 13, 14, 14]]).reward == pytest.approx(0.2 + 0.8 / 4)
 
 
-def test_calling_again_and_again_earns_the_call_credit_once_and_ends_truncated():
-    task = ToyCalculatorTask(latency_s=(0.0, 0.0), max_turns=3)
-    sample = episode(task, {"prompt_tokens": [0, 4, 4], "a": 0, "b": 0}, [3, 3, 3])
+def test_the_turn_after_a_call_is_the_answer_even_if_it_calls_again():
+    task = ToyCalculatorTask(latency_s=(0.0, 0.0))
+    sample = episode(task, {"prompt_tokens": [0, 4, 4], "a": 0, "b": 0}, [[3], [3, 3, 3, 3]])
     assert sample.reward == pytest.approx(0.2)
-    assert sample.status is SampleStatus.TRUNCATED
+    assert sample.status is SampleStatus.COMPLETED and len(sample.metadata["env_rewards"]) == 2
 
 
 def test_the_tool_waits_its_latency_and_prompts_follow_the_seed():
@@ -74,7 +75,7 @@ def test_the_tool_waits_its_latency_and_prompts_follow_the_seed():
     loop = asyncio.new_event_loop()
     started = loop.time()
     result = loop.run_until_complete(env.step(Action(turn=0, tokens=[3], text="")))
-    assert loop.time() - started >= 0.05 and result.observation == [14]
+    assert loop.time() - started >= 0.05 and result.observation == [12 + 2]
     loop.close()
     first = list(islice(task.prompts(7), 5))
     assert first == list(islice(task.prompts(7), 5))
@@ -85,4 +86,4 @@ def test_overlapping_token_ranges_are_refused_with_the_field_named():
     with pytest.raises(ValueError, match="call_id"):
         ToyCalculatorTask(call_id=5)
     with pytest.raises(ValueError, match="vocab_size"):
-        ToyCalculatorTask(vocab_size=16)
+        ToyCalculatorTask(vocab_size=15)
