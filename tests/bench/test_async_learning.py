@@ -100,6 +100,9 @@ def run_section(tmp_path: Path, task: str, lr: float) -> dict:
 def test_learning_table(tmp_path):
     from glue.plots import write_learning_table_plots
 
+    known = {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS), *ROWS}
+    if unknown := [item for item in ONLY if item not in known]:  # a typo would silently run all 240 runs
+        raise ValueError(f"SLUICE_TABLE_ONLY: unknown {unknown}; items are tasks, sections or rows: {sorted(known)}")
     sections = {}
     for task in TASKS:
         for lr in LRS:
