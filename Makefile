@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table distill-learning chaos rehearse smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table learning-plots distill-learning chaos rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -67,8 +67,17 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) tests/gpu_check.py --out $(or $(GPU_JSON),bench-results/gpu.json)
 
+# What staleness costs in learning (issue 27 item 3): 6 rows x 5 seeds x 60 steps, on the slow-tool echo task and the
+# multi-turn calculator, each at lr 5e-3 and 2.5e-3 (240 runs): docs/async_learning.json and docs/async_learning_*.png.
+# Estimated at about 2 hours on a quiet 2-core machine (echo ~45 min, calc ~60 min; not yet run whole), 5-7 hours
+# under load like 2026-11-26's, when a run's start-up alone took 60-110 s. Run it small with SLUICE_TABLE_SEEDS=2
+# SLUICE_TABLE_STEPS=10 SLUICE_TABLE_ONLY=echo/lr=0.005 SLUICE_TABLE_OUT=/tmp/t.json (docs/async.md);
+# `make learning-plots` redraws the figures from the JSON alone (TABLE_JSON=<path> for another one).
 learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
+
+learning-plots: install
+	$(PY) -c "import sys; from glue.plots import write_learning_table_plots as w; print(*w(sys.argv[1]))" $(or $(TABLE_JSON),docs/async_learning.json)
 
 # On-policy distillation vs RL alone on the echo task, same step count (docs/distillation.md): 8 runs, ~7.5 minutes on 2 cores (more under load).
 distill-learning: install

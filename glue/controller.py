@@ -50,6 +50,7 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
     the first step); what it returns (glue.evaluation: {} unless due) joins the step's record. `build_batch` turns a
     step's groups into the batch and its metrics (glue.teacher's adds the distillation term)."""
     gate = stream.gate
+    loop_started = time.perf_counter()  # time/elapsed_s: wall clock of this process's training, for by-time curves
     phases.before_rollout()
     stream.start()
     try:
@@ -72,6 +73,7 @@ async def run_loop(*, num_steps: int, stream: RolloutStream, trainer: Trainer, f
             wall = time.perf_counter() - started
             record = {"step": step, **rollout_metrics(groups), **train_metrics, **staleness, **stream.metrics(wall),
                       **timer.metrics, **phases.metrics(), "time/step_s": wall,
+                      "time/elapsed_s": time.perf_counter() - loop_started,
                       "time/trainer_idle_frac": timer.metrics["time/rollout_s"] / wall,
                       "weights/version": trainer.version, **evaluation, **extra_metrics()}
             logger.log(record)

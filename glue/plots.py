@@ -310,3 +310,41 @@ def timeline_summary(records: Records) -> str:
 FIGURES: dict[str, Callable[[Records], Any]] = {
     "reward.png": plot_reward, "response_length.png": plot_response_length, "train.png": plot_train,
     "staleness.png": plot_staleness, "ratios.png": plot_ratios, "timeline.png": plot_timeline}
+
+
+def write_learning_table_plots(table_path: Path) -> list[Path]:
+    """Draw `make learning-table`'s JSON (docs/async_learning.json): per section (task x lr) one PNG next to it,
+    `<stem>_<task>_lr<lr>.png`, mean reward ± std over seeds of each row by step and by wall clock, with the
+    sync row's final reward as a dashed line. Re-drawable from the JSON alone."""
+    import json
+
+    table_path = Path(table_path)
+    table = json.loads(table_path.read_text())
+    sections = table.get("sections") or {table.get("primary", "table"): {"settings": table["settings"]}}
+    written = []
+    for name, section in sections.items():
+        figure = plot_learning_section(name, section)
+        path = table_path.with_name(f"{table_path.stem}_{name.replace('/lr=', '_lr')}.png")
+        figure.savefig(path, dpi=100)
+        written.append(path)
+    return written
+
+
+def plot_learning_section(name: str, section: dict[str, Any]):
+    """Two panels: reward by step and by wall clock (seconds of training), a mean line and a ± std band per row."""
+    figure, axes = new_figure(13, 5, 1, 2, sharey=True)
+    for i, (row, data) in enumerate(section["settings"].items()):
+        n = len(data.get("runs", []))
+        label = f"{row} ({data['final_reward_mean']:.2f} ± {data['final_reward_std']:.2f}, n={n})"
+        for ax, x, curve in ((axes[0][0], None, data["reward_by_step"]),
+                             (axes[0][1], data["reward_by_time"]["time_s"], data["reward_by_time"])):
+            x = x or list(range(1, len(curve["mean"]) + 1))
+            ax.plot(x, curve["mean"], color=f"C{i}", lw=1.8, label=label)
+            ax.fill_between(x, [m - s for m, s in zip(curve["mean"], curve["std"])],
+                            [m + s for m, s in zip(curve["mean"], curve["std"])], color=f"C{i}", alpha=0.12)
+    for ax in axes[0]:
+        if section.get("target_reward") is not None:
+            ax.axhline(section["target_reward"], color="grey", ls="--", lw=1, label="sync's final reward")
+    finish(axes[0][0], f"{name}: reward by step (mean ± std over seeds)", "rollout/reward_mean")
+    finish(axes[0][1], f"{name}: reward by wall clock", "rollout/reward_mean", xlabel="seconds of training")
+    return figure

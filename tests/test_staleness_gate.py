@@ -258,6 +258,16 @@ def test_the_loop_syncs_after_every_step_by_default_and_once_per_stage_for_mu_gr
     assert [r["weights/lag"] for r in records] == [1, 2, 3, 0, 1, 2, 3, 0]
 
 
+def test_every_step_records_the_wall_clock_since_training_started_for_curves_by_time(tmp_path):
+    _, _, _, records = run_scripted(tmp_path, max_staleness=1, steps=5)
+    elapsed = [r["time/elapsed_s"] for r in records]
+    assert all(later > earlier for earlier, later in zip(elapsed, elapsed[1:]))
+    # each step's own time fits between the clock's readings: the clock counts every step and nothing twice
+    assert elapsed[0] >= records[0]["time/step_s"]
+    assert all(b - a >= r["time/step_s"] - 1e-6 for a, b, r in zip(elapsed, elapsed[1:], records[1:]))
+    assert elapsed[-1] == pytest.approx(sum(r["time/step_s"] for r in records), abs=0.05)
+
+
 def test_a_rollout_function_error_reaches_the_loop_and_stops_every_group(tmp_path):
     engine = ScriptedEngine(0.01, 0)
 

@@ -1,12 +1,18 @@
-"""`make learning-table`: what staleness costs in learning. Eight settings x three seeds, the same number of samples
-each (60 steps x 16 prompts x 8 samples) on the slow-tool echo task (rewards wait 0.2-1.0 s, so async runs do
-reach their staleness bound), about 20 minutes on 2 cores. Every setting names its correction, so a change of
-demo_async.yaml's own does not move the rows. Writes docs/async_learning.json; docs/async.md carries the table."""
+"""`make learning-table` (issue 27 item 3): what staleness costs in learning, per step and by wall clock. Six rows
+(sync, async at max_staleness 1, 2, 4 and 8 with the configs' own correction, Mu-GRPO in 4 stages) x 5 seeds, the same
+number of samples each (60 steps x 16 prompts x 8 samples), on two tasks whose rewards wait on a slow tool (the
+echo task, demo_async.yaml; the multi-turn calculator, calc_multi_turn.yaml) at two learning rates. Writes
+docs/async_learning.json (one section per task and lr; the top-level `settings` are the echo task's at lr 5e-3) and
+the plots next to it. Run it small with SLUICE_TABLE_SEEDS=2 SLUICE_TABLE_STEPS=10 SLUICE_TABLE_ONLY=echo/lr=0.005
+(items: a task, task/lr=X, or a row name; a section or row is run if any item names it, or no item names any)
+and SLUICE_TABLE_OUT=<path> (the default overwrites docs/)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,56 +20,109 @@ from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.learning
 
-STEPS, SEEDS = 60, (0, 1, 2)
-SETTINGS = {
-    "sync": ("demo_async.yaml", ["run.mode=sync", "sync.max_staleness=0", "loss.correction=none"]),
-    "async_s2_recompute": ("demo_async.yaml", ["sync.max_staleness=2", "trainer.old_logprobs=recompute",
-                                               "loss.correction=none"]),
-    "async_s2_recompute_tis": ("demo_async.yaml", ["sync.max_staleness=2", "trainer.old_logprobs=recompute",
-                                                   "loss.correction=tis"]),
-    "async_s8_recompute": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=recompute",
-                                               "loss.correction=none"]),
-    "async_s8_recompute_tis": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=recompute",
-                                                   "loss.correction=tis"]),
-    "async_s8_rollout_no_correction": ("demo_async.yaml", ["sync.max_staleness=8", "loss.old_logprobs_from=rollout",
-                                                           "loss.correction=none"]),
-    "async_s8_snapshot_icepop_clip": ("demo_async.yaml", ["sync.max_staleness=8", "trainer.old_logprobs=snapshot",
-                                                          "loss.correction=icepop"]),
-    "mu_grpo_4_stages": ("mu_grpo.yaml", ["sync.interval=15", "sync.max_staleness=14"]),
+STEPS = int(os.environ.get("SLUICE_TABLE_STEPS", "60"))
+SEEDS = tuple(range(int(os.environ.get("SLUICE_TABLE_SEEDS", "5"))))
+ONLY = [item for item in os.environ.get("SLUICE_TABLE_ONLY", "").split(",") if item]
+OUT = Path(os.environ.get("SLUICE_TABLE_OUT", REPO_ROOT / "docs" / "async_learning.json"))
+TASKS = {"echo": ("demo_async.yaml", "SlowToolEchoTask: rewards wait U(0.2, 1.0) s"),
+         "calc": ("calc_multi_turn.yaml", "ToyCalculatorTask, multi-turn: each tool call waits U(0.2, 1.0) s")}
+LRS = (5e-3, 2.5e-3)
+PRIMARY = "echo/lr=0.005"
+STAGE = max(STEPS // 4, 1)  # Mu-GRPO: 4 stages, one sync each
+# No row names a correction: the async rows get the config's own (what a user of the config gets), recorded per row.
+ROWS = {
+    "sync": ["run.mode=sync", "sync.max_staleness=0"],
+    "async_s1_default": ["sync.max_staleness=1"],
+    "async_s2_default": ["sync.max_staleness=2"],
+    "async_s4_default": ["sync.max_staleness=4"],
+    "async_s8_default": ["sync.max_staleness=8"],
+    "mu_grpo_4_stages": ["loss.preset=mu_grpo", "loss.policy_loss=mu_grpo", "loss.correction=none",
+                         f"sync.interval={STAGE}", f"sync.max_staleness={STAGE - 1}"],
 }
 
 
-def run_one(tmp_path, name: str, seed: int) -> dict:
+def section_name(task: str, lr: float) -> str:
+    return f"{task}/lr={lr:g}"
+
+
+def is_chosen(names: tuple[str, ...], known: set[str]) -> bool:
+    """Run it if an item of SLUICE_TABLE_ONLY names it, or no item names anything of its kind (`known`)."""
+    relevant = [item for item in ONLY if item in known]
+    return not relevant or any(name in relevant for name in names)
+
+
+def run_one(tmp_path: Path, config: str, name: str, overrides: list[str], seed: int) -> dict:
+    from glue.learning_curves import run_curves
     from glue.metrics import read_metrics
     from launch.config import load_config
     from launch.runner import run
 
-    config, overrides = SETTINGS[name]
     cfg = load_config(str(REPO_ROOT / "examples/configs" / config), [
         *overrides, f"run.output_dir={tmp_path}", f"run.name={name}_{seed}", f"run.num_steps={STEPS}",
         f"run.seed={seed}", f"model.tiny.seed={seed}"])
     started = time.perf_counter()
     records = read_metrics(run(cfg) / "metrics.jsonl")
-    return {"seed": seed, "final_reward": statistics.mean(r["rollout/reward_mean"] for r in records[-5:]),
-            "wall_s": time.perf_counter() - started,
-            "staleness_max": max(r["staleness/max"] for r in records),
-            "staleness_mean": statistics.mean(r["staleness/mean"] for r in records),
-            "syncs": records[-1]["async/syncs"],
-            "reward_curve": [round(r["rollout/reward_mean"], 4) for r in records]}
+    steps = [r for r in records if r.get("step", 0) >= 1]
+    return {"seed": seed, "wall_s": round(time.perf_counter() - started, 2), **run_curves(steps),
+            "staleness_max": max(r["staleness/max"] for r in steps),
+            "staleness_mean": statistics.mean(r["staleness/mean"] for r in steps),
+            "syncs": steps[-1]["async/syncs"],
+            "setup": {"correction": cfg.loss.correction, "policy_loss": cfg.loss.policy_loss,
+                      "old_logprobs": cfg.trainer.old_logprobs, "max_staleness": cfg.sync.max_staleness,
+                      "interval": cfg.sync.interval, "lr": cfg.trainer.lr}}
 
 
-@pytest.mark.timeout(3600)
+def run_section(tmp_path: Path, task: str, lr: float) -> dict:
+    from glue.learning_curves import add_time_to_target, summarise_row
+
+    config, description = TASKS[task]
+    rows = {}
+    for name, overrides in ROWS.items():
+        if not is_chosen((name,), set(ROWS)):
+            continue
+        runs = [run_one(tmp_path, config, f"{task}_{lr:g}_{name}", [*overrides, f"trainer.lr={lr}"], seed)
+                for seed in SEEDS]
+        rows[name] = {**summarise_row(runs), "setup": runs[0]["setup"], "runs": runs}
+        print(section_name(task, lr), name, json.dumps({k: v for k, v in rows[name].items()
+                                                        if k.startswith(("final", "wall", "train_s"))}), flush=True)
+    target = rows["sync"]["final_reward_mean"] if "sync" in rows else None
+    for row in rows.values():
+        row["time_to_target_s"] = None
+        if target is not None:
+            add_time_to_target(row, target)
+        # item 5's wall-clock target: reach sync's final reward in <= 0.6 x sync's training time
+        row["time_to_target_vs_sync_train_s"] = (None if row["time_to_target_s"] is None else
+                                                 row["time_to_target_s"] / rows["sync"]["train_s_mean"])
+    return {"task": description, "config": config, "lr": lr, "target_reward": target, "settings": rows}
+
+
+@pytest.mark.timeout(6 * 3600)
 def test_learning_table(tmp_path):
-    table = {}
-    for name in SETTINGS:
-        runs = [run_one(tmp_path, name, seed) for seed in SEEDS]
-        finals = [r["final_reward"] for r in runs]
-        table[name] = {"final_reward_mean": statistics.mean(finals), "final_reward_std": statistics.stdev(finals),
-                       "wall_s_mean": statistics.mean(r["wall_s"] for r in runs), "runs": runs}
-        print(name, json.dumps({k: v for k, v in table[name].items() if k != "runs"}), flush=True)
-    out = REPO_ROOT / "docs" / "async_learning.json"
-    out.write_text(json.dumps({"steps": STEPS, "prompts_per_step": 16, "samples_per_prompt": 8,
-                               "task": "SlowToolEchoTask, rewards wait U(0.2, 1.0) s", "settings": table}, indent=1))
-    assert all(r["staleness_max"] <= 8 for name in ("async_s8_rollout_no_correction", "async_s8_snapshot_icepop_clip")
-               for r in table[name]["runs"])
-    assert all(r["syncs"] == STEPS // 15 for r in table["mu_grpo_4_stages"]["runs"])
+    from glue.plots import write_learning_table_plots
+
+    known = {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS), *ROWS}
+    if unknown := [item for item in ONLY if item not in known]:  # a typo would silently run all 240 runs
+        raise ValueError(f"SLUICE_TABLE_ONLY: unknown {unknown}; items are tasks, sections or rows: {sorted(known)}")
+    sections = {}
+    for task in TASKS:
+        for lr in LRS:
+            name = section_name(task, lr)
+            if is_chosen((task, name), {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS)}):
+                sections[name] = run_section(tmp_path, task, lr)
+    primary = PRIMARY if PRIMARY in sections else next(iter(sections))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({
+        "steps": STEPS, "seeds": list(SEEDS), "prompts_per_step": 16, "samples_per_prompt": 8,
+        "final_reward": "mean rollout/reward_mean of the last 5 steps",
+        "time": "time/elapsed_s: seconds since the training loop started (start-up, ~20 s, left out)",
+        "time_to_target_s": "when the row's mean curve (5-step trailing mean) first reaches the sync row's "
+                            "final_reward_mean, at that step's mean time; null if never",
+        "primary": primary, "task": sections[primary]["task"], "settings": sections[primary]["settings"],
+        "sections": sections}, indent=1))
+    print("plots:", *write_learning_table_plots(OUT))
+    for section in sections.values():
+        for name, row in section["settings"].items():
+            bound = row["setup"]["max_staleness"]
+            assert all(r["staleness_max"] <= bound for r in row["runs"]), (name, bound)
+        if "mu_grpo_4_stages" in section["settings"]:
+            assert all(r["syncs"] == STEPS // STAGE for r in section["settings"]["mu_grpo_4_stages"]["runs"])

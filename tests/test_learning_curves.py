@@ -1,0 +1,68 @@
+"""The learning table's arithmetic (glue/learning_curves.py) on hand-made runs, and its plots drawn from the JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glue.learning_curves import add_time_to_target, run_curves, summarise_row, time_to_reach, trailing_mean
+from glue.plots import write_learning_table_plots
+
+
+def records(rewards, seconds_per_step):
+    return [{"step": 0, "eval/reward_mean": 0.0}] + [
+        {"step": i + 1, "rollout/reward_mean": r, "time/elapsed_s": seconds_per_step * (i + 1)}
+        for i, r in enumerate(rewards)]
+
+
+def run(rewards, seconds_per_step, wall_s=100.0):
+    return {**run_curves(records(rewards, seconds_per_step)), "wall_s": wall_s}
+
+
+def test_a_run_s_final_reward_is_the_mean_of_its_last_five_steps_and_step_zero_is_left_out():
+    curves = run_curves(records([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 2.0))
+    assert curves["final_reward"] == pytest.approx((0.2 + 0.3 + 0.4 + 0.5 + 0.6) / 5)
+    assert curves["time_curve"] == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+
+
+def test_time_to_reach_uses_the_trailing_mean_and_is_none_when_never_reached():
+    rewards, times = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1, 2, 3, 4, 5, 6]
+    assert trailing_mean(rewards)[:3] == [0.0, 0.5, pytest.approx(2 / 3)]
+    assert time_to_reach(rewards, times, 0.75) == 4  # (0 + 1 + 1 + 1) / 4 is the first trailing mean >= 0.75
+    assert time_to_reach(rewards, times, 1.01) is None
+
+
+def test_a_row_gives_mean_and_std_by_step_and_by_wall_clock_over_its_seeds():
+    slow, fast = run([0.0, 0.2, 0.4, 0.6], 2.0), run([0.2, 0.4, 0.6, 0.8], 1.0, wall_s=50.0)
+    row = summarise_row([slow, fast])
+    assert row["final_reward_mean"] == pytest.approx((0.3 + 0.5) / 2)
+    assert row["reward_by_step"]["mean"] == pytest.approx([0.1, 0.3, 0.5, 0.7])
+    assert row["reward_by_step"]["std"] == pytest.approx([0.1414] * 4, abs=1e-4)
+    assert row["reward_by_step"]["time_s_mean"] == [1.5, 3.0, 4.5, 6.0]
+    by_time = row["reward_by_time"]  # up to the shorter run's end, 4 s: there slow has done 2 steps, fast 4
+    assert by_time["time_s"][-1] == 4.0
+    assert by_time["mean"][-1] == pytest.approx((0.2 + 0.8) / 2)
+    assert row["wall_s_mean"] == 75.0 and row["train_s_mean"] == 6.0
+
+
+def test_time_to_target_comes_from_the_mean_curve_and_each_run_keeps_its_own():
+    row = {**summarise_row([run([0.0, 0.2, 0.4, 0.6], 2.0), run([0.2, 0.4, 0.6, 0.8], 1.0)]), "runs": []}
+    row["runs"] = [run([0.0, 0.2, 0.4, 0.6], 2.0), run([0.2, 0.4, 0.6, 0.8], 1.0)]
+    add_time_to_target(row, 0.4)
+    # mean curve 0.1, 0.3, 0.5, 0.7: trailing means 0.1, 0.2, 0.3, 0.4 -> step 4, at mean time (8 + 4) / 2
+    assert row["time_to_target_s"] == 6.0
+    assert [r["time_to_target_s"] for r in row["runs"]] == [None, 3.0]
+    assert row["runs_reaching_target"] == 1
+
+
+def test_the_table_s_plots_are_drawn_from_its_json_one_per_section(tmp_path):
+    runs = [run([0.0, 0.2, 0.4, 0.6], 2.0), run([0.2, 0.4, 0.6, 0.8], 1.0)]
+    row = {**summarise_row(runs), "runs": runs}
+    table = {"primary": "echo/lr=0.005", "settings": {"sync": row},
+             "sections": {"echo/lr=0.005": {"target_reward": 0.4, "settings": {"sync": row, "async_s2_default": row}},
+                          "calc/lr=0.0025": {"target_reward": None, "settings": {"sync": row}}}}
+    path = tmp_path / "async_learning.json"
+    path.write_text(json.dumps(table))
+    written = write_learning_table_plots(path)
+    assert sorted(p.name for p in written) == ["async_learning_calc_lr0.0025.png", "async_learning_echo_lr0.005.png"]
+    assert all(p.stat().st_size > 10_000 for p in written)
