@@ -165,14 +165,16 @@ def parameter_count(hf_config: Any) -> int:
 def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
     """What every weight sync moves, from config.json alone: the weight group's ranks (broadcast: rank 0 is trainer
     rank 0, then each engine's TP ranks from rank_offset 1 + i x engine TP, as SGLang joins them), the bytes
-    (every parameter at the trainer's params_dtype, which is what trainer rank 0 sends) and the bucket size."""
+    (every parameter in the dtype the trainer's weights have, `trainer.precision` resolved against the checkpoint as
+    the trainer resolves it, which is what the sources send) and the bucket size."""
     import torch
 
+    from glue.trainer.optim import resolve_precision
     from weight_sync.buckets import pipeline_bucket_bytes
 
     s, hf_config = cfg.sync, model_config(cfg)
     count = parameter_count(hf_config)
-    wire = cfg.trainer.megatron.get("params_dtype") or "float32"  # glue.trainer.model builds float32 by default
+    wire = "bfloat16" if resolve_precision(cfg.trainer, hf_config) == "bf16" else "float32"
     total = count * getattr(torch, wire).itemsize
     stored = getattr(hf_config, "dtype", None)  # config.json's torch_dtype: a torch.dtype, a name, "auto" or None
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
@@ -184,7 +186,7 @@ def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
             "parameters": f"{count:,} ({hf_config.model_type}, counted from "
                           f"{'config.json' if cfg.model.path else 'model.tiny'})",
             "bytes_per_sync": f"{total:,} = {_size(total)} ({getattr(torch, wire).itemsize} bytes per parameter: "
-                              f"{wire}, the trainer's params_dtype{as_stored})",
+                              f"{wire}, the trainer's weights{as_stored})",
             "buckets": f"at least {math.ceil(total / bucket)} of at most {bucket / 2**20:.4g} MiB"
                        + (" (pipelined)" if pipeline and s.transport != "disk" else "")}
     if s.transport == "broadcast":

@@ -182,15 +182,24 @@ def test_a_directory_with_config_json_alone_plans_a_235b_run_with_bytes_per_sync
     shown = passes(capsys, layout)
     sync = shown["plan"]["weight_sync"]
     assert sync["parameters"].startswith(f"{count:,} (qwen3_moe")
-    assert sync["bytes_per_sync"].startswith(f"{count * 4:,} = 940.4 GB (4 bytes per parameter: float32")
+    # a bf16 checkpoint trains in bf16 (trainer.precision: auto), so the bridge sends bf16
+    assert sync["bytes_per_sync"].startswith(f"{count * 2:,} = 470.2 GB (2 bytes per parameter: bfloat16")
     assert "470.2 GB at the checkpoint's bfloat16" in sync["bytes_per_sync"]
     assert sync["group"].startswith("world_size 17: rank 0 is trainer rank 0")
     assert sync["engines"] == ["engine 0: ranks 1-8 (rank_offset 1)", "engine 1: ranks 9-16 (rank_offset 9)"]
     assert len(shown["plan"]["trainer"]) == 16 and len(shown["plan"]["engines"]) == 2
     assert any(line.startswith(f"model: {tmp_path} holds config.json and no weight files: a plan-only directory")
                for line in shown["checked"])
-    bf16 = passes(capsys, [*layout, "--params-dtype", "bfloat16"])["plan"]["weight_sync"]
-    assert bf16["bytes_per_sync"].startswith(f"{count * 2:,} = 470.2 GB (2 bytes per parameter: bfloat16")
+    fp32 = passes(capsys, [*layout, "trainer.precision=fp32"])["plan"]["weight_sync"]
+    assert fp32["bytes_per_sync"].startswith(f"{count * 4:,} = 940.4 GB (4 bytes per parameter: float32")
+
+
+def test_the_planned_sync_bytes_follow_trainer_precision_not_only_the_megatron_flags(capsys):
+    """The demo's tiny model is float32: trainer.precision=bf16 trains (and sends) bf16, 2 bytes per parameter."""
+    fp32 = passes(capsys, [])["plan"]["weight_sync"]["bytes_per_sync"]
+    bf16 = passes(capsys, ["trainer.precision=bf16"])["plan"]["weight_sync"]["bytes_per_sync"]
+    assert "(4 bytes per parameter: float32" in fp32 and "(2 bytes per parameter: bfloat16" in bf16
+    assert int(fp32.split(" ")[0].replace(",", "")) == 2 * int(bf16.split(" ")[0].replace(",", ""))
 
 
 def test_help_lists_every_tiny_family_and_the_tiny_moe_keys(capsys):
