@@ -176,7 +176,7 @@ def test_dithered_bf16_keeps_grid_values_and_moves_weights_in_proportion_to_the_
     drift = 2e-5 * torch.randn(grid.numel()).sign()  # far below the spacing (~2e-4 at 0.05): nearest moves few
     moved = dithered_bf16(grid + drift, 0, 7).float() - grid
     nearest = (grid + drift).to(torch.bfloat16).float() - grid
-    # projected on the drift, the dithered bf16 change is the drift itself on average (round to nearest: ~a third)
+    # projected on the drift, the dithered bf16 change is the drift itself on average (round to nearest: 0.15)
     assert (moved * drift).sum() / (drift * drift).sum() == pytest.approx(1.0, abs=0.05)
     assert (nearest * drift).sum() / (drift * drift).sum() < 0.6
     target = grid + drift
