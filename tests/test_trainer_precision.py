@@ -149,7 +149,7 @@ def test_bf16_trains_bf16_weights_from_fp32_main_weights_that_keep_updates_below
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("distributed", [True, False])
+@pytest.mark.parametrize("distributed", [True, pytest.param(False, marks=pytest.mark.long)])  # CI time
 def test_dithered_bf16_rounding_lets_the_bf16_weights_follow_updates_below_their_spacing(tmp_path, distributed):
     """`trainer.bf16_rounding: dithered`: after each step the bf16 weights are the main weights rounded with the
     fixed dither, bit for bit, and far more of them move than with megatron's round to nearest, which holds almost
