@@ -128,7 +128,7 @@ def _weights_are_rounded_main(worker, dithered: bool = False) -> bool:
     for g, (model_group, main_group) in enumerate(zip(models, mains)):
         for i, (model_param, main_param) in enumerate(zip(model_group, main_group)):
             start, end = _owned(part, model_param)
-            rounded = dithered_bf16(main_param, start, _salt(g, i)) if dithered else \
+            rounded = dithered_bf16(main_param, start, _salt(0, g, i)) if dithered else \
                 main_param.detach().to(torch.bfloat16).view(-1)
             if not torch.equal(model_param.detach().view(-1)[start:end], rounded):
                 return False

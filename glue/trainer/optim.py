@@ -203,8 +203,8 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
         "use_distributed_optimizer": cfg.use_distributed_optimizer})
     optimizer = get_megatron_optimizer(opt_config, [module])
     if bf16 and cfg.bf16_rounding == "dithered":
-        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-            _round_with_dither(part)
+        for k, part in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+            _round_with_dither(part, k)
     warmup = cfg.lr_warmup_steps
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
@@ -222,9 +222,10 @@ def dithered_bf16(main: torch.Tensor, start: int, salt: int) -> torch.Tensor:
     flat = main.detach().reshape(-1)
     out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=flat.device)
     chunk = 1 << 22
+    offset = (start + salt + 2**31) % 2**32 - 2**31  # only (i + start + salt) mod 2^32 enters the hash: an int32
     for lo in range(0, flat.numel(), chunk):
         bits = flat[lo:lo + chunk].float().view(torch.int32)
-        idx = torch.arange(start + lo, start + lo + bits.numel(), dtype=torch.int32, device=flat.device) + salt
+        idx = torch.arange(lo, lo + bits.numel(), dtype=torch.int32, device=flat.device) + offset
         r = ((idx * -1640531535) >> 16) & 0xFFFF  # int32 wraps: ((i + salt) * 0x9E3779B1) mod 2^32, its top half
         magnitude = bits & 0x7FFFFFFF
         rounded = torch.where(magnitude >= 0x7F800000, magnitude, (magnitude + r) & -65536)
@@ -232,14 +233,16 @@ def dithered_bf16(main: torch.Tensor, start: int, salt: int) -> torch.Tensor:
     return out
 
 
-def _salt(group: int, index: int) -> int:
-    """A per-parameter int32 salt, so that two parameters do not share a dither pattern."""
-    return ((group * 7919 + index) * 40503 + 12345) & 0x7FFFFFFF
+def _salt(part: int, group: int, index: int) -> int:
+    """A per-parameter salt (optimizer part, param group, index in it), so that two parameters do not share a dither
+    pattern."""
+    return (((part * 104729 + group) * 7919 + index) * 40503 + 12345) & 0x7FFFFFFF
 
 
-def _round_with_dither(part: Any) -> None:
+def _round_with_dither(part: Any, k: int) -> None:
     """Make megatron's main -> model weight copy of one optimizer (DistributedOptimizer or the non-distributed
-    Float16OptimizerWithFloat16Params) round its bf16 parameters with `dithered_bf16`; float32 ones copy as before."""
+    Float16OptimizerWithFloat16Params; the k-th part of megatron's chain) round its bf16 parameters with
+    `dithered_bf16`; float32 ones copy as before."""
     if hasattr(part, "shard_fp32_from_float16_groups"):
         def copy() -> None:  # the distributed optimizer: each rank writes its shard into the param buffer
             for g, (mains, params) in enumerate(zip(part.shard_fp32_from_float16_groups, part.model_float16_groups)):
@@ -248,7 +251,7 @@ def _round_with_dither(part: Any) -> None:
                     world = ranges["gbuf_world_in_bucket"]
                     gbuf, _, bucket = part.model_param_gbuf_map[param]
                     target = part.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end]
-                    target.copy_(dithered_bf16(main, ranges["param"].start, _salt(g, i)))
+                    target.copy_(dithered_bf16(main, ranges["param"].start, _salt(k, g, i)))
             for mains, params in zip(part.shard_fp32_groups, part.model_fp32_groups):
                 for main, param in zip(mains, params):
                     world = part._get_model_param_range_map(param)["gbuf_world_in_bucket"]
@@ -258,7 +261,7 @@ def _round_with_dither(part: Any) -> None:
         def copy() -> None:
             for g, (mains, params) in enumerate(zip(part.fp32_from_float16_groups, part.float16_groups)):
                 for i, (main, param) in enumerate(zip(mains, params)):
-                    param.data.view(-1).copy_(dithered_bf16(main, 0, _salt(g, i)))
+                    param.data.view(-1).copy_(dithered_bf16(main, 0, _salt(k, g, i)))
     else:
         return  # an optimizer with no bf16 parameters (fp32, or an empty expert part)
     part._copy_main_params_to_model_params = copy
