@@ -109,6 +109,7 @@ def test_export_hf_writes_the_checkpoints_weights_as_sharded_safetensors_that_tr
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 34 s; resharding a TP=2 checkpoint stays in CI through the TP=2 -> TP=1 resume with its Adam moments
 def test_a_checkpoint_taken_at_tp2_reloads_at_tp2_and_reshards_to_tp1_and_pp2_with_identical_weights(model_dir,
                                                                                                     tmp_path):
     ckpt = str(tmp_path / "tp2")

@@ -55,6 +55,7 @@ def test_a_two_rank_cpu_run_configured_through_passthrough_flags_trains(tmp_path
     assert resolved["sglang"] == {"max_running_requests": 32} and resolved["router"] == {"request_timeout_secs": 120}
 
 
+@pytest.mark.long  # 38 s; EP over DP stays in CI through test_trainer_parallel's expert-replica test and the MoE rehearsal
 def test_an_moe_run_with_experts_split_over_two_data_parallel_ranks_trains_and_syncs_every_expert(tmp_path, capsys):
     # The MoE recipe's shape on CPU: a tiny Qwen3-MoE, EP=2 over DP=2 trainer ranks (each holds 2 of the 4 experts
     # and trains on half the rows); after each step the bridge gathers every expert and the engines must match.

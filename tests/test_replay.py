@@ -90,6 +90,7 @@ def test_the_saved_rewards_carry_the_overlong_punishment_and_truncated_samples_c
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 26 s; the saved steps' contents stay in CI through test_saved_steps_come_back_whole_...
 def test_a_rollout_only_run_generates_and_saves_its_steps_with_no_trainer(saved_run, tmp_path):
     done = sluice(tmp_path, "gen", "run.debug=rollout_only")
     assert started(done) == ["model", "ray", "engines", "router"]  # no trainer, no weight bridge

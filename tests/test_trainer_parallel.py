@@ -55,6 +55,7 @@ def test_qwen3_q_and_k_norm_gradients_are_summed_over_tensor_parallel_heads(tmp_
     assert_same_step(one, two, "Qwen3 TP=2")
 
 
+@pytest.mark.long  # 14 s; expert parallelism stays in CI through the TP x EP and PP x TP x EP tests
 def test_experts_split_over_two_expert_parallel_ranks_train_exactly_like_one_rank(tmp_path_factory, batch):
     model = save_tiny_model(str(tmp_path_factory.mktemp("moe")), family="qwen3_moe", seed=3)
     one = run_trainer_ranks(model, 1, batch, **ADAM)

@@ -36,6 +36,7 @@ def bf16_trainer(tmp_path_factory):
         ray.shutdown()
 
 
+@pytest.mark.long  # 20 s with its Ray + TP=2 trainer; delta sync into engines stays in CI through tests/test_weight_delta.py
 def test_delta_syncs_after_training_steps_leave_a_bf16_engine_bit_identical_to_the_trainer(
         engine_processes, tiny_model_dir, bf16_trainer):
     url = engine_processes.start(tiny_model_dir, "--dtype", "bfloat16")

@@ -39,6 +39,12 @@ ROWS = {
     "mu_grpo_4_stages": ["loss.preset=mu_grpo", "loss.policy_loss=mu_grpo", "loss.correction=none",
                          f"sync.interval={STAGE}", f"sync.max_staleness={STAGE - 1}"],
 }
+# Probes of why S=2 trails sync per step (docs/async.md): run only when SLUICE_TABLE_ONLY names them.
+PROBES = {
+    "async_s2_no_correction": ["sync.max_staleness=2", "loss.correction=none"],
+    "async_s2_tis_high10": ["sync.max_staleness=2", "loss.correction=tis", "loss.correction_high=10"],
+    "async_s2_seq_tis": ["sync.max_staleness=2", "loss.correction=seq_tis"],
+}
 
 
 def section_name(task: str, lr: float) -> str:
@@ -77,8 +83,8 @@ def run_section(tmp_path: Path, task: str, lr: float) -> dict:
 
     config, description = TASKS[task]
     rows = {}
-    for name, overrides in ROWS.items():
-        if not is_chosen((name,), set(ROWS)):
+    for name, overrides in {**ROWS, **PROBES}.items():
+        if not is_chosen((name,), {*ROWS, *PROBES}) or (name in PROBES and name not in ONLY):
             continue
         runs = [run_one(tmp_path, config, f"{task}_{lr:g}_{name}", [*overrides, f"trainer.lr={lr}"], seed)
                 for seed in SEEDS]
@@ -100,7 +106,7 @@ def run_section(tmp_path: Path, task: str, lr: float) -> dict:
 def test_learning_table(tmp_path):
     from glue.plots import write_learning_table_plots
 
-    known = {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS), *ROWS}
+    known = {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS), *ROWS, *PROBES}
     if unknown := [item for item in ONLY if item not in known]:  # a typo would silently run all 240 runs
         raise ValueError(f"SLUICE_TABLE_ONLY: unknown {unknown}; items are tasks, sections or rows: {sorted(known)}")
     sections = {}
