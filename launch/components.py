@@ -79,7 +79,7 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
     fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
                          router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
-                         engine_command=plan.engine_command, engine_args=plan.engine_args,
+                         engine_command=plan.engine_command, engine_args=plan.engine_args, seed=plan.engine_seed,
                          router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
                          api_key=api_key, admin_api_key=admin_api_key,

@@ -46,6 +46,7 @@ class RunPlan:
     engines: list[EngineLaunch]
     engine_command: list[str]  # program + flags shared by every engine (before --model-path/--host/--port)
     engine_args: list[str]  # flags after them: sluice's engine layout + the --sglang-* pass-through
+    engine_seed: int  # the fleet's seed: engine i's start n gets --random-seed glue.fleet.engine_seed(it, i, n)
     router_command: list[str]  # full router command line, with placeholders
     router_args: list[str]  # the --router-* pass-through
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
@@ -273,7 +274,7 @@ def _check_embedded_engine(cfg: SluiceConfig) -> None:
 
 
 def _plan(cfg: SluiceConfig) -> RunPlan:
-    from glue.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER
+    from glue.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
     from launch.megatron_args import unused_by_trainer
     from launch.options import to_argv
     from launch.router_args import router_options
@@ -307,7 +308,10 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
         layout += ["--dtype", "bfloat16"]  # engines serve the weights the bf16 trainer sends (SGLang's auto: fp16 for fp32)
     if cfg.rollout.return_routed_experts and "enable_return_routed_experts" not in cfg.sglang:
         layout.append("--enable-return-routed-experts")  # MoE routing replay (R3): engines record top-k per token
-    engine_args = layout + to_argv(cfg.sglang, sglang_options())
+    # --random-seed is per engine (glue.fleet.engine_seed): one seed for all would give their k-th requests the same
+    # draws; sglang.random_seed, if given, is the fleet's base instead of run.seed
+    seed = int(cfg.sglang.get("random_seed", cfg.run.seed))
+    engine_args = layout + to_argv({k: v for k, v in cfg.sglang.items() if k != "random_seed"}, sglang_options())
     model = cfg.model.path or str(cfg.run_dir / "init_model")
     engines = []
     for e in range(num_engines(cfg)):
@@ -315,7 +319,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
         devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
         engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
                                     command=[*engine_command, "--model-path", model, "--host", HOST, "--port", PORT,
-                                             *engine_args]))
+                                             *engine_args, f"--random-seed={engine_seed(seed, e)}"]))
     # The router logs one INFO line per request (11 MB in one demo): warnings and errors only, unless router.log_level
     router_args = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(cfg.router,
                                                                                              router_options())
@@ -327,7 +331,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                      "computed yet; use loss.kl_loss_coef (KL as a loss term)")
     return RunPlan(placement=c.placement, device="gpu" if c.uses_gpus else "cpu", num_nodes=c.num_nodes,
                    bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
-                   engines=engines, engine_command=engine_command, engine_args=engine_args,
+                   engines=engines, engine_command=engine_command, engine_args=engine_args, engine_seed=seed,
                    router_command=router_command, router_args=router_args, notes=notes)
 
 

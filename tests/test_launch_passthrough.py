@@ -88,9 +88,11 @@ def test_sglang_and_router_options_arrive_unchanged_in_every_engine_and_router_c
                    "--router-disable-retries")["plan"]
     assert len(plan["engines"]) == 2
     for engine in plan["engines"]:
-        assert engine["command"].split(" --port PORT ")[1] == (
+        options, seed = engine["command"].split(" --port PORT ")[1].rsplit(" ", 1)
+        assert options == (
             "--tp-size 2 --return-input-ids --return-output-ids --mem-fraction-static 0.61 --enable-memory-saver --ep-size 2 "
             "--json-model-override-args '{\"rope_theta\": 5}'")
+        assert seed.startswith("--random-seed=")  # each engine its own (tests/test_sglang_defaults.py)
         assert "-m sglang.launch_server" in engine["command"]
     assert plan["engines"][1]["devices"] == [2, 3]
     assert plan["router"].endswith("--request-timeout-secs 77 --disable-retries")
@@ -98,7 +100,8 @@ def test_sglang_and_router_options_arrive_unchanged_in_every_engine_and_router_c
 
 def test_the_embedded_engine_gets_the_sglang_options_it_implements_and_refuses_the_rest(capsys):
     plan = dry_run(capsys, "--config", DEMO, "--sglang-max-running-requests", "16")["plan"]
-    assert all(e["command"].endswith("--port PORT --max-running-requests 16") for e in plan["engines"])
+    assert all(e["command"].split(" --random-seed=")[0].endswith("--port PORT --max-running-requests 16")
+               for e in plan["engines"])
     assert main(["--dry-run", "--config", DEMO, "--sglang-mem-fraction-static", "0.5"]) == 2
     assert "embedded engine (used on CPU) does not implement" in capsys.readouterr().err
 
@@ -151,7 +154,8 @@ def test_without_sglang_the_sglang_options_are_forwarded_verbatim_with_a_warning
 
     monkeypatch.setattr(launch.sglang_args, "sglang_options", lambda: None)
     plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-some-new-option", "3", "--sglang-some-switch")
-    assert plan["plan"]["engines"][0]["command"].endswith("--tp-size 1 --some-new-option 3 --some-switch")
+    assert plan["plan"]["engines"][0]["command"].split(" --random-seed=")[0].endswith(
+        "--tp-size 1 --some-new-option 3 --some-switch")
     assert main(["--dry-run", "--config", DEMO, *GPU_NODE, "--sglang-port", "1"]) == 2
     assert "use the placement plan" in capsys.readouterr().err
 

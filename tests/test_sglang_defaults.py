@@ -44,3 +44,19 @@ def test_strict_engines_may_simulate_engine_tp_on_cpu():
     assert plan.engine_args[:2] == ["--tp-size", "2"]
     with pytest.raises(Exception, match="runs one process per engine"):
         resolve(load_config(None, ["cluster.engine_tensor_parallel_size=2", "rollout.num_engines=1"]))
+
+
+def test_every_engine_gets_its_own_random_seed_fixed_by_the_run_seed_or_sglang_random_seed():
+    from glue.fleet import engine_seed
+
+    def seeds(*overrides):
+        _, plan = resolve(load_config(None, ["rollout.num_engines=3", *overrides]))
+        assert plan.engine_args.count("--random-seed") == 0  # per engine, never one for all
+        return [[a for a in e.command if a.startswith("--random-seed=")] for e in plan.engines]
+
+    first = seeds("run.seed=0")
+    assert all(len(s) == 1 for s in first) and len({s[0] for s in first}) == 3
+    assert seeds("run.seed=0") == first and seeds("run.seed=1") != first
+    assert seeds("sglang.random_seed=7") == [[f"--random-seed={engine_seed(7, i)}"] for i in range(3)]
+    # a replacement engine draws new numbers, not its predecessor's again
+    assert len({engine_seed(0, 0, launch) for launch in range(4)} | {engine_seed(0, 1, 0)}) == 5

@@ -3,6 +3,7 @@ an SGLang server) serving SGLang's HTTP API until SIGTERM / SIGINT."""
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 
 
@@ -11,7 +12,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-path", required=True, help="directory of an HF causal LM (config.json + safetensors)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the per-request sampling generators")
+    parser.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
+                        help="SGLang's flag: seed of the generator that draws each request's sampling seed (default: "
+                             "a random one, as SGLang; engines of one fleet must not share it, glue.fleet.engine_seed)")
     parser.add_argument("--max-running-requests", type=int, default=64, help="rows decoded together at most")
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads for the model")
     parser.add_argument("--weight-version", default=None,
@@ -48,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-running-requests and --num-threads must be >= 1")
     if args.tp_size < 1 or (args.tp_size > 1 and not args.sglang_strict):
         parser.error("--tp-size must be >= 1, and > 1 only with --sglang-strict")
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 30)
     if args.weight_version is None:
         args.weight_version = "default" if args.sglang_strict else "0"
     return args
