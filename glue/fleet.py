@@ -57,6 +57,8 @@ class RolloutFleet:
     `api_key` / `admin_api_key` start every engine with SGLang's `--api-key` / `--admin-api-key`; the router gets
     `--api-key` too (it then asks clients for that key and sends it to the engines), and the fleet's own calls
     carry it.
+    `seed` (the launcher passes run.seed) gives engine i's n-th start `--random-seed engine_seed(seed, i, n)`; without
+    it engines pick their own (SGLang and the embedded engine draw a random one).
     """
 
     def __init__(self, *, model_path: str, num_engines: int = 2, host: str = "127.0.0.1",
