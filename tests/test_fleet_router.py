@@ -68,7 +68,7 @@ def test_sixteen_concurrent_generates_through_the_router_all_succeed_and_both_en
     assert all(a > b for a, b in zip(after, before)), f"forward counts before {before}, after {after}"
     assert client.connect_retries == 0
     # independent samples: the router alternates the requests over the engines, and two engines sharing a seed drew
-    # the same numbers for their k-th requests (8 of these 16 answers repeated another); for 8 tokens of a random
+    # the same numbers for their k-th requests (these 16 answers came in repeated pairs); for 8 tokens of a random
     # 32-token model a repeat by chance is below 1e-8
     answers = [tuple(out["output_ids"]) for out in outputs]
     assert len(set(answers)) == len(answers), sorted(answers)
