@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table learning-plots distill-learning chaos rehearse smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table learning-merge learning-plots distill-learning chaos rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -75,6 +75,10 @@ gpu-check:
 # `make learning-plots` redraws the figures from the JSON alone (TABLE_JSON=<path> for another one).
 learning-table: install
 	$(PY) -m pytest tests/bench/test_async_learning.py -m learning -q -s
+
+# Merge tables run in pieces (SLUICE_TABLE_OUT) into TABLE_JSON: later pieces' rows win; targets are recomputed.
+learning-merge: install
+	$(PY) -m glue.learning_curves $(or $(TABLE_JSON),docs/async_learning.json) $(PIECES)
 
 learning-plots: install
 	$(PY) -c "import sys; from glue.plots import write_learning_table_plots as w; print(*w(sys.argv[1]))" $(or $(TABLE_JSON),docs/async_learning.json)

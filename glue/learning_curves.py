@@ -1,10 +1,14 @@
 """Learning curves of several runs (seeds) of one setting, from their metrics.jsonl: the final reward, mean ± std by
 step and by wall clock, and the time to reach a target reward. `make learning-table` writes them into
-docs/async_learning.json and `glue.plots.write_learning_table_plots` draws them. Pure arithmetic, no I/O."""
+docs/async_learning.json and `glue.plots.write_learning_table_plots` draws them. Pure arithmetic; the one I/O is
+`python -m glue.learning_curves OUT PIECE...` (`make learning-merge`): merge tables run in pieces into OUT."""
 from __future__ import annotations
 
 import bisect
 import statistics
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 FINAL_WINDOW = 5  # the final reward is the mean of the last FINAL_WINDOW steps' rollout/reward_mean
@@ -77,5 +81,59 @@ def add_time_to_target(row: dict[str, Any], target: float) -> None:
     row["runs_reaching_target"] = sum(run["time_to_target_s"] is not None for run in row["runs"])
 
 
+def score_section(section: dict[str, Any]) -> None:
+    """Set a table section's target (the sync row's final mean reward; None without a sync row) and, per row, the time
+    to reach it and that time over the sync row's training time (issue 27's wall-clock target is <= 0.6)."""
+    rows = section["settings"]
+    sync = rows.get("sync")
+    section["target_reward"] = target = sync["final_reward_mean"] if sync else None
+    for row in rows.values():
+        row["time_to_target_s"] = None
+        if target is not None:
+            add_time_to_target(row, target)
+        row["time_to_target_vs_sync_train_s"] = (None if row["time_to_target_s"] is None else
+                                                 row["time_to_target_s"] / sync["train_s_mean"])
+
+
+def merge_tables(tables: list[dict[str, Any]], primary: str, order: list[str] | None = None) -> dict[str, Any]:
+    """One table from tables run in pieces, later ones winning: a later table's rows replace earlier rows of the same
+    name, other rows and sections stay. Rows go in `order` (default: as first seen; unknown names last), each section
+    changed is scored again (a new sync row moves the target of every row beside it), and the top-level `settings`
+    are the `primary` section's (the first section's if there is none). Header keys come from the last table."""
+    sections: dict[str, Any] = {}
+    for table in tables:
+        for name, section in table["sections"].items():
+            rows = {**sections[name]["settings"], **section["settings"]} if name in sections else section["settings"]
+            sections[name] = {**section, "settings": dict(rows)}
+    order = order or [row for section in sections.values() for row in section["settings"]]
+    for section in sections.values():
+        section["settings"] = {k: section["settings"][k] for k in sorted(
+            section["settings"], key=lambda k: order.index(k) if k in order else len(order))}
+        score_section(section)
+    primary = primary if primary in sections else next(iter(sections))
+    header = {k: v for table in tables for k, v in table.items() if k not in ("sections", "settings")}
+    return {**header, "primary": primary, "task": sections[primary]["task"], "settings": sections[primary]["settings"],
+            "sections": sections}
+
+
 def rounded(values: list[float], digits: int = 4) -> list[float]:
     return [round(v, digits) for v in values]
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m glue.learning_curves OUT PIECE... (OUT's own sections are kept if it exists)")
+    out, pieces = Path(argv[0]), [Path(p) for p in argv[1:]]
+    tables = [json.loads(p.read_text()) for p in ([out] if out.exists() else []) + pieces]
+    merged = merge_tables(tables, tables[0].get("primary", ""))
+    out.write_text(json.dumps(merged, indent=1))
+    for name, section in merged["sections"].items():
+        print(name, "target", section["target_reward"])
+        for row_name, row in section["settings"].items():
+            print(f"  {row_name:28s} {row['final_reward_mean']:.3f} +- {row['final_reward_std']:.3f}  "
+                  f"train {row['train_s_mean']:.1f} s  to target {row['time_to_target_s']} s "
+                  f"({row['time_to_target_vs_sync_train_s']} x sync)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

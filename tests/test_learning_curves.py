@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from glue.learning_curves import add_time_to_target, run_curves, summarise_row, time_to_reach, trailing_mean
+from glue.learning_curves import add_time_to_target, main, merge_tables, run_curves, summarise_row, time_to_reach, trailing_mean
 from glue.plots import write_learning_table_plots
 
 
@@ -53,6 +53,50 @@ def test_time_to_target_comes_from_the_mean_curve_and_each_run_keeps_its_own():
     assert row["time_to_target_s"] == 6.0
     assert [r["time_to_target_s"] for r in row["runs"]] == [None, 3.0]
     assert row["runs_reaching_target"] == 1
+
+
+def row_of(*runs):
+    return {**summarise_row(list(runs)), "runs": list(runs)}
+
+
+def table(lr_sections):
+    return {"steps": 4, "sections": {name: {"task": name.split("/")[0], "settings": rows}
+                                     for name, rows in lr_sections.items()}}
+
+
+def test_tables_run_in_pieces_merge_with_later_rows_winning_and_targets_recomputed():
+    sync_old, sync_new = row_of(run([0.0, 0.2, 0.4, 0.6], 2.0)), row_of(run([0.1, 0.1, 0.1, 0.1], 2.0))
+    fast = row_of(run([0.2, 0.4, 0.6, 0.8], 1.0))
+    first = table({"echo/lr=0.005": {"async_s2_default": fast, "sync": sync_old},
+                   "calc/lr=0.005": {"sync": sync_old}})
+    second = table({"echo/lr=0.005": {"sync": sync_new, "mu_grpo_4_stages": fast}})
+    merged = merge_tables([first, second], "echo/lr=0.005", ["sync", "async_s2_default", "mu_grpo_4_stages"])
+    echo = merged["sections"]["echo/lr=0.005"]
+    assert list(echo["settings"]) == ["sync", "async_s2_default", "mu_grpo_4_stages"]
+    assert echo["settings"]["sync"] is sync_new and echo["target_reward"] == pytest.approx(0.1)
+    # against the new sync row's 0.1, the fast row's trailing mean (0.2) reaches it at its first step, 1 s, of 8 s
+    assert echo["settings"]["async_s2_default"]["time_to_target_s"] == 1.0
+    assert echo["settings"]["async_s2_default"]["time_to_target_vs_sync_train_s"] == pytest.approx(1 / 8)
+    assert merged["sections"]["calc/lr=0.005"]["target_reward"] == pytest.approx(0.3)  # untouched section kept
+    assert merged["primary"] == "echo/lr=0.005" and merged["settings"] is echo["settings"]
+
+
+def test_a_section_without_a_sync_row_has_no_target_and_the_primary_falls_back_to_the_first_section():
+    merged = merge_tables([table({"calc/lr=0.0025": {"async_s2_default": row_of(run([0.5] * 4, 1.0))}})],
+                          "echo/lr=0.005")
+    section = merged["sections"]["calc/lr=0.0025"]
+    assert merged["primary"] == "calc/lr=0.0025" and section["target_reward"] is None
+    assert section["settings"]["async_s2_default"]["time_to_target_s"] is None
+
+
+def test_the_merge_command_keeps_out_s_own_sections(tmp_path, capsys):
+    out, piece = tmp_path / "table.json", tmp_path / "piece.json"
+    out.write_text(json.dumps(table({"echo/lr=0.005": {"sync": row_of(run([0.0, 0.2, 0.4, 0.6], 2.0))}})))
+    piece.write_text(json.dumps(table({"calc/lr=0.0025": {"sync": row_of(run([0.1] * 4, 1.0))}})))
+    main([str(out), str(piece)])
+    merged = json.loads(out.read_text())
+    assert sorted(merged["sections"]) == ["calc/lr=0.0025", "echo/lr=0.005"] and merged["primary"] == "echo/lr=0.005"
+    assert "calc/lr=0.0025 target 0.1" in capsys.readouterr().out
 
 
 def test_the_table_s_plots_are_drawn_from_its_json_one_per_section(tmp_path):

@@ -5,7 +5,9 @@ echo task, demo_async.yaml; the multi-turn calculator, calc_multi_turn.yaml) at 
 docs/async_learning.json (one section per task and lr; the top-level `settings` are the echo task's at lr 5e-3) and
 the plots next to it. Run it small with SLUICE_TABLE_SEEDS=2 SLUICE_TABLE_STEPS=10 SLUICE_TABLE_ONLY=echo/lr=0.005
 (items: a task, task/lr=X, or a row name; a section or row is run if any item names it, or no item names any)
-and SLUICE_TABLE_OUT=<path> (the default overwrites docs/)."""
+and SLUICE_TABLE_OUT=<path> (the default overwrites docs/). SLUICE_TABLE_MERGE=1 runs a piece of the table into an
+existing OUT: the rows run replace those of the same name, the other sections and rows stay, targets are recomputed.
+`make learning-merge TABLE_JSON=docs/async_learning.json PIECES="a.json b.json"` merges pieces run elsewhere."""
 from __future__ import annotations
 
 import json
@@ -24,6 +26,7 @@ STEPS = int(os.environ.get("SLUICE_TABLE_STEPS", "60"))
 SEEDS = tuple(range(int(os.environ.get("SLUICE_TABLE_SEEDS", "5"))))
 ONLY = [item for item in os.environ.get("SLUICE_TABLE_ONLY", "").split(",") if item]
 OUT = Path(os.environ.get("SLUICE_TABLE_OUT", REPO_ROOT / "docs" / "async_learning.json"))
+MERGE = os.environ.get("SLUICE_TABLE_MERGE", "") not in ("", "0")  # keep OUT's other sections and rows
 TASKS = {"echo": ("demo_async.yaml", "SlowToolEchoTask: rewards wait U(0.2, 1.0) s"),
          "calc": ("calc_multi_turn.yaml", "ToyCalculatorTask, multi-turn: each tool call waits U(0.2, 1.0) s")}
 LRS = (5e-3, 2.5e-3)
@@ -82,7 +85,7 @@ def run_one(tmp_path: Path, config: str, name: str, overrides: list[str], seed: 
 
 
 def run_section(tmp_path: Path, task: str, lr: float) -> dict:
-    from glue.learning_curves import add_time_to_target, summarise_row
+    from glue.learning_curves import summarise_row
 
     config, description = TASKS[task]
     rows = {}
@@ -94,19 +97,12 @@ def run_section(tmp_path: Path, task: str, lr: float) -> dict:
         rows[name] = {**summarise_row(runs), "setup": runs[0]["setup"], "runs": runs}
         print(section_name(task, lr), name, json.dumps({k: v for k, v in rows[name].items()
                                                         if k.startswith(("final", "wall", "train_s"))}), flush=True)
-    target = rows["sync"]["final_reward_mean"] if "sync" in rows else None
-    for row in rows.values():
-        row["time_to_target_s"] = None
-        if target is not None:
-            add_time_to_target(row, target)
-        # item 5's wall-clock target: reach sync's final reward in <= 0.6 x sync's training time
-        row["time_to_target_vs_sync_train_s"] = (None if row["time_to_target_s"] is None else
-                                                 row["time_to_target_s"] / rows["sync"]["train_s_mean"])
-    return {"task": description, "config": config, "lr": lr, "target_reward": target, "settings": rows}
+    return {"task": description, "config": config, "lr": lr, "settings": rows}  # scored by merge_tables
 
 
 @pytest.mark.timeout(6 * 3600)
 def test_learning_table(tmp_path):
+    from glue.learning_curves import merge_tables
     from glue.plots import write_learning_table_plots
 
     known = {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS), *ROWS, *PROBES}
@@ -118,16 +114,15 @@ def test_learning_table(tmp_path):
             name = section_name(task, lr)
             if is_chosen((task, name), {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS)}):
                 sections[name] = run_section(tmp_path, task, lr)
-    primary = PRIMARY if PRIMARY in sections else next(iter(sections))
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({
+    earlier = [json.loads(OUT.read_text())] if MERGE and OUT.exists() else []
+    OUT.write_text(json.dumps(merge_tables([*earlier, {
         "steps": STEPS, "seeds": list(SEEDS), "prompts_per_step": 16, "samples_per_prompt": 8,
         "final_reward": "mean rollout/reward_mean of the last 5 steps",
         "time": "time/elapsed_s: seconds since the training loop started (start-up, ~20 s, left out)",
         "time_to_target_s": "when the row's mean curve (5-step trailing mean) first reaches the sync row's "
                             "final_reward_mean, at that step's mean time; null if never",
-        "primary": primary, "task": sections[primary]["task"], "settings": sections[primary]["settings"],
-        "sections": sections}, indent=1))
+        "sections": sections}], PRIMARY, [*ROWS, *PROBES]), indent=1))
     print("plots:", *write_learning_table_plots(OUT))
     for section in sections.values():
         for name, row in section["settings"].items():
