@@ -22,12 +22,13 @@ SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")  # the GPU engine
 ROUTER = (sys.executable, "-m", "sglang_router.launch_router")
 
 
-def engine_seed(base: int, index: int, launch: int = 0) -> int:
+def engine_seed(base: int | str, index: int, launch: int = 0) -> int:
     """SGLang's --random-seed for engine `index`'s `launch`-th start (0 first, +1 per replacement) in a fleet whose
     seed is `base`. Engines must not share a seed: an engine draws each request's sampling randomness from its
     seeded generator in arrival order, so two engines with one seed give their k-th requests the same draws, and
     with the router alternating a group's samples over them, pairs of samples of one prompt came out identical
-    (about 40 % of the samples of the demo's groups). A run's seed still fixes every engine's."""
+    (about 40 % of the samples of the demo's groups). A run's seed still fixes every engine's. A fleet beside the
+    policy's (teacher, judge) passes a base of its own, e.g. "<seed>:judge", so its engines draw other numbers."""
     return random.Random(f"sluice-engine:{base}:{index}:{launch}").randrange(1 << 30)
 
 
@@ -68,7 +69,7 @@ class RolloutFleet:
                  router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
                  engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = (),
                  api_key: str | None = None, admin_api_key: str | None = None, engine_bind: str | None = None,
-                 seed: int | None = None):
+                 seed: int | str | None = None):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host

@@ -69,7 +69,7 @@ def start_judge(cfg: SluiceConfig, plan: RunPlan, run_dir: Path, stack: contextl
                          engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
                          log_dir=run_dir / "logs" / "judge", engine_command=plan.engine_command,
                          engine_args=judge_engine_args(plan.engine_args), router_args=["--log-level", "warn"],
-                         api_key=api_key, admin_api_key=secrets.token_hex(24))
+                         api_key=api_key, admin_api_key=secrets.token_hex(24), seed=f"{plan.engine_seed}:judge")
     stack.callback(fleet.stop)
     fleet.start()
     client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key)

@@ -68,7 +68,7 @@ def start_teacher(cfg: SluiceConfig, plan: RunPlan, manager, policy_dir: str, ru
     fleet = RolloutFleet(model_path=model, num_engines=cfg.teacher.num_engines, router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=cfg.teacher.startup_timeout_s, log_dir=run_dir / "logs" / "teacher",
                          engine_command=plan.engine_command, engine_args=engine_args, router_args=plan.router_args,
-                         api_key=api_key, admin_api_key=admin_api_key)
+                         api_key=api_key, admin_api_key=admin_api_key, seed=f"{plan.engine_seed}:teacher")
     stack.callback(fleet.stop)
     fleet.start(on_phase=lambda phase, detail: clock(f"teacher {phase}", detail))
     client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key, admin_api_key=admin_api_key)

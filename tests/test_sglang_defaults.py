@@ -60,3 +60,39 @@ def test_every_engine_gets_its_own_random_seed_fixed_by_the_run_seed_or_sglang_r
     assert seeds("sglang.random_seed=7") == [[f"--random-seed={engine_seed(7, i)}"] for i in range(3)]
     # a replacement engine draws new numbers, not its predecessor's again
     assert len({engine_seed(0, 0, launch) for launch in range(4)} | {engine_seed(0, 1, 0)}) == 5
+
+
+class FleetSeen(Exception):
+    """Raised by the stand-in fleet below once it has the arguments a fleet would start with."""
+
+
+def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_seed(monkeypatch, tmp_path):
+    import contextlib
+
+    import glue.fleet
+    import launch.reward_models
+    import launch.teacher
+    from glue.fleet import engine_seed
+
+    def fleet(**kwargs):
+        raise FleetSeen(kwargs["seed"])
+
+    monkeypatch.setattr(glue.fleet, "RolloutFleet", fleet)
+    monkeypatch.setattr(launch.reward_models, "checkpoint_dir", lambda *a: str(tmp_path))
+    monkeypatch.setattr(launch.teacher, "teacher_model", lambda *a: str(tmp_path))
+
+    def seed_of(config, start, run_seed):
+        cfg, plan = resolve(load_config(f"examples/configs/{config}", [f"run.seed={run_seed}"]))
+        with contextlib.ExitStack() as stack, pytest.raises(FleetSeen) as seen:
+            start(cfg, plan, stack)
+        return seen.value.args[0], plan.engine_seed
+
+    judge, policy = seed_of("judge_reward.yaml", lambda c, p, s: launch.reward_models.start_judge(
+        c, p, tmp_path, s, None, lambda *a: None), 3)
+    teacher, _ = seed_of("distill.yaml", lambda c, p, s: launch.teacher.start_teacher(
+        c, p, None, str(tmp_path), tmp_path, s, None, lambda *a: None), 3)
+    assert (judge, teacher) == (f"{policy}:judge", f"{policy}:teacher")
+    # the judge's engine 0 draws other numbers than the policy's engine 0, and the run's seed moves both
+    assert engine_seed(judge, 0) != engine_seed(policy, 0)
+    assert seed_of("judge_reward.yaml", lambda c, p, s: launch.reward_models.start_judge(
+        c, p, tmp_path, s, None, lambda *a: None), 4)[0] != judge
