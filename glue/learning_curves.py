@@ -61,7 +61,7 @@ def summarise_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     grid = [round(end * (i + 1) / TIME_POINTS, 3) for i in range(TIME_POINTS)]
     by_time_mean, by_time_std = mean_std([[reward_at(r["time_curve"], r["reward_curve"], t) for t in grid]
                                           for r in runs])
-    return {"final_reward_mean": statistics.mean(finals),
+    return {"seeds": [r.get("seed") for r in runs], "final_reward_mean": statistics.mean(finals),
             "final_reward_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "wall_s_mean": statistics.mean(r["wall_s"] for r in runs),
             "train_s_mean": statistics.mean(r["time_curve"][-1] for r in runs),
@@ -95,23 +95,35 @@ def score_section(section: dict[str, Any]) -> None:
                                                  row["time_to_target_s"] / sync["train_s_mean"])
 
 
+def merge_rows(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """One row from two runs of the same setting: runs of other seeds add up, a seed run again takes the later run,
+    and the row is summarised again over them all. Two settings under one name refuse to merge."""
+    if earlier.get("setup") != later.get("setup"):
+        raise ValueError(f"rows of one name, two setups: {earlier.get('setup')} then {later.get('setup')}")
+    runs = list({run.get("seed"): run for run in [*earlier["runs"], *later["runs"]]}.values())
+    return {**later, **summarise_row(runs), "runs": runs}
+
+
 def merge_tables(tables: list[dict[str, Any]], primary: str, order: list[str] | None = None) -> dict[str, Any]:
-    """One table from tables run in pieces, later ones winning: a later table's rows replace earlier rows of the same
-    name, other rows and sections stay. Rows go in `order` (default: as first seen; unknown names last), each section
-    changed is scored again (a new sync row moves the target of every row beside it), and the top-level `settings`
-    are the `primary` section's (the first section's if there is none). Header keys come from the last table."""
+    """One table from tables run in pieces, later ones winning: a row in two tables gets the runs of both
+    (`merge_rows`: a seed in both takes the later run), other rows and sections stay. Rows go in `order` (default: as
+    first seen; unknown names last), each section is scored again (a new sync row moves the target of every row
+    beside it), and the top-level `settings` are the `primary` section's (the first section's if there is none).
+    Header keys come from the last table, less `seeds`: each row lists its own."""
     sections: dict[str, Any] = {}
     for table in tables:
         for name, section in table["sections"].items():
-            rows = {**sections[name]["settings"], **section["settings"]} if name in sections else section["settings"]
-            sections[name] = {**section, "settings": dict(rows)}
+            rows = dict(sections[name]["settings"]) if name in sections else {}
+            for row_name, row in section["settings"].items():
+                rows[row_name] = merge_rows(rows[row_name] if row_name in rows else {**row, "runs": []}, row)
+            sections[name] = {**section, "settings": rows}
     order = order or [row for section in sections.values() for row in section["settings"]]
     for section in sections.values():
         section["settings"] = {k: section["settings"][k] for k in sorted(
             section["settings"], key=lambda k: order.index(k) if k in order else len(order))}
         score_section(section)
     primary = primary if primary in sections else next(iter(sections))
-    header = {k: v for table in tables for k, v in table.items() if k not in ("sections", "settings")}
+    header = {k: v for table in tables for k, v in table.items() if k not in ("sections", "settings", "seeds")}
     return {**header, "primary": primary, "task": sections[primary]["task"], "settings": sections[primary]["settings"],
             "sections": sections}
 

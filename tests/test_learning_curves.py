@@ -55,8 +55,12 @@ def test_time_to_target_comes_from_the_mean_curve_and_each_run_keeps_its_own():
     assert row["runs_reaching_target"] == 1
 
 
-def row_of(*runs):
-    return {**summarise_row(list(runs)), "runs": list(runs)}
+def row_of(*runs, setup=None):
+    return {**summarise_row(list(runs)), "setup": setup or {"max_staleness": 2}, "runs": list(runs)}
+
+
+def seeded(seed, rewards, seconds_per_step):
+    return {**run(rewards, seconds_per_step), "seed": seed}
 
 
 def table(lr_sections):
@@ -65,7 +69,7 @@ def table(lr_sections):
 
 
 def test_tables_run_in_pieces_merge_with_later_rows_winning_and_targets_recomputed():
-    sync_old, sync_new = row_of(run([0.0, 0.2, 0.4, 0.6], 2.0)), row_of(run([0.1, 0.1, 0.1, 0.1], 2.0))
+    sync_old, sync_new = row_of(seeded(0, [0.0, 0.2, 0.4, 0.6], 2.0)), row_of(seeded(0, [0.1, 0.1, 0.1, 0.1], 2.0))
     fast = row_of(run([0.2, 0.4, 0.6, 0.8], 1.0))
     first = table({"echo/lr=0.005": {"async_s2_default": fast, "sync": sync_old},
                    "calc/lr=0.005": {"sync": sync_old}})
@@ -73,12 +77,23 @@ def test_tables_run_in_pieces_merge_with_later_rows_winning_and_targets_recomput
     merged = merge_tables([first, second], "echo/lr=0.005", ["sync", "async_s2_default", "mu_grpo_4_stages"])
     echo = merged["sections"]["echo/lr=0.005"]
     assert list(echo["settings"]) == ["sync", "async_s2_default", "mu_grpo_4_stages"]
-    assert echo["settings"]["sync"] is sync_new and echo["target_reward"] == pytest.approx(0.1)
+    assert echo["settings"]["sync"]["runs"] == sync_new["runs"] and echo["target_reward"] == pytest.approx(0.1)
     # against the new sync row's 0.1, the fast row's trailing mean (0.2) reaches it at its first step, 1 s, of 8 s
     assert echo["settings"]["async_s2_default"]["time_to_target_s"] == 1.0
     assert echo["settings"]["async_s2_default"]["time_to_target_vs_sync_train_s"] == pytest.approx(1 / 8)
     assert merged["sections"]["calc/lr=0.005"]["target_reward"] == pytest.approx(0.3)  # untouched section kept
     assert merged["primary"] == "echo/lr=0.005" and merged["settings"] is echo["settings"]
+
+
+def test_a_row_run_with_more_seeds_gets_them_all_and_is_summarised_again():
+    five = table({"echo/lr=0.005": {"sync": row_of(seeded(0, [0.2] * 4, 1.0), seeded(1, [0.4] * 4, 1.0))}})
+    more = table({"echo/lr=0.005": {"sync": row_of(seeded(1, [0.6] * 4, 1.0), seeded(2, [1.0] * 4, 3.0))}})
+    row = merge_tables([five, more], "echo/lr=0.005")["sections"]["echo/lr=0.005"]["settings"]["sync"]
+    assert row["seeds"] == [0, 1, 2] and [r["final_reward"] for r in row["runs"]] == [0.2, 0.6, 1.0]  # seed 1 rerun
+    assert row["final_reward_mean"] == pytest.approx(0.6) and row["train_s_mean"] == pytest.approx((4 + 4 + 12) / 3)
+    other = table({"echo/lr=0.005": {"sync": row_of(seeded(3, [0.2] * 4, 1.0), setup={"max_staleness": 0})}})
+    with pytest.raises(ValueError, match="two setups"):
+        merge_tables([five, other], "echo/lr=0.005")
 
 
 def test_a_section_without_a_sync_row_has_no_target_and_the_primary_falls_back_to_the_first_section():

@@ -6,7 +6,8 @@ docs/async_learning.json (one section per task and lr; the top-level `settings` 
 the plots next to it. Run it small with SLUICE_TABLE_SEEDS=2 SLUICE_TABLE_STEPS=10 SLUICE_TABLE_ONLY=echo/lr=0.005
 (items: a task, task/lr=X, or a row name; a section or row is run if any item names it, or no item names any)
 and SLUICE_TABLE_OUT=<path> (the default overwrites docs/). SLUICE_TABLE_MERGE=1 runs a piece of the table into an
-existing OUT: the rows run replace those of the same name, the other sections and rows stay, targets are recomputed.
+existing OUT: a row run again gets the new runs (seeds run before are replaced, others added, so with
+SLUICE_TABLE_FIRST_SEED=5 a row grows from 5 seeds to 10), the other sections and rows stay, targets are recomputed.
 `make learning-merge TABLE_JSON=docs/async_learning.json PIECES="a.json b.json"` merges pieces run elsewhere."""
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from conftest import REPO_ROOT
 pytestmark = pytest.mark.learning
 
 STEPS = int(os.environ.get("SLUICE_TABLE_STEPS", "60"))
-SEEDS = tuple(range(int(os.environ.get("SLUICE_TABLE_SEEDS", "5"))))
+FIRST_SEED = int(os.environ.get("SLUICE_TABLE_FIRST_SEED", "0"))  # with SLUICE_TABLE_MERGE: more seeds for a row
+SEEDS = tuple(range(FIRST_SEED, FIRST_SEED + int(os.environ.get("SLUICE_TABLE_SEEDS", "5"))))
 ONLY = [item for item in os.environ.get("SLUICE_TABLE_ONLY", "").split(",") if item]
 OUT = Path(os.environ.get("SLUICE_TABLE_OUT", REPO_ROOT / "docs" / "async_learning.json"))
 MERGE = os.environ.get("SLUICE_TABLE_MERGE", "") not in ("", "0")  # keep OUT's other sections and rows
@@ -117,7 +119,7 @@ def test_learning_table(tmp_path):
     OUT.parent.mkdir(parents=True, exist_ok=True)
     earlier = [json.loads(OUT.read_text())] if MERGE and OUT.exists() else []
     OUT.write_text(json.dumps(merge_tables([*earlier, {
-        "steps": STEPS, "seeds": list(SEEDS), "prompts_per_step": 16, "samples_per_prompt": 8,
+        "steps": STEPS, "prompts_per_step": 16, "samples_per_prompt": 8,
         "final_reward": "mean rollout/reward_mean of the last 5 steps",
         "time": "time/elapsed_s: seconds since the training loop started (start-up, ~20 s, left out)",
         "time_to_target_s": "when the row's mean curve (5-step trailing mean) first reaches the sync row's "
