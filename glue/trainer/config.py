@@ -44,7 +44,7 @@ class TrainerConfig:
     micro_batch_size: int = 8  # rows per forward/backward when not packing; gradients accumulate over the batch
     max_tokens_per_micro_batch: int | None = None  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
     dp_balance: Literal["tokens", "rows"] = "tokens"  # how a mini-batch's samples are split over DP ranks: tokens (each rank gets near-equal trained tokens: longest sample first to the rank with the fewest, so one long answer does not leave the other ranks idle; padded rows keep equal row counts per rank) or rows (contiguous near-equal shares by sample count)
-    routing_replay: bool = False  # MoE routing replay (R3): every MoE layer routes each token through the experts the engine chose (needs rollout.return_routed_experts); logs moe/routing_agreement and the logprob gap with and without it (two extra forward-only passes per step)
+    routing_replay: bool = False  # MoE routing replay (R3): every MoE layer routes each token through the experts the engine chose (needs rollout.return_routed_experts); logs moe/routing_agreement and the logprob gap with and without it, split by staleness (two extra forward-only passes per step; with snapshot old logprobs one more per version held, for the gap at each token's own version)
     num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step (the policy version moves by 1 per train_step)
     num_epochs: int = 1  # passes over the batch per train_step
     seed: int = 0  # parameter-init / dropout RNG seed (weights come from the HF checkpoint)

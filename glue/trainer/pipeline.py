@@ -63,7 +63,7 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
         position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
         seq_ids = None if mb.seq_ids is None else mb.seq_ids.to(device)
         if replaying:
-            replay.load(routing_rows(mb, routed_experts), **sequence_split)
+            replay.load(routing_rows(mb, routed_experts), labels=replay.labels_of(mb), **sequence_split)
         output = trainer_model.forward_logits(stage_module, mb.take(tokens).to(device), position_ids, seq_ids)
         if replaying and output.requires_grad:  # this micro-batch's backward begins: a recompute replays too
             output.register_hook(lambda grad: replay.backward())
