@@ -181,3 +181,32 @@ def test_snapshot_old_logprobs_replay_the_engines_routing_too(runs):
     assert snapshot["train/train_rollout_logprob_abs_diff"] == pytest.approx(
         replayed["train/train_rollout_logprob_abs_diff"], abs=1e-6)
     assert snapshot["train/train_rollout_logprob_abs_diff"] < 0.5 * plain["train/train_rollout_logprob_abs_diff"]
+
+
+def test_token_labels_follow_the_routing_into_a_tp_rank_s_sequence_share():
+    """Under sequence parallelism each TP rank's routers see its share of the positions; the staleness labels the
+    agreement is counted by must be cut the same way, or a rank counts its tokens under another token's label."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from glue.trainer.routing_replay import TOKEN_KINDS, RoutingReplay
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router_replay, self.layer_number = RouterReplay(), 1
+
+    model = torch.nn.Sequential(Router())
+    replay = RoutingReplay(model)
+    routing = torch.tensor([0, 1, 2, 0, 1]).reshape(1, 5, 1, 1)  # one row of 5 tokens, 1 layer, top-1
+    labels = torch.tensor([[0, 1, 0, 1, 2]])  # fresh, stale, fresh, stale, other
+    # rank 1 of 2 holds positions 3, 4 and a padding slot; its router would pick expert 0 for all three
+    scores = torch.tensor([[5.0, 0.0, 0.0]] * 3)
+    with replay.counting(torch.zeros(1, 5, dtype=torch.long)):
+        replay.load(routing, labels=labels, sequence_parallel=True, tp_rank=1, tp_size=2)
+        router = model[0].router_replay
+        _, chosen = router.get_replay_topk(scores, 1, default_compute_topk=lambda s, k, **_: torch.topk(s, k, dim=1))
+    assert chosen[:2, 0].tolist() == [0, 1]  # the engine's experts for positions 3 and 4
+    counts = dict(zip(TOKEN_KINDS, replay.counts.tolist()))
+    # position 3 (stale) agrees, position 4 (other) does not, padding is not counted
+    assert counts == {"fresh": [0.0, 0.0], "stale": [1.0, 1.0], "other": [0.0, 1.0]}
+    replay.clear()
