@@ -1,7 +1,7 @@
 """Learning curves of several runs (seeds) of one setting, from their metrics.jsonl: the final reward, mean ± std by
 step and by wall clock, and the time to reach a target reward. `make learning-table` writes them into
 docs/async_learning.json and `glue.plots.write_learning_table_plots` draws them. Pure arithmetic; the one I/O is
-`python -m glue.learning_curves OUT PIECE...` (`make learning-merge`): merge tables run in pieces into OUT."""
+`python -m glue.learning_curves OUT [PIECE...]` (`make learning-merge`): merge tables run in pieces into OUT."""
 from __future__ import annotations
 
 import bisect
@@ -13,6 +13,8 @@ from typing import Any
 
 FINAL_WINDOW = 5  # the final reward is the mean of the last FINAL_WINDOW steps' rollout/reward_mean
 TIME_POINTS = 50  # points of the by-wall-clock grid
+DIGITS = 4  # reward curves are stored rounded to this many digits
+REACHED = 0.5 * 10 ** -DIGITS  # so a curve within half a unit of the last digit reaches its target
 
 
 def run_curves(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -20,7 +22,7 @@ def run_curves(records: list[dict[str, Any]]) -> dict[str, Any]:
     seconds since the training loop started) and its final reward."""
     steps = [r for r in records if r.get("step", 0) >= 1 and "rollout/reward_mean" in r]
     rewards = [float(r["rollout/reward_mean"]) for r in steps]
-    return {"final_reward": statistics.mean(rewards[-FINAL_WINDOW:]), "reward_curve": [round(x, 4) for x in rewards],
+    return {"final_reward": statistics.mean(rewards[-FINAL_WINDOW:]), "reward_curve": rounded(rewards),
             "time_curve": [round(float(r["time/elapsed_s"]), 3) for r in steps]}
 
 
@@ -33,7 +35,7 @@ def time_to_reach(rewards: list[float], times: list[float], target: float) -> fl
     """The wall clock at the first step whose trailing mean reward reaches `target`; None if none does. With the
     sync row's final mean as target, the trailing mean of the sync row's own mean curve reaches it by the last step."""
     for reward, t in zip(trailing_mean(rewards), times):
-        if reward >= target - 1e-12:
+        if reward >= target - REACHED:
             return t
     return None
 
@@ -128,13 +130,14 @@ def merge_tables(tables: list[dict[str, Any]], primary: str, order: list[str] | 
             "sections": sections}
 
 
-def rounded(values: list[float], digits: int = 4) -> list[float]:
+def rounded(values: list[float], digits: int = DIGITS) -> list[float]:
     return [round(v, digits) for v in values]
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit("usage: python -m glue.learning_curves OUT PIECE... (OUT's own sections are kept if it exists)")
+    if not argv:
+        raise SystemExit("usage: python -m glue.learning_curves OUT [PIECE...] (OUT's own sections are kept if it "
+                         "exists; OUT alone is summarised and scored again)")
     out, pieces = Path(argv[0]), [Path(p) for p in argv[1:]]
     tables = [json.loads(p.read_text()) for p in ([out] if out.exists() else []) + pieces]
     merged = merge_tables(tables, tables[0].get("primary", ""))

@@ -32,6 +32,13 @@ def test_time_to_reach_uses_the_trailing_mean_and_is_none_when_never_reached():
     assert time_to_reach(rewards, times, 1.01) is None
 
 
+def test_a_run_reaches_its_own_final_reward_though_its_curve_is_stored_rounded():
+    curves = run_curves(records([0.123444] * 6, 1.0))  # stored as 0.1234, under the unrounded final 0.123444
+    assert curves["reward_curve"][-1] == 0.1234
+    assert time_to_reach(curves["reward_curve"], curves["time_curve"], curves["final_reward"]) == 1.0
+    assert time_to_reach(curves["reward_curve"], curves["time_curve"], 0.1236) is None
+
+
 def test_a_row_gives_mean_and_std_by_step_and_by_wall_clock_over_its_seeds():
     slow, fast = run([0.0, 0.2, 0.4, 0.6], 2.0), run([0.2, 0.4, 0.6, 0.8], 1.0, wall_s=50.0)
     row = summarise_row([slow, fast])
