@@ -203,7 +203,12 @@ class TrainerWorker:
             # decoupled PPO: the snapshots are the behaviour policy; the clip is against the weights before the update
             proximal, entropy = self.compute_logprobs(batch, with_entropy=True)
         ref_logprobs = self.compute_logprobs(batch, reference=True) if self.reference is not None else None
-        replay_gaps = self._replay_gaps(batch, old_logprobs) if self.replay is not None else {}
+        replay_gaps = {}
+        if self.replay is not None:  # R3's metrics; with snapshots also the gap at each token's version, unreplayed
+            at_version = None if self._snapshots is None or old_logprobs is None else (
+                old_logprobs, self._snapshots.old_logprobs(batch, self.model, self.version,
+                                                           functools.partial(self.compute_logprobs, replay=False))[0])
+            replay_gaps = logprob_gaps(batch, self.compute_logprobs, self.replay, self.version, at_version)
         mini_batches = split_mini_batches(batch.tokens.shape[0], self.cfg.num_mini_batches)
         # PPO-EWMA's state per token (a copy): the rollout logprobs, then one update per optimizer step that trains it
         ewma = (batch.rollout_logprobs.to(self.device, torch.float32, copy=True)
@@ -224,16 +229,6 @@ class TrainerWorker:
             self._snapshots.save(self.version, self.model)
         metrics["weights/version"] = float(self.version)
         return metrics
-
-    def _replay_gaps(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> dict[str, float]:
-        """R3's metrics (glue.trainer.routing_replay.logprob_gaps); with snapshot old logprobs (computed with
-        replay) also the gap at each token's own version without replay: one more pass per version held."""
-        at_version = None
-        if self._snapshots is not None and old_logprobs is not None:
-            without, _ = self._snapshots.old_logprobs(batch, self.model, self.version,
-                                                      functools.partial(self.compute_logprobs, replay=False))
-            at_version = (old_logprobs, without)
-        return logprob_gaps(batch, self.compute_logprobs, self.replay, self.version, at_version)
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
                         rows: slice, ewma: torch.Tensor | None = None, proximal: torch.Tensor | None = None
