@@ -63,7 +63,7 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
         position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
         seq_ids = None if mb.seq_ids is None else mb.seq_ids.to(device)
         if replaying:
-            replay.load(routing_rows(mb, routed_experts), labels=replay.labels_of(mb), **sequence_split)
+            replay.load(micro_batch_rows(mb, routed_experts), labels=replay.labels_of(mb), **sequence_split)
         output = trainer_model.forward_logits(stage_module, mb.take(tokens).to(device), position_ids, seq_ids)
         if replaying and output.requires_grad:  # this micro-batch's backward begins: a recompute replays too
             output.register_hook(lambda grad: replay.backward())
@@ -82,7 +82,7 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
     if replaying:
         from megatron.core import parallel_state as ps
 
-        from glue.trainer.routing_replay import routing_rows
+        from glue.trainer.routing_replay import micro_batch_rows
 
         sequence_split = dict(sequence_parallel=module.config.sequence_parallel,
                               tp_rank=ps.get_tensor_model_parallel_rank(),
