@@ -4,6 +4,7 @@ and a per-step timeline of where the time went, as PNGs in runs/<name>/plots/. W
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -348,3 +349,30 @@ def plot_learning_section(name: str, section: dict[str, Any]):
     finish(axes[0][0], f"{name}: reward by step (mean ± std over seeds)", "rollout/reward_mean")
     finish(axes[0][1], f"{name}: reward by wall clock", "rollout/reward_mean", xlabel="seconds of training")
     return figure
+
+
+def write_eval_runs_plot(path: Path, groups: dict[str, list[dict[str, Any]]], title: str) -> Path:
+    """Greedy eval accuracy of several runs per group (e.g. sync, async S=2), by step and by wall clock: each run
+    thin, each group's mean by step thick, and the first group's mean final accuracy as a dashed line. A run is
+    {"eval_pass_at_1": {step: acc}, "elapsed_s_at_step": {step: s}} (docs/async_smollm2.json's shape)."""
+    figure, axes = new_figure(13, 5, 1, 2, sharey=True)
+    target = None
+    for i, (group, runs) in enumerate(groups.items()):
+        steps = sorted(int(k) for k in runs[0]["eval_pass_at_1"])
+        mean = [statistics.mean(r["eval_pass_at_1"][str(k)] for r in runs) for k in steps]
+        target = mean[-1] if target is None else target
+        for run in runs:
+            accuracy = [run["eval_pass_at_1"][str(k)] for k in steps]
+            axes[0][0].plot(steps, accuracy, color=f"C{i}", lw=0.8, alpha=0.5, marker="o", ms=3)
+            axes[0][1].plot([run["elapsed_s_at_step"][str(k)] for k in steps], accuracy, color=f"C{i}", lw=0.8,
+                            alpha=0.5, marker="o", ms=3)
+        axes[0][0].plot(steps, mean, color=f"C{i}", lw=2.2,
+                        label=f"{group}: mean of {len(runs)} (final {mean[-1]:.3f})")
+        seconds = [statistics.mean(r["elapsed_s_at_step"][str(k)] for r in runs) for k in steps]
+        axes[0][1].plot(seconds, mean, color=f"C{i}", lw=2.2, label=f"{group}: mean at mean time")
+    for ax in axes[0]:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"{next(iter(groups))}'s mean final accuracy")
+    finish(axes[0][0], f"{title}: greedy eval accuracy by step", "eval/pass@1")
+    finish(axes[0][1], f"{title}: by wall clock", "eval/pass@1", xlabel="seconds of training")
+    figure.savefig(path, dpi=100)
+    return Path(path)

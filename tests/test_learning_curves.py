@@ -6,7 +6,7 @@ import json
 import pytest
 
 from glue.learning_curves import add_time_to_target, main, merge_tables, run_curves, summarise_row, time_to_reach, trailing_mean
-from glue.plots import write_learning_table_plots
+from glue.plots import write_eval_runs_plot, write_learning_table_plots
 
 
 def records(rewards, seconds_per_step):
@@ -132,3 +132,16 @@ def test_the_table_s_plots_are_drawn_from_its_json_one_per_section(tmp_path):
     written = write_learning_table_plots(path)
     assert sorted(p.name for p in written) == ["async_learning_calc_lr0.0025.png", "async_learning_echo_lr0.005.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
+
+
+def test_eval_runs_of_two_groups_are_drawn_by_step_and_by_wall_clock(tmp_path):
+    def eval_run(accuracies, seconds_per_step):
+        return {"eval_pass_at_1": {str(8 * i): a for i, a in enumerate(accuracies)},
+                "elapsed_s_at_step": {str(8 * i): seconds_per_step * 8 * i for i in range(len(accuracies))}}
+
+    groups = {"sync": [eval_run([0.3, 0.6, 0.8], 20.0), eval_run([0.3, 0.5, 0.7], 21.0)],
+              "async S=2": [eval_run([0.3, 0.7, 0.75], 13.0)]}
+    path = write_eval_runs_plot(tmp_path / "eval.png", groups, "toy")
+    assert path.stat().st_size > 10_000
+    with pytest.raises(KeyError):  # a run without the first run's eval steps is refused, not drawn short
+        write_eval_runs_plot(tmp_path / "bad.png", {"sync": [eval_run([0.3, 0.6], 1.0), eval_run([0.3], 1.0)]}, "x")
