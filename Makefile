@@ -78,10 +78,10 @@ learning-table: install
 
 # Merge tables run in pieces (SLUICE_TABLE_OUT) into TABLE_JSON: later pieces' rows win; targets are recomputed.
 learning-merge: install
-	$(PY) -m glue.learning_curves $(or $(TABLE_JSON),docs/async_learning.json) $(PIECES)
+	$(PY) -m glue.metrics.learning_curves $(or $(TABLE_JSON),docs/async_learning.json) $(PIECES)
 
 learning-plots: install
-	$(PY) -c "import sys; from glue.plots import write_learning_table_plots as w; print(*w(sys.argv[1]))" $(or $(TABLE_JSON),docs/async_learning.json)
+	$(PY) -c "import sys; from glue.metrics.plots import write_learning_table_plots as w; print(*w(sys.argv[1]))" $(or $(TABLE_JSON),docs/async_learning.json)
 
 # On-policy distillation vs RL alone on the echo task, same step count (docs/distillation.md): 8 runs, ~7.5 minutes on 2 cores (more under load).
 distill-learning: install

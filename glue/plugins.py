@@ -23,12 +23,40 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
     return module_name, attr
 
 
+# glue's modules before it was cut into wings (docs/architecture.md): a config or a user module that names the old
+# path is refused with the new one, so the fix is one edit.
+MOVED_MODULES = {
+    **{f"glue.{m}": f"glue.loop.{m}" for m in ("batch", "buffer", "checkpoint", "colocation", "controller",
+                                                "evaluation", "replay", "staleness", "stream")},
+    "glue.config": "glue.rollout.config, glue.rewards.config or glue.loop.config (by section)",
+    "glue.rollout": "glue.rollout.manager", "glue.routed_experts": "glue.rollout.routed_experts",
+    "glue.openai_agent": "glue.rollout.openai_agent", "glue.fleet": "glue.fleet.fleet",
+    "glue.fleet_watch": "glue.fleet.watch", "glue.engine_host": "glue.fleet.engine_host",
+    "glue.processes": "glue.fleet.processes", "glue.engine_client": "glue.fleet.engine_client",
+    "glue.reward_models": "glue.rewards.models", "glue.judge": "glue.rewards.judge",
+    "glue.scalar_rm": "glue.rewards.scalar_rm", "glue.teacher": "glue.rewards.teacher",
+    "glue.reward_shaping": "glue.rewards.shaping", "glue.isolated": "glue.rewards.isolated",
+    "glue.metrics": "glue.metrics.logger", "glue.plots": "glue.metrics.plots",
+    "glue.learning_curves": "glue.metrics.learning_curves",
+    "glue.tiny_text_model": "glue.embedded_engine.tiny_text_model",
+}
+
+
+def moved_to(module_name: str) -> str | None:
+    """Where an old glue module lives now, or None for a module that did not move."""
+    return MOVED_MODULES.get(module_name)
+
+
 def _import_module(module_name: str, path: str, what: str):
     try:
-        return importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         # Distinguish "the module in the path does not exist" from "it exists but one of its imports is missing".
         missing = err.name or ""
+        if moved_to(missing):
+            where = "" if missing == module_name else f" (imported by {module_name!r})"
+            raise ImportError(f"{what}: cannot load {path!r}: module {missing!r}{where} moved to "
+                              f"{moved_to(missing)}; change the import path") from err
         if module_name == missing or module_name.startswith(missing + "."):
             raise ImportError(
                 f"{what}: cannot load {path!r}: module {missing!r} not found; check the spelling and that its "
@@ -38,6 +66,7 @@ def _import_module(module_name: str, path: str, what: str):
             f"{what}: module {module_name!r} (from {path!r}) was found but importing it failed: {err}; "
             f"install the missing package {missing!r}"
         ) from err
+    return module
 
 
 def load_object(path: str, *, what: str) -> Any:
@@ -53,6 +82,8 @@ def load_object(path: str, *, what: str) -> Any:
             names = [n for n in dir(obj) if not n.startswith("_")]
             close = difflib.get_close_matches(part, names, n=3)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            if moved_to(module_name):  # glue.rollout, glue.fleet, glue.metrics: now wings of the same name
+                hint = f"; module {module_name!r} moved to {moved_to(module_name)}"
             raise AttributeError(
                 f"{what}: cannot load {path!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
                 f"{part!r}{hint}"

@@ -31,7 +31,7 @@ class Sample:
     row t holds the experts each decoder layer routed token t (prompt and response) to, in the engine forward that
     ran it, i.e. the one that sampled token t + 1; -1 in layers without experts. The last token has no row: it was
     never run. A partial rollout resumed after a sync concatenates the resumed request's rows (its own weights)
-    onto the ones it had (glue.routed_experts).
+    onto the ones it had (glue.rollout.routed_experts).
     """
 
     prompt_tokens: list[int]
@@ -45,7 +45,7 @@ class Sample:
     index: int = 0  # position within the group
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: Any = None  # np.ndarray int8/int16 [prompt + response - 1, layers, top_k], or None
-    teacher_logprobs: list[float] = field(default_factory=list)  # on-policy distillation: the teacher's logprob of each response token (glue.teacher), else empty
+    teacher_logprobs: list[float] = field(default_factory=list)  # on-policy distillation: the teacher's logprob of each response token (glue.rewards.teacher), else empty
 
     def append_response(self, tokens: list[int], logprobs: list[float], version: int, trainable: bool = True) -> None:
         """Append tokens produced (trainable) or injected (tool / env output) at one policy version."""

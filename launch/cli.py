@@ -1,15 +1,25 @@
 """`sluice --config run.yaml [section.key=value ...] [--<megatron-field> ...] [--sglang-* ...] [--router-* ...]
 [--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit).
-`sluice plot RUN_DIR [--out DIR]`: draw a run's metrics.jsonl as PNGs (glue.plots), during or after the run."""
+`sluice plot RUN_DIR [--out DIR]`: draw a run's metrics.jsonl as PNGs (glue.metrics.plots), during or after the run."""
 from __future__ import annotations
 
 import argparse
 import difflib
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
+from glue.fleet.fleet import ProcessDied
+from glue.loop.stream import RolloutFailed
+from glue.metrics.plots import write_plots
+from launch.cluster import ClusterError
 from launch.config import ConfigError, load_config, merge, to_dict
+from launch.help import config_reference
+from launch.megatron_args import add_megatron_flags, route
 from launch.options import add_options
+from launch.plan import resolve
+from launch.router_args import router_options
+from launch.sglang_args import sglang_options
 
 USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
          "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
@@ -48,12 +58,8 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
                               "weight group and bytes per sync), and exit without starting anything; a model directory "
                               "holding config.json alone is enough to plan")
     if "megatron" in backends:
-        from launch.megatron_args import add_megatron_flags
-
         add_megatron_flags(parser)
     if "sglang" in backends:
-        from launch.sglang_args import sglang_options
-
         sglang = sglang_options()
         group = parser.add_argument_group(
             "sglang (generated from the installed sglang's ServerArgs; forwarded to every engine)",
@@ -62,8 +68,6 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
         if sglang is not None:
             add_options(group, sglang, prefix="sglang", section="sglang")
     if "router" in backends:
-        from launch.router_args import router_options
-
         router = router_options()
         group = parser.add_argument_group(
             "router (generated from sglang_router's RouterArgs; forwarded to sgl-router)",
@@ -78,7 +82,6 @@ def help_text(topic: str) -> str:
     backends' options; `sluice --help megatron|sglang|router`: that backend's group alone."""
     if topic in BACKENDS:
         return build_parser((topic,), own_flags=False).format_help()
-    from launch.help import config_reference
 
     counts = {name: len(group._group_actions)  # argparse has no public view of its groups
               for group in build_parser()._action_groups for name in BACKENDS
@@ -111,8 +114,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         else:
             flags.setdefault(section, {})[key] = value
     if megatron:
-        from launch.megatron_args import route
-
         merge(flags, route(megatron))
     args.flags = flags
     return args, _overrides(rest, parser)
@@ -172,14 +173,12 @@ def plot_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:
         return int(done.code or 0)
-    from pathlib import Path
 
     metrics = Path(args.run_dir) / "metrics.jsonl"
     if not metrics.is_file() or not metrics.read_text().strip():
         print(f"sluice plot: error: {metrics} {'is empty' if metrics.is_file() else 'does not exist'}: point "
               "RUN_DIR at a run folder (<run.output_dir>/<run.name>) that has logged a step", file=sys.stderr)
         return 2
-    from glue.plots import write_plots
 
     written = write_plots(Path(args.run_dir), Path(args.out) if args.out else None)
     for path in written:
@@ -189,12 +188,26 @@ def plot_main(argv: list[str]) -> int:
     return 0
 
 
+def start(cfg, plan) -> Path:
+    """Run the resolved config to completion: an SFT run (launch.sft) or an RL run (launch.runner); returns the run
+    directory. Each is imported here, when it runs: both bring up Ray and the trainer."""
+    if cfg.run.mode == "sft":
+        if plan.notes:
+            raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
+        from launch.sft import run_sft  # lazy: the SFT driver (trainer group, torch); keeps sluice --help off it
+
+        return run_sft(cfg, plan)
+    from launch.runner import run  # lazy: the RL driver (fleet, trainer, torch); keeps sluice --help off it
+
+    return run(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     if argv[:1] == ["export-hf"]:
-        from launch.export_hf import main as export_main
+        from launch.export_hf import main as export_main  # lazy: torch + megatron checkpoints; sluice export-hf only
 
         return export_main(argv[1:])
     try:
@@ -202,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help, or a one-line argparse error already printed
         return int(done.code or 0)
     try:
-        from launch.plan import resolve
-
         cfg, plan = resolve(load_config(args.config, overrides, args.flags))
     except (ConfigError, FileNotFoundError) as err:
         print(f"sluice: config error: {err}", file=sys.stderr)
@@ -211,30 +222,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         import yaml
 
-        from launch.preflight import preflight
+        from launch.preflight import preflight  # lazy: --dry-run only; pulls glue.trainer.model (torch)
 
         try:
             checked = preflight(cfg, plan, here=False)
             if cfg.run.mode == "sft":
-                from launch.sft import check_sft_files
+                from launch.sft import check_sft_files  # lazy: launch.sft is the SFT driver (torch)
 
                 checked.append(check_sft_files(cfg))
         except ConfigError as err:
             print(f"sluice: config error: {err}", file=sys.stderr)
             return 2
-        from launch.model_check import weight_sync_plan
+        from launch.model_check import weight_sync_plan  # lazy: --dry-run only; pulls glue.trainer.model (torch)
 
         sync = weight_sync_plan(cfg) if plan.engines else "none: no engines (run.mode sft)"
         shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": sync}, "checked": checked}
         print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")
         return 0
-    from glue.fleet import ProcessDied
-    from glue.stream import RolloutFailed
-    from launch.cluster import ClusterError
-    from launch.runner import run
 
     try:
-        run(cfg)
+        start(cfg, plan)
     except ProcessDied as err:
         print(f"sluice: error: {err}. Every other process it started is stopped; the same command resumes from the "
               f"last checkpoint in {cfg.run_dir / 'checkpoints'} (run.resume=auto)", file=sys.stderr)

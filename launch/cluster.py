@@ -1,7 +1,7 @@
 """Ray for a run: start a local cluster or attach to one (`ray start` on every node), reserve the plan's single
 placement group, and map its bundles to nodes and devices in a stable order (node address, then GPU id), so plan
 bundle b is the same node/GPU on every run. Trainer ranks are scheduled into their bundles; each engine is started
-on its bundle's node by a host actor (glue.engine_host) and gets the CUDA_VISIBLE_DEVICES of its bundles.
+on its bundle's node by a host actor (glue.fleet.engine_host) and gets the CUDA_VISIBLE_DEVICES of its bundles.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from launch.config import SluiceConfig
 from launch.plan import EngineLaunch, RunPlan
 
 
@@ -144,3 +145,24 @@ def check_paths(placement: Placement, paths: dict[str, str]) -> None:
 
 def _missing_paths(paths: dict[str, str]) -> list[tuple[str, str]]:
     return [(what, path) for what, path in paths.items() if not os.path.exists(path)]
+
+
+def start_cluster(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
+    """Start or attach to Ray and reserve the plan's placement group (a launch.cluster.Placement)."""
+    start_ray(address=cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus, node_ip=cfg.cluster.node_ip,
+                      stack=stack)
+    if cfg.run.ray_address is not None and cfg.cluster.num_nodes > 1:
+        nodes = wait_for_nodes(cfg.cluster.num_nodes, cfg.cluster.node_wait_s)
+        print(f"sluice: {len(nodes)}/{cfg.cluster.num_nodes} nodes joined: {', '.join(nodes)}", flush=True)
+    return reserve(plan, stack)
+
+
+def describe_placement(plan: RunPlan, placement) -> str:
+    """Which engines and trainer ranks landed on which node, e.g. `10.0.0.1: engine 0, engine 1; 10.0.0.2: trainer
+    rank 0`."""
+    by_node: dict[str, list[str]] = {}
+    for e in plan.engines:
+        by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"engine {e.index}")
+    for r in plan.trainer:
+        by_node.setdefault(placement.node_ip[r.bundle], []).append(f"trainer rank {r.rank}")
+    return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())

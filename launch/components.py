@@ -1,6 +1,6 @@
 """The run's parts, started by `launch.runner` under its ExitStack: engines behind the router and their client,
 the megatron-core trainer on Ray, the weight bridge, the rollout manager, and who holds the devices in each phase.
-`run.debug` leaves a side out (glue.replay stands in for it)."""
+`run.debug` leaves a side out (glue.loop.replay stands in for it)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,15 +8,26 @@ import contextlib
 import secrets
 from pathlib import Path
 
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import RolloutFleet
+from glue.loop.colocation import Disaggregated, make_colocation
+from glue.loop.replay import NoTrainer
+from glue.rewards.shaping import make_reward_shaping
+from glue.rollout.manager import RolloutManager, resume_limit
+from glue.rollout.routed_experts import RoutedExpertsLayout
+from glue.trainer.group import TrainerGroup
+from launch.cluster import check_paths
 from launch.config import SluiceConfig
 from launch.plan import RunPlan
+from launch.reward_models import start_model_rewards
+from launch.tasks import task_args_for
+from launch.teacher import start_teacher
+import weight_sync
 
 
 def make_phases(cfg: SluiceConfig, plan: RunPlan, *, trainer, bridge, fleet):
-    """Who holds the devices around each phase (glue.colocation). A run.debug run moves no weights: its engines or
+    """Who holds the devices around each phase (glue.loop.colocation). A run.debug run moves no weights: its engines or
     its trainer, whichever it has, stay resident."""
-    from glue.colocation import Disaggregated, make_colocation
-
     if cfg.run.debug != "off":
         return Disaggregated(bridge=None)
     return make_colocation(plan.placement, trainer=trainer, bridge=bridge, engine_urls=fleet.engine_urls,
@@ -40,10 +51,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
                      stack: contextlib.ExitStack, clock=lambda phase, detail: None):
     """Fleet, engine client, trainer, weight bridge, rollout manager and the event loop. `run.debug` leaves one
     side out: train_only starts no engines (fleet, client, bridge and manager are None), rollout_only no trainer
-    and no bridge (glue.replay.NoTrainer stands in for the trainer)."""
-    from launch.cluster import check_paths
-    from glue.replay import NoTrainer
-
+    and no bridge (glue.loop.replay.NoTrainer stands in for the trainer)."""
     check_paths(placement, {"the model directory": model_path})
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
@@ -55,13 +63,9 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     if cfg.run.debug == "off":
         bridge = start_bridge(cfg, trainer, fleet, run_dir, stack, clock)
     if fleet is not None:
-        from launch.reward_models import start_model_rewards
-
         manager = make_manager(cfg, client, model_path,
                                start_model_rewards(cfg, plan, model_path, run_dir, stack, loop, clock))
     if fleet is not None and cfg.teacher is not None:  # on-policy distillation: the teacher scores every group
-        from launch.teacher import start_teacher
-
         manager = start_teacher(cfg, plan, manager, model_path, run_dir, stack, loop, clock)
     return fleet, client, trainer, bridge, manager, loop
 
@@ -69,9 +73,6 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
 def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
                 stack: contextlib.ExitStack, loop, clock):
     """The engines behind the router, and the client the rollout functions reach them with."""
-    from glue.engine_client import EngineClient
-    from glue.fleet import RolloutFleet
-
     # Every engine and the router ask for keys (SGLang's --api-key / --admin-api-key, new per run unless set under
     # sglang:): weight, memory and pause routes take the admin key only, which no one outside this run holds.
     api_key = cfg.sglang.get("api_key") or secrets.token_hex(24)
@@ -93,8 +94,6 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
 
 
 def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, stack: contextlib.ExitStack, clock):
-    from glue.trainer.group import TrainerGroup
-
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
                            keep_versions=cfg.sync.max_staleness + 1)
     stack.callback(trainer.shutdown)
@@ -106,8 +105,6 @@ def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, 
 
 
 def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contextlib.ExitStack, clock):
-    import weight_sync
-
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
                                      disk_dir=str(run_dir / "weights"),
                                      engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
@@ -120,11 +117,6 @@ def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contex
 
 
 def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None):
-    from launch.runner import task_args_for
-    from glue.reward_shaping import make_reward_shaping
-    from glue.rollout import RolloutManager, resume_limit
-    from glue.routed_experts import RoutedExpertsLayout
-
     return RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
                           task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
                           client=client,

@@ -1,6 +1,6 @@
 """A run's configuration: YAML file + dotted CLI overrides -> one typed, validated `SluiceConfig`.
 
-Sections are dataclasses owned by their components (glue.config, glue.trainer.config, loss); this module only
+Sections are dataclasses owned by their components (glue.rollout.config, glue.rewards.config, glue.loop.config, glue.trainer.config, weight_sync.config, loss); this module only
 composes them, applies overrides and reports bad keys. It imports no backend (ray, megatron, sglang).
 """
 from __future__ import annotations
@@ -16,10 +16,12 @@ from typing import Any, Literal
 
 import yaml
 
-from glue.config import EvalConfig, RewardConfig, RolloutConfig, SyncConfig
-from glue.reward_models import JudgeConfig, RewardModelConfig
+from glue.loop.config import EvalConfig, SyncConfig
+from glue.rewards.config import RewardConfig
+from glue.rollout.config import RolloutConfig
+from glue.rewards.config import JudgeConfig, RewardModelConfig
 from glue.sft.config import SftConfig
-from glue.teacher import TeacherConfig
+from glue.rewards.config import TeacherConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 
@@ -36,7 +38,7 @@ class TinyModelConfig:
     num_experts: int = 4  # qwen3_moe: routed experts per MoE layer (divisible by --expert-model-parallel-size)
     moe_top_k: int = 2  # qwen3_moe: experts each token is routed to (HF num_experts_per_tok), 1 to num_experts
     seed: int = 0  # initial weights' seed
-    tokenizer: bool = False  # also train a byte-level BPE tokenizer with a chat template (glue.tiny_text_model), for text tasks; needs vocab_size >= 260
+    tokenizer: bool = False  # also train a byte-level BPE tokenizer with a chat template (glue.embedded_engine.tiny_text_model), for text tasks; needs vocab_size >= 260
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.moe_top_k <= self.num_experts:
@@ -193,8 +195,8 @@ class SluiceConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    judge: JudgeSection | None = None  # an LLM judge scoring each finished group (glue.judge); null: none
-    reward_model: RewardModelSection | None = None  # a scalar reward model scoring each finished group (glue.scalar_rm); null: none
+    judge: JudgeSection | None = None  # an LLM judge scoring each finished group (glue.rewards.judge); null: none
+    reward_model: RewardModelSection | None = None  # a scalar reward model scoring each finished group (glue.rewards.scalar_rm); null: none
     sft: SftConfig = field(default_factory=SftConfig)  # the chat data of a run.mode sft run
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)

@@ -20,14 +20,18 @@ from typing import Any
 
 import torch
 
+from glue.trainer import cpu_compat
+from glue.trainer import model as trainer_model
+from glue.trainer.checkpointing import DIST, HF_CONFIG, rank_file
+from weight_sync.convert import rules
+from weight_sync.convert.mapping import rule_to_hf
+
 SHARD_BYTES = 2 << 30  # bytes per output safetensors file
 
 
 def export(checkpoint: str, out: str, *, shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write `checkpoint` (a `step_<N>` folder, or its `dist/`'s parent) to `out` as an HF directory; returns the
     safetensors file names written. Starts and ends its own single-process gloo group."""
-    from glue.trainer.checkpointing import DIST, HF_CONFIG, rank_file
-
     dist, config_dir = os.path.join(checkpoint, DIST), os.path.join(checkpoint, HF_CONFIG)
     for need in (dist, config_dir, rank_file(checkpoint, 0)):
         if not os.path.exists(need):
@@ -44,10 +48,6 @@ def export(checkpoint: str, out: str, *, shard_bytes: int = SHARD_BYTES) -> list
 
 def _write_safetensors(dist: str, config_dir: str, precision: str, out: str, shard_bytes: int) -> list[str]:
     from safetensors.torch import save_file
-
-    from glue.trainer import model as trainer_model
-    from weight_sync.convert import rules
-    from weight_sync.convert.mapping import rule_to_hf
 
     hf_config = trainer_model.read_hf_config(config_dir)
     with torch.device("meta"):
@@ -109,8 +109,6 @@ class _single_rank:
 
     def __enter__(self) -> None:
         from megatron.core import parallel_state, tensor_parallel
-
-        from glue.trainer import cpu_compat
 
         cpu_compat.apply()
         with socket.socket() as sock:

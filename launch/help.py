@@ -15,6 +15,8 @@ import types
 import typing
 from typing import Any
 
+from launch.config import SluiceConfig
+
 TOPICS = {"config": "every config key (the default)", "megatron": "megatron-core flags",
           "sglang": "SGLang server options (--sglang-*)", "router": "sgl-router options (--router-*)"}
 
@@ -38,8 +40,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def config_reference(cls: type | None = None, prefix: str = "", width: int = 118) -> list[str]:
     """One entry per config key: `section.key  (type, default: value)` and its doc, indented below it."""
-    from launch.config import SluiceConfig
-
     cls = cls or SluiceConfig
     hints, lines = typing.get_type_hints(cls), []
     docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)  # a section's inherited keys too

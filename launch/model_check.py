@@ -9,7 +9,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from glue.embedded_engine.tiny_model import tiny_config
+from glue.trainer.model import check_tensor_parallel, read_hf_config
+from glue.trainer.optim import resolve_precision
 from launch.config import ConfigError, SluiceConfig
+from weight_sync.buckets import pipeline_bucket_bytes
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -20,8 +24,6 @@ def model_config(cfg: SluiceConfig) -> Any:
     """The HF config of the model the run trains: model.path's config.json (a family the trainer builds), or, with
     model.path null, the tiny model's, built in memory (its weights are written at start-up)."""
     if cfg.model.path is None:
-        from glue.embedded_engine.tiny_model import tiny_config
-
         tiny = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k not in ("seed", "tokenizer")}
         try:
             return tiny_config(**tiny)
@@ -32,7 +34,6 @@ def model_config(cfg: SluiceConfig) -> Any:
         what = "has no config.json" if path.is_dir() else "does not exist"
         raise ConfigError(f"model.path {cfg.model.path!r} {what}: point it at a local HF checkpoint directory "
                           "(config.json, *.safetensors, tokenizer files)")
-    from glue.trainer.model import read_hf_config
 
     try:
         return read_hf_config(str(path))
@@ -76,8 +77,6 @@ def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:
 def check_trainer_model(trainer: Any, hf_config: Any) -> None:
     """What megatron-core (and this trainer) would refuse once every rank has started, for this model and the
     trainer's parallel layout (a glue.trainer.config.TrainerConfig)."""
-    from glue.trainer.model import check_tensor_parallel
-
     tp, ep, experts = trainer.tensor_model_parallel_size, trainer.expert_model_parallel_size, num_experts(hf_config)
     try:
         check_tensor_parallel(hf_config, tp)
@@ -168,9 +167,6 @@ def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
     (every parameter in the dtype the trainer's weights have, `trainer.precision` resolved against the checkpoint as
     the trainer resolves it, which is what the sources send) and the bucket size."""
     import torch
-
-    from glue.trainer.optim import resolve_precision
-    from weight_sync.buckets import pipeline_bucket_bytes
 
     s, hf_config = cfg.sync, model_config(cfg)
     count = parameter_count(hf_config)

@@ -12,7 +12,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from glue.embedded_engine.__main__ import parse_args
+from glue.fleet.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
+from launch import router_args, sglang_args
 from launch.config import ConfigError, SluiceConfig
+from launch.megatron_args import check_megatron, unused_by_trainer
+from launch.options import check_values, to_argv
 
 HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
 
@@ -46,7 +51,7 @@ class RunPlan:
     engines: list[EngineLaunch]
     engine_command: list[str]  # program + flags shared by every engine (before --model-path/--host/--port)
     engine_args: list[str]  # flags after them: sluice's engine layout + the --sglang-* pass-through
-    engine_seed: int  # the fleet's seed: engine i's start n gets --random-seed glue.fleet.engine_seed(it, i, n)
+    engine_seed: int  # the fleet's seed: engine i's start n gets --random-seed glue.fleet.fleet.engine_seed(it, i, n)
     router_command: list[str]  # full router command line, with placeholders
     router_args: list[str]  # the --router-* pass-through
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
@@ -87,10 +92,6 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
 
 
 def _checked_passthrough(cfg: SluiceConfig) -> SluiceConfig:
-    from launch import router_args, sglang_args
-    from launch.megatron_args import check_megatron
-    from launch.options import check_values
-
     trainer = dataclasses.replace(cfg.trainer, megatron=check_megatron(cfg.trainer.megatron))
     sglang_specs = sglang_args.sglang_options()
     sglang = dict(cfg.sglang)
@@ -254,10 +255,6 @@ def _check_embedded_engine(cfg: SluiceConfig) -> None:
     import contextlib
     import io
 
-    from glue.embedded_engine.__main__ import parse_args
-    from launch.options import to_argv
-    from launch.sglang_args import sglang_options
-
     if cfg.cluster.engine_tensor_parallel_size != 1 and cfg.cluster.engine != "sglang_strict":
         raise ValueError("the embedded engine (CPU) runs one process per engine: set "
                          "cluster.engine_tensor_parallel_size=1, cluster.engine=sglang_strict (which simulates engine "
@@ -265,7 +262,7 @@ def _check_embedded_engine(cfg: SluiceConfig) -> None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parse_args(["--model-path", "unused", *to_argv(cfg.sglang, sglang_options())])
+            parse_args(["--model-path", "unused", *to_argv(cfg.sglang, sglang_args.sglang_options())])
     except SystemExit:
         reason = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "rejected"
         raise ValueError(f"the embedded engine (used on CPU) does not implement these sglang options: {reason}; "
@@ -274,12 +271,6 @@ def _check_embedded_engine(cfg: SluiceConfig) -> None:
 
 
 def _plan(cfg: SluiceConfig) -> RunPlan:
-    from glue.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
-    from launch.megatron_args import unused_by_trainer
-    from launch.options import to_argv
-    from launch.router_args import router_options
-    from launch.sglang_args import sglang_options
-
     c, engine_gpus = cfg.cluster, _engine_gpus(cfg)
     n_bundles = _num_bundles(cfg, engine_gpus)
     # GPU bundles fill node after node; CPU bundles on several nodes are spread over them by Ray (node unknown here)
@@ -288,7 +279,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     resources = {"GPU": 1.0, "CPU": c.cpus_per_bundle} if c.uses_gpus else {"CPU": c.cpus_per_bundle}
     # Engines take the first bundles (the driver's node sorts first, near the router); each is started on its
     # bundle's node by a host actor, so engines may spread over nodes.
-    # Colocated: trainer rank r shares bundle r with an engine; glue.colocation hands the device over per phase.
+    # Colocated: trainer rank r shares bundle r with an engine; glue.loop.colocation hands the device over per phase.
     first = 0 if c.placement == "colocated" else engine_gpus
     trainer = [TrainerRank(rank=r, bundle=first + r, node=slots[first + r][0], device=slots[first + r][1],
                            coords=_coords(cfg, r)) for r in range(cfg.trainer.world_size)]
@@ -299,7 +290,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     if c.engine_kind == "sglang" and c.placement == "colocated" and "enable_memory_saver" not in cfg.sglang:
         layout.append("--enable-memory-saver")  # without it SGLang's release/resume memory routes do nothing
     if c.engine_server == "sglang":  # token ids in every OpenAI-style answer: the router drops the per-request opt-ins
-        known = sglang_options() or {}  # an SGLang without these switches is left as it is
+        known = sglang_args.sglang_options() or {}  # an SGLang without these switches is left as it is
         layout += [f"--{k.replace('_', '-')}" for k in ("return_input_ids", "return_output_ids")
                    if k in known and k not in cfg.sglang]
     if cfg.run.deterministic and "enable_deterministic_inference" not in cfg.sglang:
@@ -308,10 +299,11 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
         layout += ["--dtype", "bfloat16"]  # engines serve the weights the bf16 trainer sends (SGLang's auto: fp16 for fp32)
     if cfg.rollout.return_routed_experts and "enable_return_routed_experts" not in cfg.sglang:
         layout.append("--enable-return-routed-experts")  # MoE routing replay (R3): engines record top-k per token
-    # --random-seed is per engine (glue.fleet.engine_seed): one seed for all would give their k-th requests the same
+    # --random-seed is per engine (glue.fleet.fleet.engine_seed): one seed for all would give their k-th requests the same
     # draws; sglang.random_seed, if given, is the fleet's base instead of run.seed
     seed = int(cfg.sglang.get("random_seed", cfg.run.seed))
-    engine_args = layout + to_argv({k: v for k, v in cfg.sglang.items() if k != "random_seed"}, sglang_options())
+    engine_args = layout + to_argv({k: v for k, v in cfg.sglang.items() if k != "random_seed"},
+                                   sglang_args.sglang_options())
     model = cfg.model.path or str(cfg.run_dir / "init_model")
     engines = []
     for e in range(num_engines(cfg)):
@@ -321,10 +313,10 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                                     command=[*engine_command, "--model-path", model, "--host", HOST, "--port", PORT,
                                              *engine_args, f"--random-seed={engine_seed(seed, e)}"]))
     # The router logs one INFO line per request (11 MB in one demo): warnings and errors only, unless router.log_level
-    router_args = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(cfg.router,
-                                                                                             router_options())
+    router_argv = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(
+        cfg.router, router_args.router_options())
     router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
-                      "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_args] if engines else []
+                      "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_argv] if engines else []
     notes = cfg.trainer.unsupported() + unused_by_trainer(cfg.trainer.megatron)
     if cfg.loss.kl_reward_coef > 0:
         notes.append("loss.kl_reward_coef > 0: the trainer has no reference logprobs before the advantages are "
@@ -332,7 +324,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     return RunPlan(placement=c.placement, device="gpu" if c.uses_gpus else "cpu", num_nodes=c.num_nodes,
                    bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
                    engines=engines, engine_command=engine_command, engine_args=engine_args, engine_seed=seed,
-                   router_command=router_command, router_args=router_args, notes=notes)
+                   router_command=router_command, router_args=router_argv, notes=notes)
 
 
 def _coords(cfg: SluiceConfig, rank: int) -> dict[str, int]:

@@ -11,17 +11,19 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from glue.plugins import check_signature, load_object
+from glue.rewards.judge import load_parser
 from launch.config import ConfigError, SluiceConfig
 from launch.model_check import TOKENIZER_FILES, check_model, has_tokenizer, weight_files
 from launch.plan import RunPlan
+from launch.tasks import eval_task
+from launch.teacher import check_teacher
 
 
 def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[str]:
     """Run every check; returns one line per check (the dry run prints them). `here=False` is a dry run, which may
     plan a GPU run on a login node (too few local GPUs is reported, not refused) from a model directory holding
     config.json alone (reported as plan-only; a real start needs the weights)."""
-    from launch.teacher import check_teacher
-
     return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
             check_data(cfg), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
             check_placement(cfg, plan, here=here), *([check_teacher(cfg)] if cfg.teacher is not None else [])]
@@ -30,25 +32,19 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
 def check_plugins(cfg: SluiceConfig) -> str:
     """Import the rollout function, the task and the eval task, and check the function's signature (and that it
     can record MoE routing when `rollout.return_routed_experts` asks for it)."""
-    from glue.plugins import check_signature
-
     fn = _load(cfg.rollout.function, "rollout.function")
     try:
         check_signature(fn, ["ctx", "prompt", "num_samples"], what="rollout.function")
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
     if cfg.rollout.return_routed_experts and getattr(fn, "__module__", None) == "rollout_fns.openai_agent":
-        from rollout_fns.openai_agent import NO_ROUTING
+        from rollout_fns.openai_agent import NO_ROUTING  # lazy: aiohttp; loaded already when fn comes from it
 
         raise ConfigError(NO_ROUTING)
     _load(cfg.rollout.task, "rollout.task")
     if cfg.eval.enabled:
-        from launch.runner import eval_task
-
         _load(eval_task(cfg)[0], "eval.task")
     if cfg.judge is not None:
-        from glue.judge import load_parser
-
         try:
             load_parser(cfg.judge.parser)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
@@ -58,8 +54,6 @@ def check_plugins(cfg: SluiceConfig) -> str:
 
 def _load(path: str, what: str):
     """`glue.plugins.load_object`, with whatever importing the user's module raised turned into one line."""
-    from glue.plugins import load_object
-
     try:
         return load_object(path, what=what)
     except (ImportError, AttributeError, ValueError) as err:
@@ -83,8 +77,6 @@ def task_settings(cfg: SluiceConfig) -> list[tuple[str, str, dict[str, Any]]]:
     task; `eval.task_args` of an eval without its own task update the training task's."""
     tasks = [("rollout", cfg.rollout.task, dict(cfg.rollout.task_args))]
     if cfg.eval.enabled:
-        from launch.runner import eval_task
-
         tasks.append(("eval", *eval_task(cfg)))
     return tasks
 
@@ -112,7 +104,7 @@ def check_data(cfg: SluiceConfig) -> str:
 
 def tokenizer_readers(cfg: SluiceConfig) -> list[tuple[str, str | None]]:
     """(who, the directory given for it or None for the model's own) for each part of the run that loads a
-    tokenizer: a task class taking `tokenizer` (launch.runner.task_args_for gives it the model's), and the
+    tokenizer: a task class taking `tokenizer` (launch.tasks.task_args_for gives it the model's), and the
     OpenAI-agent rollout, whose chat requests the engines tokenize with the model's."""
     readers = []
     for section, task_path, args in task_settings(cfg):

@@ -20,6 +20,9 @@ from typing import Any
 
 import yaml
 
+from launch.cli import parse_args
+from launch.config import apply_override, load_config, merge
+from launch.plan import resolve
 from launch.shrink import STEPS, shrink, write_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,9 +80,6 @@ def script_recipe(name: str, scratch: Path) -> Recipe:
 def raw_config(argv: list[str]) -> dict[str, Any]:
     """The config mapping sluice would build from `argv`: YAML, then pass-through flags, then overrides (the order
     of launch.config.load_config), before typing."""
-    from launch.cli import parse_args
-    from launch.config import apply_override, merge
-
     args, overrides = parse_args(argv)
     raw = yaml.safe_load((REPO / args.config).read_text()) or {} if args.config else {}
     merge(raw, args.flags)
@@ -118,9 +118,6 @@ def rehearse(recipe: Recipe, folder: Path, *, engine: str, steps: int = STEPS, t
 
 def planned_engine_args(config: Path) -> list[str]:
     """The flags sluice's plan gives every engine for `config` (e.g. --tp-size 2 --sglang-strict), for the report."""
-    from launch.config import load_config
-    from launch.plan import resolve
-
     return resolve(load_config(config))[1].engine_args
 
 

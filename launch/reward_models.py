@@ -1,6 +1,6 @@
 """Start-up of the run's reward models (`judge:`, `reward_model:`): their checkpoints (a tiny random one written
 into the run folder when no path is given), the judge's own fleet of engines behind its own sgl-router, the scalar
-reward model's worker, and the group hook (glue.reward_models.ModelRewards) the rollout manager awaits."""
+reward model's worker, and the group hook (glue.rewards.models.ModelRewards) the rollout manager awaits."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,11 @@ import secrets
 from dataclasses import asdict
 from pathlib import Path
 
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import RolloutFleet
+from glue.rewards.judge import Judge, load_parser, save_tiny_judge_model
+from glue.rewards.models import ModelRewards
+from glue.rewards.scalar_rm import ScalarRewardModel, save_tiny_reward_model
 from launch.config import ModelConfig, SluiceConfig
 from launch.plan import RunPlan
 
@@ -34,8 +39,6 @@ def start_model_rewards(cfg: SluiceConfig, plan: RunPlan, policy_path: str, run_
         return None
     from transformers import AutoTokenizer
 
-    from glue.reward_models import ModelRewards
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(policy_path, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -54,12 +57,8 @@ def start_model_rewards(cfg: SluiceConfig, plan: RunPlan, policy_path: str, run_
 
 def start_judge(cfg: SluiceConfig, plan: RunPlan, run_dir: Path, stack: contextlib.ExitStack, loop, clock):
     """The judge's engines and router (same engine program and pass-through options as the policy's, as child
-    processes of the driver), and a `glue.judge.Judge` reaching them through an `EngineClient`."""
+    processes of the driver), and a `glue.rewards.judge.Judge` reaching them through an `EngineClient`."""
     from transformers import AutoTokenizer
-
-    from glue.engine_client import EngineClient
-    from glue.fleet import RolloutFleet
-    from glue.judge import Judge, load_parser, save_tiny_judge_model
 
     j = cfg.judge
     parser = load_parser(j.parser)  # a typo fails here, before any engine starts
@@ -87,8 +86,6 @@ def judge_engine_args(policy_args: list[str]) -> list[str]:
 
 
 def start_scalar_rm(cfg: SluiceConfig, run_dir: Path, stack: contextlib.ExitStack, loop, clock):
-    from glue.scalar_rm import ScalarRewardModel, save_tiny_reward_model
-
     r = cfg.reward_model
     path = checkpoint_dir(r.model, run_dir / "reward_model", save_tiny_reward_model)
     rm = ScalarRewardModel(path=path, batch_size=r.batch_size, max_length=r.max_length, timeout_s=r.timeout_s,

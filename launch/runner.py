@@ -14,12 +14,27 @@ import sys
 import threading
 from pathlib import Path
 
+from glue.fleet.watch import FleetWatch, engine_repair
+from glue.loop.batch import build_train_batch, distillation_batch_builder
+from glue.loop.buffer import RolloutBuffer
+from glue.loop.checkpoint import Checkpoints
+from glue.loop.controller import LoopHooks, LoopParts, no_evaluation, run_loop, sync_weights
+from glue.loop.evaluation import Evaluator
+from glue.loop.replay import NoFleet, ReplayStream, SavingStream, check_replay_source
+from glue.loop.staleness import StalenessGate
+from glue.loop.stream import RolloutStream
+from glue.metrics.logger import learning_summary, open_run_logger, read_metrics, run_info
+from glue.rewards.models import reward_model_metrics
+from glue.rollout.manager import build_task
+from launch.cluster import describe_placement, start_cluster
 from launch.components import make_phases, start_components
-from launch.config import ConfigError, SluiceConfig, write_resolved
+from launch.config import ConfigError, SluiceConfig, to_dict, write_resolved
 from launch.plan import RunPlan, resolve
 from launch.preflight import preflight
+from launch.run_dir import export_final_policy, find_checkpoint, plot_run, prepare_model
 from launch.startup import StartupClock
 from launch.stopping import StopSignals
+from launch.tasks import eval_task, task_args_for, task_metrics
 
 
 def run(cfg: SluiceConfig) -> Path:
@@ -27,10 +42,8 @@ def run(cfg: SluiceConfig) -> Path:
     cfg, plan = resolve(cfg)
     if plan.notes:
         raise ConfigError("this build cannot run the plan: " + "; ".join(plan.notes))
-    if cfg.run.mode == "sft":  # supervised fine-tuning: the trainer alone, on chat data (launch.sft)
-        from launch.sft import run_sft
-
-        return run_sft(cfg, plan)
+    if cfg.run.mode == "sft":
+        raise ConfigError("run.mode sft runs through `sluice` (launch.cli.start) or launch.sft.run_sft, not the RL runner")
     preflight(cfg, plan)
     run_dir = cfg.run_dir
     check_replay(cfg)
@@ -39,7 +52,7 @@ def run(cfg: SluiceConfig) -> Path:
     model_path = prepare_model(cfg, run_dir)
     clock("model", f"{model_path}" + (" (a tiny random model)" if cfg.model.path is None else ""))
     with contextlib.ExitStack() as stack:
-        placement = start_ray(cfg, plan, stack)
+        placement = start_cluster(cfg, plan, stack)
         clock("ray", f"placement: {describe_placement(plan, placement)}")
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
@@ -67,9 +80,6 @@ def run(cfg: SluiceConfig) -> Path:
             raise
         finally:
             stop.stopping = True
-    from glue.checkpoint import Checkpoints
-    from glue.metrics import learning_summary, read_metrics
-
     latest = Checkpoints(run_dir / "checkpoints").latest()
     summary = f"{learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; metrics in {run_dir / 'metrics.jsonl'}"
     summary += plot_run(run_dir)
@@ -83,23 +93,6 @@ def run(cfg: SluiceConfig) -> Path:
     final = f"; final policy in {run_dir / 'hf'}" if latest is not None else ""  # rollout_only: no trainer
     print(f"sluice: run finished; {summary}{final}", flush=True)
     return run_dir
-
-
-def export_final_policy(checkpoint: Path, out: Path) -> None:
-    """`checkpoint`'s weights as an HF directory at `out` (launch.export_hf, in a process of its own: it starts a
-    gloo group of one, which the driver must not hold). Checkpoints from before dist/ carry hf/ already."""
-    import subprocess
-
-    shutil.rmtree(out, ignore_errors=True)
-    if (checkpoint / "hf").is_dir():
-        shutil.copytree(checkpoint / "hf", out)
-        return
-    done = subprocess.run([sys.executable, "-m", "launch.export_hf", str(checkpoint), str(out)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"exporting {checkpoint} to {out} failed (exit {done.returncode}): "
-                           f"{done.stderr.strip().splitlines()[-1:] or done.stdout[-500:]}; run "
-                           f"`sluice export-hf {checkpoint} {out}` to retry")
 
 
 def what_runs(cfg: SluiceConfig) -> str:
@@ -117,8 +110,6 @@ def check_replay(cfg: SluiceConfig) -> None:
     starts) and is another folder than its own."""
     if cfg.run.debug != "train_only":
         return
-    from glue.replay import check_replay_source
-
     if Path(cfg.run.replay_from).resolve() == cfg.run_dir.resolve():
         raise ConfigError(f"run.replay_from={cfg.run.replay_from!r} is this run's own folder; give the replay another "
                           "run.name=...")
@@ -128,62 +119,9 @@ def check_replay(cfg: SluiceConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-def plot_run(run_dir: Path) -> str:
-    """Write the run's plots (glue.plots) and say where; a plot that fails costs one warning line, never the run."""
-    try:
-        from glue.plots import write_plots
-
-        written = write_plots(run_dir)
-    except Exception as err:  # plots are a view of metrics.jsonl, which is complete whatever happens here
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(f"sluice: warning: plots not written ({type(err).__name__}: {reason}); try `sluice plot {run_dir}`",
-              flush=True)
-        return ""
-    return f"; {len(written)} plots in {run_dir / 'plots'}" if written else ""
-
-
-def find_checkpoint(cfg: SluiceConfig) -> Path | None:
-    """The checkpoint this run continues from (`run.resume`: auto = the run folder's latest, never, or a path), or
-    None for a fresh start. A folder holding a previous run with nothing to continue is refused unless
-    `run.overwrite`; nothing in it is touched here."""
-    from glue.checkpoint import Checkpoints
-
-    resume = cfg.run.resume
-    if resume not in ("auto", "never"):
-        try:
-            check_resume_kind(Checkpoints.read_state(resume), resume, cfg.run.mode)
-        except FileNotFoundError as err:
-            raise ConfigError(f"run.resume={resume!r}: {err}") from None
-        return Path(resume).resolve()
-    if cfg.run.overwrite:
-        return None
-    latest = Checkpoints(cfg.run_dir / "checkpoints").latest() if resume == "auto" else None
-    if latest is not None and cfg.run.debug != "off":
-        raise ConfigError(f"{cfg.run_dir} holds checkpoint {latest.name}, but a run.debug={cfg.run.debug} run does "
-                          "not resume; start it under another run.name=..., or set run.overwrite=true")
-    if latest is not None:
-        check_resume_kind(Checkpoints.read_state(latest), latest, cfg.run.mode)
-        return latest
-    check_run_dir(cfg)
-    return None
-
-
-def check_resume_kind(state: dict, checkpoint, mode: str) -> None:
-    """An RL run resumes an RL run's checkpoint and an SFT run an SFT one (launch.sft); an RL run starts from an SFT
-    run's policy through model.path instead (its exported hf/)."""
-    if (state.get("mode") == "sft") != (mode == "sft"):
-        what = "an SFT run's" if state.get("mode") == "sft" else "an RL run's"
-        raise ConfigError(f"{checkpoint} is {what} checkpoint and this is a run.mode={mode} run, which resumes only "
-                          f"its own kind; to start from its policy, export it (sluice export-hf {checkpoint} OUT) and "
-                          "set model.path=OUT, under another run.name=...")
-
-
 def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colocation) -> dict | None:
     """After start-up: load `checkpoint` into the trainer, bring the engines to its weights and cut metrics.jsonl
     back to its step (returns its driver state); or, starting fresh, clear what a previous run left."""
-    from glue.checkpoint import Checkpoints
-    from glue.controller import sync_weights
-
     run_dir, metrics = cfg.run_dir, cfg.run_dir / "metrics.jsonl"
     if checkpoint is None:
         metrics.unlink(missing_ok=True)
@@ -207,18 +145,6 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
 async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, watch,
                        stop=lambda: False, resume_state: dict | None = None, evaluator=None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
-    from glue.batch import build_train_batch
-    from glue.buffer import RolloutBuffer
-    from glue.checkpoint import Checkpoints
-    from glue.controller import no_evaluation, run_loop
-    from glue.metrics import open_run_logger, run_info
-    from glue.replay import ReplayStream, SavingStream
-    from glue.reward_models import reward_model_metrics
-    from glue.staleness import StalenessGate
-    from glue.teacher import distillation_batch_builder
-    from launch.config import to_dict
-    from glue.stream import RolloutStream
-
     groups_per_step = cfg.rollout.prompts_per_step
     gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=cfg.sync.max_staleness,
                          interval=cfg.sync.interval, admission=cfg.sync.admission)
@@ -251,60 +177,31 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
                              stale=f"{record['staleness/max']:.0f}")
 
-    training = asyncio.ensure_future(run_loop(
-        num_steps=cfg.run.num_steps, stream=stream, trainer=trainer, fleet=watch, phases=colocation,
-        loss_cfg=cfg.loss, logger=logger, pause_mode=cfg.sync.pause_mode,
-        on_step=on_step, stop=stop, first_step=first_step,
-        checkpoints=Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                                interval=cfg.run.save_interval) if debug != "rollout_only" else None,
+    hooks = LoopHooks(
+        on_step=on_step, stop=stop,
         # rollout_only: nothing to move, the engines keep the weights they started with
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
         extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None)),
                                **reward_model_metrics(manager)},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
-        build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch))
+        build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch)
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
+                              interval=cfg.run.save_interval) if debug != "rollout_only" else None
+    parts = LoopParts(stream=stream, trainer=trainer, fleet=watch, phases=colocation, logger=logger,
+                      checkpoints=checkpoints, hooks=hooks)
+    training = asyncio.ensure_future(run_loop(parts, num_steps=cfg.run.num_steps, loss_cfg=cfg.loss,
+                                              pause_mode=cfg.sync.pause_mode, first_step=first_step))
     try:
         return await watch.run(training)
     finally:
         logger.close()
 
 
-def task_metrics(task) -> dict[str, float]:
-    """What a task counts itself: `rollout/filtered_prompts` (e.g. TextDataTask's rows over max_prompt_tokens)."""
-    count = getattr(task, "filtered_prompts", None)
-    return {"rollout/filtered_prompts": float(count)} if isinstance(count, (int, float)) else {}
-
-
-def task_args_for(task_path: str, task_args: dict, model_path: str) -> dict:
-    """`task_args`, with `tokenizer: <model_path>` added when the task is a class whose constructor takes a
-    tokenizer and none was given: a text task reads the policy's own tokenizer and chat template by default."""
-    import inspect
-
-    from glue.plugins import load_object
-
-    task = load_object(task_path, what="task")
-    if "tokenizer" in task_args or not inspect.isclass(task):
-        return dict(task_args)
-    takes_tokenizer = "tokenizer" in inspect.signature(task).parameters
-    return {**task_args, "tokenizer": model_path} if takes_tokenizer else dict(task_args)
-
-
-def eval_task(cfg: SluiceConfig) -> tuple[str, dict]:
-    """The eval task's import path and arguments: `eval.task` with `eval.task_args`, or with no `eval.task` the
-    training task with `rollout.task_args` updated by `eval.task_args` (e.g. another data file)."""
-    if cfg.eval.task is None:
-        return cfg.rollout.task, {**cfg.rollout.task_args, **cfg.eval.task_args}
-    return cfg.eval.task, dict(cfg.eval.task_args)
-
-
 def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
-    """The held-out evaluation (glue.evaluation) the loop runs every `eval.interval` steps, or None when off."""
+    """The held-out evaluation (glue.loop.evaluation) the loop runs every `eval.interval` steps, or None when off."""
     if not cfg.eval.enabled:
         return None
-    from glue.evaluation import Evaluator
-    from glue.rollout import build_task
-
     path, args = eval_task(cfg)
     e = cfg.eval
     return Evaluator(fn=fn, task=build_task(path, task_args_for(path, args, model_path)), client=client,
@@ -315,12 +212,9 @@ def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
 
 
 def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
-    """The watch that keeps engines serving (glue.fleet_watch): a dead or hung engine is replaced and brought to
+    """The watch that keeps engines serving (glue.fleet.watch): a dead or hung engine is replaced and brought to
     the current weights before the router sends it work. Colocated placement ends the run instead (a new engine
     there would have to take its devices back from the trainer mid-step)."""
-    from glue.fleet_watch import FleetWatch, engine_repair
-    from glue.replay import NoFleet
-
     if fleet is None:  # run.debug train_only
         return NoFleet()
     r = cfg.rollout
@@ -337,57 +231,3 @@ def _progress_bar(cfg: SluiceConfig):
 
     return tqdm(total=cfg.run.num_steps, desc=f"sluice {cfg.run.name} ({cfg.run.mode})", unit="step",
                 file=sys.stdout, dynamic_ncols=True)
-
-
-def check_run_dir(cfg: SluiceConfig) -> None:
-    """A folder that holds a previous run is refused unless `run.overwrite`; nothing in it is touched here."""
-    run_dir = cfg.run_dir
-    metrics = run_dir / "metrics.jsonl"
-    if cfg.run.overwrite or not (metrics.exists() or (run_dir / "config.yaml").exists()):
-        return
-    steps = sum(1 for line in metrics.open() if line.strip()) if metrics.exists() else 0
-    raise ConfigError(f"{run_dir} holds a previous run ({steps} steps in metrics.jsonl); start this one under "
-                      "another run.name=..., or set run.overwrite=true to replace it (its files are replaced only "
-                      "once the new run has started)")
-
-
-def prepare_model(cfg: SluiceConfig, run_dir: Path) -> str:
-    """The HF checkpoint directory engines and trainer load, as an absolute path (engines and trainer ranks may run
-    in other folders, or on other nodes that mount the same file system): the configured one, or a tiny random
-    model written into the run directory."""
-    if cfg.model.path is not None:  # checked by launch.preflight
-        return str(Path(cfg.model.path).resolve())
-    from dataclasses import asdict
-
-    from transformers.utils import logging as hf_logging
-
-    from glue.embedded_engine.tiny_model import save_tiny_model
-    from glue.tiny_text_model import save_tiny_text_model
-
-    tiny = asdict(cfg.model.tiny)
-    save = save_tiny_text_model if tiny.pop("tokenizer") else save_tiny_model
-    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, for a few kilobytes
-    return str(Path(save(str(run_dir / "init_model"), **tiny)).resolve())
-
-
-def start_ray(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
-    """Start or attach to Ray and reserve the plan's placement group (a launch.cluster.Placement)."""
-    from launch import cluster
-
-    cluster.start_ray(address=cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus, node_ip=cfg.cluster.node_ip,
-                      stack=stack)
-    if cfg.run.ray_address is not None and cfg.cluster.num_nodes > 1:
-        nodes = cluster.wait_for_nodes(cfg.cluster.num_nodes, cfg.cluster.node_wait_s)
-        print(f"sluice: {len(nodes)}/{cfg.cluster.num_nodes} nodes joined: {', '.join(nodes)}", flush=True)
-    return cluster.reserve(plan, stack)
-
-
-def describe_placement(plan: RunPlan, placement) -> str:
-    """Which engines and trainer ranks landed on which node, e.g. `10.0.0.1: engine 0, engine 1; 10.0.0.2: trainer
-    rank 0`."""
-    by_node: dict[str, list[str]] = {}
-    for e in plan.engines:
-        by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"engine {e.index}")
-    for r in plan.trainer:
-        by_node.setdefault(placement.node_ip[r.bundle], []).append(f"trainer rank {r.rank}")
-    return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())

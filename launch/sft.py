@@ -9,18 +9,24 @@ import shutil
 import sys
 from pathlib import Path
 
-from launch.config import ConfigError, SluiceConfig, write_resolved
+from glue.loop.checkpoint import Checkpoints
+from glue.metrics.logger import open_run_logger, read_metrics, run_info
+from glue.sft.data import ConversationStream, load_samples, write_example_chats
+from glue.sft.loop import loss_summary, run_sft_loop
+from glue.trainer.group import TrainerGroup
+from launch.cluster import check_paths, start_cluster
+from launch.components import trainer_actor_options
+from launch.config import ConfigError, SluiceConfig, to_dict, write_resolved
+from launch.model_check import has_tokenizer
 from launch.plan import RunPlan
+from launch.preflight import preflight
+from launch.run_dir import export_final_policy, find_checkpoint, plot_run, prepare_model
 from launch.startup import StartupClock
 from launch.stopping import StopSignals
 
 
 def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
     """Run the resolved SFT config `cfg` to completion (or a requested stop); returns the run directory."""
-    from glue.checkpoint import Checkpoints
-    from launch.preflight import preflight
-    from launch.runner import export_final_policy, find_checkpoint, plot_run, prepare_model, start_ray
-
     preflight(cfg, plan)
     check_sft_files(cfg)
     run_dir = cfg.run_dir
@@ -33,7 +39,7 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
                   f"{summary['trained_tokens']} of them assistant tokens (trained), "
                   f"{summary['cut_frac']:.0%} cut at sft.max_seq_len={cfg.sft.max_seq_len}")
     with contextlib.ExitStack() as stack:
-        placement = start_ray(cfg, plan, stack)
+        placement = start_cluster(cfg, plan, stack)
         clock("ray", f"placement: {len(plan.trainer)} trainer bundles")
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         trainer = start_sft_trainer(cfg, plan, placement, model_path, stack, clock)
@@ -46,8 +52,6 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
             last_step = train(cfg, samples, trainer, first_step=first_step, cursor=cursor, stop=stop, stack=stack)
         finally:
             stop.stopping = True
-    from glue.metrics import read_metrics
-    from glue.sft.loop import loss_summary
 
     latest = Checkpoints(run_dir / "checkpoints").latest()
     done = f"{loss_summary(read_metrics(run_dir / 'metrics.jsonl'))}; metrics in {run_dir / 'metrics.jsonl'}"
@@ -65,8 +69,6 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
 def check_sft_files(cfg: SluiceConfig) -> str:
     """Before anything starts (and in a dry run): the chat data is there (or will be written), and model.path has a
     tokenizer; returns the line a dry run prints."""
-    from launch.model_check import has_tokenizer
-
     if not Path(cfg.sft.data).is_file() and cfg.sft.example_rows == 0:
         raise ConfigError(f"sft.data={cfg.sft.data!r} does not exist; point it at a JSONL file of "
                           "{\"messages\": [...]} rows, or set sft.example_rows to write generated chats there")
@@ -81,8 +83,6 @@ def load_data(cfg: SluiceConfig, model_path: str) -> tuple[list, dict]:
     """The run's conversations as Samples (glue.sft.data), writing the example chats first if asked and absent. A
     bad row is a ConfigError naming its line."""
     from transformers import AutoTokenizer
-
-    from glue.sft.data import load_samples, write_example_chats
 
     s = cfg.sft
     if not Path(s.data).is_file() and s.example_rows > 0:
@@ -99,10 +99,6 @@ def load_data(cfg: SluiceConfig, model_path: str) -> tuple[list, dict]:
 def start_sft_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, stack: contextlib.ExitStack,
                       clock):
     """The RL run's TrainerGroup, built with the SFT loss (loss.SftLossConfig) instead of the `loss:` section."""
-    from glue.trainer.group import TrainerGroup
-    from launch.cluster import check_paths
-    from launch.components import trainer_actor_options
-
     check_paths(placement, {"the model directory": model_path})
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.sft.loss_config(),
                            actor_options=trainer_actor_options(cfg, plan, placement))
@@ -118,15 +114,13 @@ def start_sft_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: s
 def restore_sft(cfg: SluiceConfig, checkpoint: Path | None, trainer) -> tuple[int, int]:
     """(first step, data cursor): from `checkpoint` (an SFT run's: its weights, optimizer and data cursor, with
     metrics.jsonl cut back to its step), or (1, 0) on a fresh start, clearing what a previous run left."""
-    from glue.checkpoint import Checkpoints
-
     run_dir, metrics = cfg.run_dir, cfg.run_dir / "metrics.jsonl"
     if checkpoint is None:
         metrics.unlink(missing_ok=True)
         if cfg.run.overwrite:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return 1, 0
-    state = Checkpoints.read_state(checkpoint)  # an SFT run's (launch.runner.find_checkpoint checked)
+    state = Checkpoints.read_state(checkpoint)  # an SFT run's (launch.run_dir.find_checkpoint checked)
     version = trainer.load_checkpoint(str(checkpoint))
     kept = [line for line in (metrics.read_text().splitlines() if metrics.exists() else [])
             if line.strip() and json.loads(line).get("step", 0) <= state["step"]]
@@ -140,12 +134,6 @@ def train(cfg: SluiceConfig, samples: list, trainer, *, first_step: int, cursor:
           stack: contextlib.ExitStack) -> int:
     """The SFT loop with the run's loggers, checkpoints and progress bar."""
     from tqdm import tqdm
-
-    from glue.checkpoint import Checkpoints
-    from glue.metrics import open_run_logger, run_info
-    from glue.sft.data import ConversationStream
-    from glue.sft.loop import run_sft_loop
-    from launch.config import to_dict
 
     run_dir = cfg.run_dir
     resume_step = None if first_step == 1 else first_step - 1

@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glue.embedded_engine.__main__ import parse_args
+from glue.plugins import load_object
+from launch.options import to_argv
+from launch.sglang_args import sglang_options
+from rollout_fns.arith_data import arith_rows
+
 STEPS = 2  # train steps of a rehearsal: the first one starts everything, the second one follows a weight sync
 MAX_TRAINER_RANKS = 2  # trainer world size on 2 cores (each rank is a process with its own model copy)
 MAX_PARALLEL = 2  # any one parallel dimension (TP, PP, EP, ETP, DP, engine TP / EP)
@@ -238,8 +244,6 @@ def _shrink_reward_models(edit: _Editor) -> None:
 
 def needs_tokenizer(task_path: str) -> bool:
     """Whether the task class takes a tokenizer (a text task reads the policy's own)."""
-    from glue.plugins import load_object
-
     if not task_path:
         return False
     task = load_object(task_path, what="task")
@@ -249,8 +253,6 @@ def needs_tokenizer(task_path: str) -> bool:
 def _shrink_data(edit: _Editor, shrunk: Shrunk, data_dir: Path) -> None:
     """Data files move under data_dir: a task that writes its own (it takes num_rows) writes it there; for any other
     a stand-in file of arithmetic questions under the recipe's prompt and label keys is written (write_data)."""
-    from glue.plugins import load_object
-
     task_path = edit.get("rollout.task", "")
     writes_own = False
     if task_path:
@@ -361,10 +363,6 @@ def embedded_engine_refuses(key: str, value: Any, *, strict: bool) -> str | None
     import contextlib
     import io
 
-    from glue.embedded_engine.__main__ import parse_args
-    from launch.options import to_argv
-    from launch.sglang_args import sglang_options
-
     argv = ["--model-path", "unused", *(["--sglang-strict"] if strict else []),
             *to_argv({key: value}, sglang_options())]
     err = io.StringIO()
@@ -389,8 +387,6 @@ def _leaves(raw: Any, prefix: str = "") -> dict[str, Any]:
 def write_data(shrunk: Shrunk, rows: int = 64) -> None:
     """The stand-in data files: `rows` arithmetic questions (operands 0..2, as examples/configs/text_arith.yaml) under
     each file's prompt and label keys."""
-    from rollout_fns.arith_data import arith_rows
-
     for path, (prompt_key, label_key) in shrunk.data_files.items():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""The teacher of on-policy distillation (`teacher:` section, glue.teacher), brought up beside the policy's fleet:
+"""The teacher of on-policy distillation (`teacher:` section, glue.rewards.teacher), brought up beside the policy's fleet:
 its checkpoint (a directory, or written by `teacher.build`), its own engines behind its own sgl-router (the policy's
 engine program and pass-through flags, fresh keys, no weight bridge: its weights never change), and the rollout
 manager wrapped so the teacher scores every finished group. Stopped with the run's ExitStack."""
@@ -8,6 +8,9 @@ import contextlib
 import secrets
 from pathlib import Path
 
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import RolloutFleet
+from glue.rewards.teacher import TeacherScorer, TeacherScoringManager, build_teacher_model, load_build_hook
 from launch.config import ConfigError, SluiceConfig
 from launch.plan import RunPlan
 
@@ -23,8 +26,6 @@ def check_teacher(cfg: SluiceConfig) -> str:
     t = cfg.teacher
     if t.build is not None:
         try:
-            from glue.teacher import load_build_hook
-
             load_build_hook(t.build)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
@@ -45,8 +46,6 @@ def check_teacher(cfg: SluiceConfig) -> str:
 def teacher_model(cfg: SluiceConfig, policy_dir: str, run_dir: Path) -> str:
     """The teacher's checkpoint directory (absolute): `teacher.path`, or what `teacher.build` writes into
     <run dir>/teacher_model."""
-    from glue.teacher import build_teacher_model
-
     t = cfg.teacher
     if t.path is not None:
         if not (Path(t.path) / "config.json").is_file():
@@ -57,11 +56,7 @@ def teacher_model(cfg: SluiceConfig, policy_dir: str, run_dir: Path) -> str:
 
 def start_teacher(cfg: SluiceConfig, plan: RunPlan, manager, policy_dir: str, run_dir: Path,
                   stack: contextlib.ExitStack, loop, clock=lambda phase, detail: None):
-    """Start the teacher's fleet and return `manager` wrapped in a `glue.teacher.TeacherScoringManager`."""
-    from glue.engine_client import EngineClient
-    from glue.fleet import RolloutFleet
-    from glue.teacher import TeacherScorer, TeacherScoringManager
-
+    """Start the teacher's fleet and return `manager` wrapped in a `glue.rewards.teacher.TeacherScoringManager`."""
     model = teacher_model(cfg, policy_dir, run_dir)
     api_key, admin_api_key = secrets.token_hex(24), secrets.token_hex(24)
     engine_args = [a for a in plan.engine_args if a not in POLICY_ONLY_FLAGS]

@@ -138,8 +138,9 @@ def ewma_proximal_logprobs(*, state: torch.Tensor, logprobs: torch.Tensor, beta:
 
         log pi_prox <- beta * log pi_prox + (1 - beta) * sg(log pi_theta)
 
-    per token, in log space as seed 001's revised PPO-EWMA (its "log-linear" proxy: a geometric mixture of the
-    policies; Hilton et al. 2022 average the weights instead, which needs a second model). The state of a sample
+    per token, in log space as the revised PPO-EWMA of the Missing-Old-Logits write-up (docs/algorithms.md [W1]; its
+    "log-linear" proxy: a geometric mixture of the policies; Hilton et al. 2022 average the weights instead, which
+    needs a second model). The state of a sample
     starts at its rollout logprobs (the behaviour policy: each token under the version that generated it) and takes
     one update each time a trainer policy evaluates the sample, i.e. once per optimizer step that trains it
     (`trainer.num_epochs` per train_step). After evaluations l_1..l_n of rollout logprobs r:
@@ -182,8 +183,8 @@ CLIP_REFERENCES: dict[str, str] = {
                 "(trainer.old_logprobs: recompute gives them as old_logprobs; with snapshot they come as "
                 "proximal_logprobs), and the importance weight pi_prox / pi_behaviour goes to the correction",
     "behaviour": "coupled PPO against the behaviour policy: with trainer.old_logprobs: snapshot the clip's ratio is "
-                 "pi_theta / pi_snapshot, the exact (stale) version that generated each token (seed 001's two-factor "
-                 "form; preset coupled_snapshot)",
+                 "pi_theta / pi_snapshot, the exact (stale) version that generated each token (the two-factor form "
+                 "of the Missing-Old-Logits write-up; preset coupled_snapshot)",
 }
 
 

@@ -1,6 +1,6 @@
 """On-policy distillation's per-token signal: the reverse KL from the student to a teacher, estimated on the student's
 own sampled tokens, turned into a per-token advantage that the policy loss then trains with its usual clip and
-off-policy corrections. The driver calls `distillation_advantages` once per step (glue.teacher). Imports only torch.
+off-policy corrections. The driver calls `distillation_advantages` once per step (glue.rewards.teacher). Imports only torch.
 
 For a sampled token y_t, k_t = log pi_student(y_t) - log pi_teacher(y_t) is the single-sample estimate of the
 per-token reverse KL, KL(pi_student || pi_teacher) = E_{y ~ pi_student}[k]. Its policy gradient is that of the

@@ -21,13 +21,14 @@ class SftLossConfig:
     aggregation: str = "token_mean"  # token_mean: every trained token weighs the same; seq_mean_token_mean: every conversation weighs the same
 
     # What the trainer (glue.trainer.worker) asks of any loss config: SFT trains on the data's tokens, so it needs
-    # no old, proximal, reference or EWMA logprobs and adds no entropy or KL term.
+    # no old, proximal, reference or EWMA logprobs, adds no entropy or KL term and has no critic.
     needs_old_logprobs: ClassVar[bool] = False
     needs_proximal_logprobs: ClassVar[bool] = False
     old_logprobs_from: ClassVar[str] = "data"
     entropy_coef: ClassVar[float] = 0.0
     kl_loss_coef: ClassVar[float] = 0.0
     kl_reward_coef: ClassVar[float] = 0.0
+    uses_critic: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.aggregation not in SFT_AGGREGATIONS:

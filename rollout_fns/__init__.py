@@ -3,16 +3,16 @@ import path from the config (`rollout.function`, `rollout.task`) and never impor
 
 The contract (checked at start-up by `glue.plugins.check_signature`)::
 
-    async def my_rollout(ctx: glue.rollout.RolloutContext, prompt: dict, num_samples: int) -> list[glue.types.Sample]
+    async def my_rollout(ctx: glue.rollout.manager.RolloutContext, prompt: dict, num_samples: int) -> list[glue.types.Sample]
 
 - `ctx.client.generate(input_ids, sampling_params, return_logprob=True)` posts SGLang's /generate through the
   router and returns its JSON (`output_ids`, `meta_info.output_token_logprobs`, `meta_info.finish_reason`,
   `meta_info.weight_version`). `ctx.sampling_params` is the run's SGLang sampling_params (a private copy),
   `ctx.reward_fn(sample)` is the task's reward (float or a dict with a "score" key; may be async; a plain one is
   run on a thread by `score`, so it must be thread-safe), and `ctx.group_id` is the group being generated.
-- Return exactly `num_samples` Samples. Fill each with `glue.rollout.append_generation(sample, output)` (response
+- Return exactly `num_samples` Samples. Fill each with `glue.rollout.manager.append_generation(sample, output)` (response
   tokens, rollout logprobs, per-token weight versions, status from finish_reason) or `Sample.append_response`
-  for tool / environment tokens (`trainable=False`), then set the reward (`await glue.rollout.score(ctx, sample)`).
+  for tool / environment tokens (`trainable=False`), then set the reward (`await glue.rollout.manager.score(ctx, sample)`).
   Rewards are computed here, in the rollout path, never in the trainer. A sample that could not be scored gets
   `status=SampleStatus.FAILED` rather than being dropped; the manager rejects a non-finite reward.
 - MoE routing replay (R3, `rollout.return_routed_experts`): `ctx.routed_experts` is the model's routing layout

@@ -1,5 +1,5 @@
 """Parsers for LLM-judge answers (`judge.parser`): the judge's decoded answer in, a score out; ValueError when the
-answer holds none (glue.judge counts it in reward/judge_parse_failures and applies judge.on_failure)."""
+answer holds none (glue.rewards.judge counts it in reward/judge_parse_failures and applies judge.on_failure)."""
 from __future__ import annotations
 
 import re

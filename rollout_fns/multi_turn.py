@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol
 
 from glue.plugins import load_object
-from glue.rollout import RolloutContext, append_generation, score
-from glue.routed_experts import fill_unrun_positions
+from glue.rollout.manager import RolloutContext, append_generation, score
+from glue.rollout.routed_experts import fill_unrun_positions
 from glue.types import Sample, SampleStatus
 from rollout_fns.envs import Action, Environment, StepResult, as_step_result
 from rollout_fns.text_data import TextDataTask

@@ -1,6 +1,6 @@
 """The rollout function for agents written with the `openai` package: each of `num_samples` runs of the prompt's
 agent gets an `openai.AsyncOpenAI` on the fleet (router url + /v1); its recorded chat completions become one sample
-per policy-visible trajectory (`glue.openai_agent.trajectory_samples`), every one scored with the run's reward.
+per policy-visible trajectory (`glue.rollout.openai_agent.trajectory_samples`), every one scored with the run's reward.
 
 The agent is named by import path in the prompt, `prompt["agent"] = "pkg.module:agent"`, with the signature
 
@@ -19,9 +19,9 @@ import functools
 import math
 from typing import Any, Callable
 
-from glue.openai_agent import ChatRecorder, trajectory_samples
+from glue.rollout.openai_agent import ChatRecorder, trajectory_samples
 from glue.plugins import check_signature, load_object
-from glue.rollout import RolloutContext
+from glue.rollout.manager import RolloutContext
 from glue.types import Sample, SampleStatus
 
 AGENT_PARAMS = ["client", "prompt"]
@@ -99,7 +99,7 @@ def chat_endpoint(client: Any) -> tuple[str, str | None]:
     """The OpenAI base URL of the fleet behind `client` (an `EngineClient`), and its api key."""
     router_url = getattr(client, "router_url", None)
     if not isinstance(router_url, str):
-        raise TypeError(f"openai_agent needs ctx.client to be a glue.engine_client.EngineClient (it reads the "
+        raise TypeError(f"openai_agent needs ctx.client to be a glue.fleet.engine_client.EngineClient (it reads the "
                         f"router url from it), got {type(client).__name__}")
     return f"{router_url.rstrip('/')}/v1", getattr(client, "api_key", None)
 

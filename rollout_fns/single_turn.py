@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from glue.rollout import RolloutContext, append_generation, score
+from glue.rollout.manager import RolloutContext, append_generation, score
 from glue.types import Sample, SampleStatus
 
 

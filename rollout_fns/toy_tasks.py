@@ -56,7 +56,7 @@ class EchoTask:
 class SlowToolEchoTask(EchoTask):
     """EchoTask whose reward waits on a simulated tool or environment: each call sleeps a random time in
     [min_latency_s, max_latency_s] before scoring, as an agent task waits on a sandbox or an API. Rollout time is
-    then dominated by waiting, not by the engines (seed 000's setting, where async training pays off)."""
+    then dominated by waiting, not by the engines (the async-RL diary of Qwen3.5 / GLM-5's setting, where async training pays off)."""
 
     def __init__(self, *, min_latency_s: float = 0.2, max_latency_s: float = 1.0, latency_seed: int = 0, **echo_args):
         super().__init__(**echo_args)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from glue.isolated import DeadlineExceeded, IsolatedPool
+from glue.rewards.isolated import DeadlineExceeded, IsolatedPool
 from glue.types import Sample
 
 BOXED = "\\boxed{"
@@ -37,7 +37,7 @@ def math_reward(response_text: str, label: Any, sample: Sample | None = None, *,
     require_boxed: only an answer inside `\\boxed{}` counts (otherwise the last number or expression does).
     format_penalty: subtracted when the response has no complete `\\boxed{...}` ("format_ok" is 0).
     timeout_s: Math-Verify's limit per parse and per comparison. The judgement then runs in a worker process
-    (`glue.isolated`), where Math-Verify's own SIGALRM limits work on any calling thread, and the worker is killed
+    (`glue.rewards.isolated`), where Math-Verify's own SIGALRM limits work on any calling thread, and the worker is killed
     when the whole judgement passes `JUDGE_DEADLINE_FACTOR` x timeout_s: some answers (towers of powers) keep sympy
     inside one C call that no signal interrupts, holding the GIL of whatever process runs it. Such an answer scores
     0 with "timed_out" 1. None: judged in this process with no limit at all.

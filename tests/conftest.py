@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF models on disk and embedded engine processes (started and stopped by pid)."""
+"""Shared fixtures: tiny HF models on disk, SGLang's source folder and embedded engine processes (started and
+stopped by pid). Helpers that test modules share live in tests/helpers (`from helpers.engines import call`)."""
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,7 @@ def tiny_moe_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def text_model_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2 with a real tokenizer (byte-level BPE trained here, ChatML chat template, vocab 512)."""
-    from glue.tiny_text_model import save_tiny_text_model
+    from glue.embedded_engine.tiny_text_model import save_tiny_text_model
 
     return save_tiny_text_model(tmp_path_factory.mktemp("tiny_text"), seed=0)
 
@@ -47,6 +48,37 @@ def tokenizer(text_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(text_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2 with non-zero qkv biases (HF initialises them to 0, which would hide a bias layout mistake)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    raw = save_tiny_model(str(tmp_path_factory.mktemp("raw")), family="qwen2", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    path = str(tmp_path_factory.mktemp("qwen2_bias"))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sglang_srt() -> Path:
+    """SGLang's `srt` source folder, found without importing sglang; skips when sglang is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed (`pip install --no-deps sglang` provides the source these tests read)")
+    return Path(next(iter(spec.submodule_search_locations))) / "srt"
 
 
 def free_port() -> int:

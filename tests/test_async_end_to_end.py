@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import is_alive, sluice_run
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.config import load_config
 from launch.runner import run
-from tests.test_end_to_end import live_children
+from helpers.processes import live_children
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from glue.metrics import read_metrics
-from tests.test_resume import learning_record
+from glue.metrics.logger import read_metrics
+from helpers.runs import learning_record
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, GROUPS = 5, 4

@@ -12,7 +12,7 @@ import torch
 from conftest import free_port
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_trainer_megatron import hf_teacher_forced_logprobs, make_batch, model_dir  # noqa: F401 (fixture)
+from helpers.trainer import hf_teacher_forced_logprobs, make_batch
 
 
 def _rank(rank, world, port, model_path, tp, pp, script, results):
@@ -140,7 +140,7 @@ def test_a_checkpoint_taken_at_tp2_resumes_at_tp1_with_its_adam_moments_and_cont
 
 
 def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(tmp_path):
-    from glue.checkpoint import Checkpoints
+    from glue.loop.checkpoint import Checkpoints
 
     def trainer_part(folder):
         (tmp_path / "written").write_text(folder)

@@ -15,17 +15,7 @@ import yaml
 
 from conftest import REPO_ROOT, is_alive, sluice_run
 from launch.cli import main
-
-DEMO = "examples/configs/demo.yaml"
-
-
-def one_line_error(capsys, argv: list[str]) -> str:
-    assert main(["--dry-run", "--config", DEMO, *argv]) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("sluice: config error: "), captured.err
-    assert captured.out == ""
-    return lines[0]
+from helpers.cli import DEMO, one_line_error
 
 
 def test_dry_run_refuses_a_model_path_that_does_not_exist(capsys, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.cli import main
 
 DEMO = str(Path(__file__).resolve().parents[1] / "examples/configs/demo.yaml")
@@ -97,21 +97,22 @@ def test_a_colocated_cpu_run_swaps_trainer_and_engine_memory_around_each_phase_a
 
 def test_a_resumed_colocated_run_brings_the_engines_to_the_checkpoints_weights_before_its_first_rollout(
         engine_processes, tiny_model_dir, tmp_path):
-    """Issue 26 item 1: runner.restore syncs through the colocation (glue.controller.sync_weights) before any phase
+    """Issue 26 item 1: runner.restore syncs through the colocation (glue.loop.controller.sync_weights) before any phase
     ran; the engines hold their start-up weights then, and must hold the checkpoint's, under its version, when the
     first rollout starts. The trainer here is a state dict with the checkpoint's weights (a LocalWeightSource) that
     counts its offloads; engine, bridge, client and colocation are the run's own."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from glue.colocation import Colocated
-    from glue.config import SyncConfig
-    from glue.controller import sync_weights
+    from glue.loop.colocation import Colocated
+    from glue.loop.config import SyncConfig
+    from glue.loop.controller import sync_weights
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from glue.engine_client import EngineClient
+    from glue.fleet.engine_client import EngineClient
     from weight_sync.bridge import make_bridge
+    from weight_sync.buckets import tensor_checksum
     from weight_sync.engine_calls import weight_checksums, weight_version
-    from weight_sync.source import LocalWeightSource, tensor_checksum
+    from weight_sync.sender import LocalWeightSource
 
     class CheckpointedTrainer(LocalWeightSource):
         def __init__(self, tensors, version):

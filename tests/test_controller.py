@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from glue.colocation import Disaggregated
-from glue.batch import build_train_batch, rollout_metrics
-from glue.controller import sync_weights
+from glue.loop.colocation import Disaggregated
+from glue.loop.batch import build_train_batch, rollout_metrics
+from glue.loop.controller import sync_weights
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
 
@@ -73,7 +73,7 @@ def test_a_failed_transfer_leaves_generation_paused_since_engines_may_hold_mixed
 
 
 def test_the_learning_summary_compares_the_first_and_last_five_steps():
-    from glue.metrics import learning_summary
+    from glue.metrics.logger import learning_summary
 
     records = [{"rollout/reward_mean": r} for r in [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]]
     # first five mean 0.2, last five mean 0.7
@@ -85,7 +85,7 @@ def test_pause_reaches_every_engine_at_once_not_one_after_another():
     import threading
 
     from conftest import fake_engine_server
-    from glue.engine_client import EngineClient
+    from glue.fleet.engine_client import EngineClient
 
     both_asked = threading.Barrier(2, timeout=10)
     bodies = []

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from glue.metrics import read_metrics
-from glue.replay import load_step
+from glue.metrics.logger import read_metrics
+from glue.loop.replay import load_step
 from launch.config import load_config
 from launch.runner import run
-from test_end_to_end import live_children
+from helpers.processes import live_children
 
 
 @pytest.fixture(scope="module")

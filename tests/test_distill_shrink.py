@@ -24,7 +24,7 @@ def test_the_stand_in_teacher_has_the_policys_vocabulary_and_its_own_weights(tmp
     from transformers import AutoModelForCausalLM
 
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from glue.teacher import build_teacher_model
+    from glue.rewards.teacher import build_teacher_model
 
     policy = save_tiny_model(tmp_path / "policy", vocab_size=40)
     build_teacher_model("launch.shrink:stand_in_teacher", str(tmp_path / "teacher"), policy)

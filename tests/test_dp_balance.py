@@ -104,8 +104,8 @@ def test_the_switch_takes_tokens_or_rows():
 @pytest.mark.slow
 def test_a_token_balanced_packed_dp2_step_trains_like_one_rank_and_splits_unlike_by_count(tmp_path):
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from test_trainer_packing import LOSS, real_positions, spread_batch
-    from test_trainer_megatron import run_trainer_ranks
+    from helpers.packing import LOSS, real_positions, spread_batch
+    from helpers.trainer import run_trainer_ranks
     from loss import LossConfig
 
     # the long answers first, as one prompt's group would be: by count, rank 0 would get 137 of 176 tokens

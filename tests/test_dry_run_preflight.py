@@ -145,7 +145,7 @@ def test_a_real_start_refuses_the_same_before_it_starts_anything(capsys, monkeyp
         raise AssertionError("start-up began: preflight let the problem through")
 
     monkeypatch.setattr(launch.runner, "prepare_model", started)
-    monkeypatch.setattr(launch.runner, "start_ray", started)
+    monkeypatch.setattr(launch.runner, "start_cluster", started)
     if problem == "empty weights":
         open(f"{tiny_dir}/model.safetensors", "wb").close()
     if problem == "plan-only":
@@ -218,7 +218,7 @@ def test_a_tiny_moe_built_with_other_experts_and_top_k_has_them(tmp_path, capsys
     from transformers import AutoConfig
 
     from launch.config import load_config
-    from launch.runner import prepare_model
+    from launch.run_dir import prepare_model
 
     cfg = load_config(DEMO, ["model.tiny.family=qwen3_moe", "model.tiny.num_experts=6", "model.tiny.moe_top_k=3"])
     model = prepare_model(cfg, tmp_path)

@@ -8,22 +8,23 @@ import random
 
 import pytest
 
-from glue.buffer import RolloutBuffer
-from glue.colocation import Disaggregated
-from glue.controller import run_loop
-from glue.metrics import MetricsLogger, read_metrics
-from glue.staleness import StalenessGate
-from glue.stream import RolloutFailed, RolloutStream
+from glue.loop.buffer import RolloutBuffer
+from glue.loop.colocation import Disaggregated
+from glue.loop.controller import LoopParts, run_loop
+from glue.metrics.logger import MetricsLogger, read_metrics
+from glue.loop.staleness import StalenessGate
+from glue.loop.stream import RolloutFailed, RolloutStream
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
-from test_staleness_gate import ScriptedBridge, ScriptedFleet
+from helpers.fleet import ScriptedBridge, ScriptedFleet
+from helpers.managers import NeverCheckpointed
 
 
 class Engine:
     version = 0
 
 
-class Manager:
+class Manager(NeverCheckpointed):
     """Groups of 3 samples; a group whose id `is_flat` has rewards (1, 1, 1), others (0, 1, 0.5)."""
 
     def __init__(self, engine, is_flat, seed=0):
@@ -60,8 +61,9 @@ def run(tmp_path, is_flat, *, dynamic_sampling=True, max_staleness=0, steps=5, p
                            max_groups=steps * per_step, dynamic_sampling=dynamic_sampling,
                            max_filtered_frac=max_filtered_frac)
     trainer, logger = Trainer(), MetricsLogger(tmp_path / f"m{max_staleness}{dynamic_sampling}.jsonl")
-    asyncio.run(run_loop(num_steps=steps, stream=stream, trainer=trainer, fleet=ScriptedFleet(),
-                         phases=Disaggregated(ScriptedBridge(engine)), loss_cfg=LossConfig(), logger=logger))
+    parts = LoopParts(stream=stream, trainer=trainer, fleet=ScriptedFleet(),
+                      phases=Disaggregated(ScriptedBridge(engine)), logger=logger)
+    asyncio.run(run_loop(parts, num_steps=steps, loss_cfg=LossConfig()))
     return stream, trainer, manager, read_metrics(logger.path)
 
 

@@ -6,19 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import live_processes
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.cli import parse_args
 from launch.config import ConfigError, load_config
 from launch.runner import run
+from helpers.processes import live_children
 
 REQUIRED = ["step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/clipfrac",
             "train/train_rollout_logprob_abs_diff", "time/rollout_s", "time/train_s", "time/sync_s", "weights/version"]
-
-
-def live_children(pid: int) -> list[str]:
-    """Processes (not zombies) whose parent is `pid`, as 'pid command' strings."""
-    return [f"{p} {name}" for p, (name, fields) in live_processes().items() if int(fields[1]) == pid]
 
 
 async def fails_one_group_in_eight(ctx, prompt, num_samples):

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from glue.engine_client import EngineClient
-from glue.rollout import RolloutContext
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.manager import RolloutContext
 from rollout_fns.single_turn import generate_one
-from test_embedded_engine import call, teacher_forced_logprobs
+from helpers.engines import call, teacher_forced_logprobs
 
 LOGPROB_TOLERANCE = 1e-5
 

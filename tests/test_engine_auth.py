@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from glue.embedded_engine.auth import presents_key, required_key
-from test_embedded_engine import call
+from helpers.engines import call
 from glue.embedded_engine.routes import ROUTES
 
 API_KEY, ADMIN_KEY = "-sluice-api-key-1", "-sluice-admin-key-2"  # a leading "-" once broke the command line
@@ -230,7 +230,7 @@ def test_with_only_an_admin_key_generation_is_open_and_admin_routes_need_the_adm
 # ---------------------------------------------------------------- the fleet, the router and the bridge with keys
 @pytest.fixture(scope="module")
 def keyed_fleet(tiny_model_dir, tmp_path_factory):
-    from glue.fleet import RolloutFleet
+    from glue.fleet.fleet import RolloutFleet
 
     fleet = RolloutFleet(model_path=tiny_model_dir, num_engines=2, engine_args=["--num-threads", "1"],
                          log_dir=tmp_path_factory.mktemp("keyed_fleet_logs"), engine_startup_timeout_s=120,
@@ -261,7 +261,7 @@ def test_a_keyed_fleet_starts_its_engines_locked_and_registers_them_with_the_rou
 
 
 def test_generation_through_the_router_works_with_the_api_key_and_is_refused_without(keyed_fleet):
-    from glue.engine_client import EngineClient, EngineHTTPError
+    from glue.fleet.engine_client import EngineClient, EngineHTTPError
 
     client = EngineClient(keyed_fleet.router_url, keyed_fleet.engine_urls, api_key=API_KEY, admin_api_key=ADMIN_KEY)
     outputs = generate_through(client)
@@ -294,9 +294,9 @@ def model_with_seed(tmp_path_factory, seed: int):
 
 
 def bridge_for(fleet, model, transport: str, tmp_path, **keys):
-    from glue.config import SyncConfig
+    from glue.loop.config import SyncConfig
     from weight_sync.bridge import make_bridge
-    from weight_sync.source import LocalWeightSource
+    from weight_sync.sender import LocalWeightSource
 
     source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
     cfg = SyncConfig(transport=transport, bucket_bytes=40_000, verify="full", disk_dir=str(tmp_path / "ckpt"))
@@ -306,7 +306,7 @@ def bridge_for(fleet, model, transport: str, tmp_path, **keys):
 @pytest.mark.parametrize("transport,version", [("broadcast", 21), ("ipc", 22), ("disk", 23)])
 def test_a_full_weight_sync_with_keys_set_lands_and_verifies(keyed_fleet, tmp_path_factory, tmp_path, transport,
                                                              version):
-    from glue.engine_client import EngineClient
+    from glue.fleet.engine_client import EngineClient
 
     model = model_with_seed(tmp_path_factory, version)
     bridge = bridge_for(keyed_fleet, model, transport, tmp_path, api_key=API_KEY, admin_api_key=ADMIN_KEY)
@@ -344,7 +344,7 @@ def test_a_bridge_without_the_admin_key_is_refused_by_keyed_engines_before_any_w
 
 
 def test_a_late_engine_joins_a_keyed_fleet_through_the_bridge_and_the_router(keyed_fleet, tmp_path_factory, tmp_path):
-    from glue.engine_client import EngineClient
+    from glue.fleet.engine_client import EngineClient
 
     model = model_with_seed(tmp_path_factory, 41)
     bridge = bridge_for(keyed_fleet, model, "broadcast", tmp_path, api_key=API_KEY, admin_api_key=ADMIN_KEY)

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from glue.engine_client import EngineClient
+from glue.fleet.engine_client import EngineClient
 
 
 @contextlib.contextmanager

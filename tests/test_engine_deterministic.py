@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_embedded_engine import call
+from helpers.engines import call
 
 PROMPT = [0, 5, 6, 7, 4]
 

@@ -14,11 +14,9 @@ import pytest
 
 from glue.embedded_engine.request_schema import SAMPLING_PARAMS, SAMPLING_PARAMS_NEUTRAL
 from glue.embedded_engine.routes import ROUTES, Route
+from helpers.engines import POOL
 
 JSON = "application/json"
-# One value of every JSON kind, extremes included (all within 64 bits: bigger numbers are a syntax case below).
-POOL = [True, False, 0, -1, 2**63 - 1, -(2**63), 0.5, -1e308, 1e308, "", "x" * 10_000, "\ud800", [], [1, "a", None],
-        [[[[[]]]]], {}, {"k": [1, {"k": None}]}]
 SYNTAX_CASES = {  # name -> (body bytes, Content-Type)
     "broken JSON": (b"{not json", JSON),
     "unclosed array": (b'{"a": [1, 2', JSON),

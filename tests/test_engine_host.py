@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from glue.engine_client import EngineClient
+from glue.fleet.engine_client import EngineClient
 from conftest import is_gone
-from glue.fleet import RolloutFleet
+from glue.fleet.fleet import RolloutFleet
 
 
 def parent_pid(pid: int) -> int:
@@ -84,7 +84,7 @@ def test_an_engine_that_never_answers_health_on_its_bundle_raises_timeout_with_i
 def test_killing_an_engines_host_actor_ends_the_engine(bundles, tmp_path):
     import ray
 
-    from glue.engine_host import RemoteEngine
+    from glue.fleet.engine_host import RemoteEngine
 
     engine = RemoteEngine("engine 0", command=[sys.executable, "-c", "import time; time.sleep(600)"],
                           model_path="unused", args=[], env=None, log_path=tmp_path / "e.log",

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from test_embedded_engine import call, generate
+from helpers.engines import call, generate
 
 PROMPT = [0, 5, 9, 7, 3, 11, 2]
 
@@ -75,8 +75,8 @@ def test_a_start_past_the_input_is_refused_naming_the_field(engines):
 
 
 def test_the_router_carries_logprob_start_len_to_the_engines(tiny_model_dir, tmp_path, reference_logprobs):
-    from glue.engine_client import EngineClient
-    from glue.fleet import RolloutFleet
+    from glue.fleet.engine_client import EngineClient
+    from glue.fleet.fleet import RolloutFleet
 
     with RolloutFleet(model_path=tiny_model_dir, num_engines=1, engine_args=["--num-threads", "1", "--sglang-strict"],
                       log_dir=tmp_path) as fleet:

@@ -3,7 +3,7 @@ engine goes on serving."""
 import socket
 from urllib.parse import urlparse
 
-from test_embedded_engine import call
+from helpers.engines import call
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x12\x04\x00\x00\x00\x00\x00"
 

@@ -5,10 +5,6 @@ sglang is not importable on CPU, so its files are parsed with `ast`; the test sk
 from __future__ import annotations
 
 import ast
-import importlib.util
-from pathlib import Path
-
-import pytest
 
 from glue.embedded_engine.request_schema import (
     CONTROL_REQUEST_FIELDS,
@@ -17,34 +13,7 @@ from glue.embedded_engine.request_schema import (
     SAMPLING_PARAMS,
     SAMPLING_PARAMS_NEUTRAL,
 )
-
-
-@pytest.fixture(scope="module")
-def sglang_srt() -> Path:
-    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("sglang is not installed (`pip install --no-deps sglang` provides the source these tests read)")
-    return Path(next(iter(spec.submodule_search_locations))) / "srt"
-
-
-def class_fields(path: Path) -> dict[str, set[str]]:
-    """Annotated field names of every class in a module, inherited ones from classes of the same module included."""
-    tree = ast.parse(path.read_text())
-    own: dict[str, set[str]] = {}
-    bases: dict[str, list[str]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            own[node.name] = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
-
-    def collect(name: str) -> set[str]:
-        return own.get(name, set()).union(*(collect(b) for b in bases.get(name, []) if b in own))
-
-    return {name: collect(name) for name in own}
-
-
-def string_constants(path: Path) -> set[str]:
-    return {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+from helpers.schema import class_fields, string_constants
 
 
 def test_generate_fields_the_engine_reads_exist_in_generate_req_input(sglang_srt):

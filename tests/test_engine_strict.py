@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import free_port, is_alive
-from test_embedded_engine import call, generate
-from test_engine_schema import class_fields, sglang_srt, string_constants  # noqa: F401  (sglang_srt: a fixture)
+from helpers.engines import call, generate
+from helpers.schema import class_fields, string_constants
 from glue.embedded_engine import strict_schema as strict
 from glue.embedded_engine.sglang_layout import rank_tensors, tensor_hash
 from weight_sync.broadcast import dtype_to_str, send_tensors

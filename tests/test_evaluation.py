@@ -1,4 +1,4 @@
-"""Held-out evaluation (glue.evaluation): the unbiased pass@k, the eval metrics, the same prompts every time with the
+"""Held-out evaluation (glue.loop.evaluation): the unbiased pass@k, the eval metrics, the same prompts every time with the
 eval sampling, and, inside the loop in sync and async mode, at the start and every interval on a known weight
 version without a single eval group reaching the training buffer."""
 from __future__ import annotations
@@ -10,17 +10,18 @@ import random
 
 import pytest
 
-from glue.buffer import RolloutBuffer
-from glue.colocation import Disaggregated
-from glue.controller import run_loop
-from glue.evaluation import Evaluator, eval_metrics, pass_at_k, passes
-from glue.metrics import MetricsLogger, read_metrics
-from glue.staleness import StalenessGate
-from glue.stream import RolloutStream
+from glue.loop.buffer import RolloutBuffer
+from glue.loop.colocation import Disaggregated
+from glue.loop.controller import LoopHooks, LoopParts, run_loop
+from glue.loop.evaluation import Evaluator, eval_metrics, pass_at_k, passes
+from glue.metrics.logger import MetricsLogger, read_metrics
+from glue.loop.staleness import StalenessGate
+from glue.loop.stream import RolloutStream
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
 from rollout_fns.single_turn import generate_group
-from test_staleness_gate import ScriptedBridge, ScriptedFleet
+from helpers.fleet import ScriptedBridge, ScriptedFleet
+from helpers.managers import NeverCheckpointed
 
 
 @pytest.mark.parametrize("n,c", [(4, 0), (4, 1), (5, 2), (6, 6), (8, 3)])
@@ -134,7 +135,7 @@ def test_an_eval_group_whose_rollout_function_raises_is_counted_not_fatal(capsys
 
 
 # ---- inside the loop ----
-class Manager:
+class Manager(NeverCheckpointed):
     """Training groups of 2 samples, rewards 0 and 1, tokens at the engine's version when produced."""
 
     def __init__(self, engine):
@@ -178,9 +179,10 @@ def test_the_loop_evaluates_at_the_start_and_every_interval_on_the_synced_versio
     original_finished = buffer.finished
     buffer.finished = lambda group: (seen_in_buffer.append(group.group_id), original_finished(group))
     logger = MetricsLogger(tmp_path / "m.jsonl")
-    asyncio.run(run_loop(num_steps=steps, stream=stream, trainer=Trainer(), fleet=ScriptedFleet(),
-                         phases=Disaggregated(ScriptedBridge(engine)), loss_cfg=LossConfig(), logger=logger,
-                         evaluate=evaluator.evaluate))
+    parts = LoopParts(stream=stream, trainer=Trainer(), fleet=ScriptedFleet(),
+                      phases=Disaggregated(ScriptedBridge(engine)), logger=logger,
+                      hooks=LoopHooks(evaluate=evaluator.evaluate))
+    asyncio.run(run_loop(parts, num_steps=steps, loss_cfg=LossConfig()))
     records = read_metrics(logger.path)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6]
     evaluated = {r["step"]: r for r in records if "eval/pass@1" in r}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import descendants, is_alive, sluice_run
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 
 
 def engine_pids(driver: int) -> list[int]:

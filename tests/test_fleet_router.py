@@ -1,5 +1,5 @@
 """The rollout fleet for real: two embedded engine processes behind the real sgl-router, driven through
-glue.engine_client; start-up failures and stop() are checked by pid."""
+glue.fleet.engine_client; start-up failures and stop() are checked by pid."""
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import is_gone
-from glue.engine_client import EngineClient, EngineHTTPError
-from glue.fleet import RolloutFleet
+from glue.fleet.engine_client import EngineClient, EngineHTTPError
+from glue.fleet.fleet import RolloutFleet
 
 SAMPLING = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
 
@@ -149,7 +149,7 @@ def test_an_engine_that_exits_during_start_up_reports_its_exit_code_and_log(tmp_
 
 DRIVER = """
 import json, sys, time
-from glue.fleet import RolloutFleet
+from glue.fleet.fleet import RolloutFleet
 fleet = RolloutFleet(model_path=sys.argv[1], num_engines=1, log_dir=sys.argv[2])
 fleet.start()
 print(json.dumps(fleet.pids), flush=True)
@@ -196,7 +196,7 @@ def test_the_client_sends_only_fields_sglang_defines():
 
 def test_a_chatty_process_log_rotates_instead_of_growing_without_bound(tmp_path):
     """The router writes a line per request; its log (like every process log the fleet keeps) stays bounded."""
-    from glue.processes import RotatingLog
+    from glue.fleet.processes import RotatingLog
 
     log = RotatingLog(tmp_path / "router.log", max_bytes=10_000, backups=2)
     script = "import sys\nfor i in range(5000): print(f'request {i:05d} routed to worker', flush=True)"

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from conftest import is_alive
-from glue.engine_client import EngineClient
-from glue.fleet import ProcessDied, RolloutFleet
-from glue.fleet_watch import FleetWatch
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import ProcessDied, RolloutFleet
+from glue.fleet.watch import FleetWatch
 
 
 @pytest.fixture
@@ -38,11 +38,11 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
     side of the weight group, so its removal must not wait on it, and the replacement gets the fleet's weights."""
     from transformers import AutoModelForCausalLM
 
-    from glue.config import SyncConfig
-    from glue.fleet_watch import engine_repair
+    from glue.loop.config import SyncConfig
+    from glue.fleet.watch import engine_repair
     from weight_sync.bridge import make_bridge
     from weight_sync.engine_calls import weight_version
-    from weight_sync.source import LocalWeightSource
+    from weight_sync.sender import LocalWeightSource
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -74,7 +74,7 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
         assert sorted(bridge.engine_urls) == sorted(fleet.engine_urls)  # the hung one left, its replacement joined
         assert [weight_version(u, 10) for u in fleet.engine_urls] == ["1", "1"]
         assert bridge.left_behind == 1  # the hung engine could not leave the weight group: counted
-        assert len(source._source.channels) == 1  # the source closed its side of the old group (it leaked)
+        assert len(source._sender.channels) == 1  # the source closed its side of the old group (it leaked)
         bridge.sync(2)  # the group rebuilt around the replacement syncs
     finally:
         bridge.close()
@@ -96,10 +96,10 @@ def broadcast_repair_watch(fleet, tiny_model_dir):
     timeout, and a watch that repairs through that bridge; its deep health sweep never comes round (an hour)."""
     from transformers import AutoModelForCausalLM
 
-    from glue.config import SyncConfig
-    from glue.fleet_watch import engine_repair
+    from glue.loop.config import SyncConfig
+    from glue.fleet.watch import engine_repair
     from weight_sync.bridge import make_bridge
-    from weight_sync.source import LocalWeightSource
+    from weight_sync.sender import LocalWeightSource
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -119,8 +119,8 @@ def test_a_weight_sync_that_meets_a_hung_engine_has_it_replaced_and_syncs_instea
     next sync's pause, which it never answers. The sync must find the engine that answers nothing, have it replaced
     (the watch's repair) and sync again; before, the run ended with `1 of 2 weight-sync calls did not finish`.
     Real fleet, real broadcast bridge; the sweep is set never to come round, so only the sync can find the hang."""
-    from glue.colocation import Disaggregated
-    from glue.controller import sync_weights
+    from glue.loop.colocation import Disaggregated
+    from glue.loop.controller import sync_weights
     from weight_sync.engine_calls import weight_version
 
     bridge, client, watch = broadcast_repair_watch(fleet, tiny_model_dir)
@@ -148,7 +148,7 @@ def test_a_weight_sync_that_meets_a_hung_engine_has_it_replaced_and_syncs_instea
 def test_a_checkpoints_pause_that_meets_a_dead_engine_waits_for_its_replacement_instead_of_ending_the_run(
         fleet, tiny_model_dir):
     """Issue 26 item 12 (found by `make chaos`): a checkpoint pauses generation (mode abort) through the watch
-    (glue.stream.checkpoint_state), outside any sync; an engine killed just before failed that pause and the run
+    (glue.loop.stream.checkpoint_state), outside any sync; an engine killed just before failed that pause and the run
     ended, though the watch repairs such an engine. The pause and the continue now wait for the repair and go
     again, so the checkpoint goes through. Real fleet, real broadcast bridge."""
     from weight_sync.engine_calls import weight_version
@@ -189,7 +189,7 @@ def test_without_a_way_to_repair_a_dead_engine_ends_the_run_naming_it(fleet):
 def test_an_engine_whose_routing_fails_after_its_weights_were_loaded_is_not_kept_by_the_bridge():
     """FINDINGS: the bridge kept a replacement engine the router never took. The fleet and bridge here are records
     of calls: the contract under test is engine_repair's own bookkeeping."""
-    from glue.fleet_watch import engine_repair
+    from glue.fleet.watch import engine_repair
 
     class Bridge:
         def __init__(self):
@@ -271,7 +271,7 @@ class PausableEngine:
 
 
 def test_the_watch_never_counts_a_health_probe_against_an_engine_sluice_paused():
-    """A checkpoint pauses generation (mode abort) for a while, as glue.stream.checkpoint_state does through the
+    """A checkpoint pauses generation (mode abort) for a while, as glue.loop.stream.checkpoint_state does through the
     loop's fleet control (the watch): no probe answered during the pause counts, so the engine is not restarted.
     The fleet here is a record of the fleet's surface; the engine speaks SGLang's routes over real HTTP."""
     engine = PausableEngine()
@@ -313,7 +313,7 @@ def test_a_repair_gathers_weights_only_between_train_steps_and_pauses_generation
     generation around it. The fleet, bridge and client are records of calls: the contract is engine_repair's."""
     import threading
 
-    from glue.fleet_watch import engine_repair
+    from glue.fleet.watch import engine_repair
 
     calls: list[str] = []
 

@@ -1,4 +1,4 @@
-"""glue.isolated: calls in killable worker processes, for reward code that can hang holding the GIL."""
+"""glue.rewards.isolated: calls in killable worker processes, for reward code that can hang holding the GIL."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import is_alive
-from glue.isolated import DeadlineExceeded, IsolatedPool, WorkerDied
+from glue.rewards.isolated import DeadlineExceeded, IsolatedPool, WorkerDied
 
 
 @pytest.fixture

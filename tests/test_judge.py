@@ -10,10 +10,10 @@ import urllib.request
 
 import pytest
 
-from glue.engine_client import EngineClient
-from glue.fleet import RolloutFleet
-from glue.judge import Judge, save_tiny_judge_model
-from glue.reward_models import ModelRewards, SampleText
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import RolloutFleet
+from glue.rewards.judge import Judge, save_tiny_judge_model
+from glue.rewards.models import ModelRewards, SampleText
 from rollout_fns.judge import first_number_parser
 
 # No chat template, the answer last: a tiny random model's next token depends mostly on the last few it read
@@ -126,7 +126,7 @@ def test_a_judge_past_its_timeout_is_cut_within_the_bound_and_its_engine_freed(j
 def test_a_rollout_manager_goes_on_when_the_judge_fails_and_drop_group_fails_only_those_groups(judge_fleet, tmp_path):
     from transformers import AutoTokenizer
 
-    from glue.rollout import RolloutManager
+    from glue.rollout.manager import RolloutManager
     from rollout_fns.arith_data import write_arith_jsonl
 
     path, fleet = judge_fleet

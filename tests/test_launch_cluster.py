@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.cli import main, parse_args
 from launch.config import load_config
 from launch.plan import resolve

@@ -1,12 +1,12 @@
-"""The learning table's arithmetic (glue/learning_curves.py) on hand-made runs, and its plots drawn from the JSON."""
+"""The learning table's arithmetic (glue/metrics/learning_curves.py) on hand-made runs, and its plots drawn from the JSON."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from glue.learning_curves import add_time_to_target, main, merge_tables, run_curves, summarise_row, time_to_reach, trailing_mean
-from glue.plots import write_eval_runs_plot, write_learning_table_plots
+from glue.metrics.learning_curves import add_time_to_target, main, merge_tables, run_curves, summarise_row, time_to_reach, trailing_mean
+from glue.metrics.plots import write_eval_runs_plot, write_learning_table_plots
 
 
 def records(rewards, seconds_per_step):

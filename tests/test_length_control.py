@@ -2,8 +2,8 @@
 the loss side, each with its metric and its config checks. The end-to-end run is in tests/test_replay.py."""
 import pytest
 
-from glue.batch import build_train_batch, rollout_metrics
-from glue.reward_shaping import OverlongShaping, make_reward_shaping, overlong_penalty
+from glue.loop.batch import build_train_batch, rollout_metrics
+from glue.rewards.shaping import OverlongShaping, make_reward_shaping, overlong_penalty
 from glue.types import Group, Sample, SampleStatus
 from launch.config import ConfigError, load_config
 from loss import LossConfig

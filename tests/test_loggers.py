@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from glue.metrics import git_commit, open_run_logger, run_info
+from glue.metrics.logger import git_commit, open_run_logger, run_info
 from launch.config import ConfigError, load_config
 
 

@@ -70,7 +70,7 @@ def test_the_paper_values_that_define_each_algorithm():
     assert (dr["advantage_estimator"], dr["aggregation"]) == ("dr_grpo", "seq_mean_token_sum_norm")
     assert (PRESETS["grpo"]["kl_loss_coef"], PRESETS["grpo"]["kl_estimator"]) == (0.04, "k3")
     mu = LossConfig(preset="mu_grpo")
-    assert (1 - mu.mu_clip_low, 1 + mu.mu_clip_high, mu.policy_loss) == (0.0, 5.0, "mu_grpo")  # seed 003: [0, 5]
+    assert (1 - mu.mu_clip_low, 1 + mu.mu_clip_high, mu.policy_loss) == (0.0, 5.0, "mu_grpo")  # Mu-GRPO ("How Off-Policy Can GRPO Be?"): [0, 5]
     assert LossConfig(preset="ppo_ewma").correction != "none"
 
 

@@ -13,18 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, live_processes
-from glue.metrics import read_metrics
+from conftest import free_port
+from glue.metrics.logger import read_metrics
+from helpers.processes import session_pids
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch/scripts/multi_node.sh"
 HEAD_IP, WORKER_IP = "127.0.0.3", "127.0.0.2"
 RUN = ["run.num_steps=2", "rollout.prompts_per_step=4"]
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live (not zombie) processes of session `sid`."""
-    return [pid for pid, (_, fields) in live_processes().items() if int(fields[3]) == sid]
 
 
 # The head script's SLUICE hook: run sluice, then, as an operator would when the job is done, stop the worker node
@@ -33,7 +29,7 @@ def session_pids(sid: int) -> list[int]:
 STOP_WORKER_AFTER = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
-from test_multi_node import session_pids
+from helpers.processes import session_pids
 from launch.cli import main
 code = main(sys.argv[1:])
 if "--dry-run" not in sys.argv:

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from glue.batch import rollout_metrics
-from glue.config import RolloutConfig
-from glue.engine_client import EngineClient
-from glue.rollout import RolloutContext, RolloutManager
+from glue.loop.batch import rollout_metrics
+from glue.rollout.config import RolloutConfig
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.manager import RolloutContext, RolloutManager
 from glue.types import Group, SampleStatus
 from rollout_fns.arith_data import write_arith_jsonl
 from rollout_fns.envs import StepResult
 from rollout_fns.envs.calculator import CalcCall, evaluate, parse_call
 from rollout_fns.multi_turn import EnvTask, EpisodeConfig, generate_group
-from test_rollout_fns import run
+from helpers.rollout import run
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +344,7 @@ def test_env_task_refuses_bad_settings_at_start_up(text_model_dir, arith_path):
 
 
 def test_the_launcher_gives_env_task_the_models_tokenizer_when_task_args_name_none():
-    from launch.runner import task_args_for
+    from launch.tasks import task_args_for
 
     args = task_args_for("rollout_fns.multi_turn:EnvTask", {"env": "pkg:Env", "path": "d.jsonl"}, "/models/policy")
     assert args == {"env": "pkg:Env", "path": "d.jsonl", "tokenizer": "/models/policy"}
@@ -377,8 +377,8 @@ def test_multi_turn_modules_import_no_backend():
 def test_a_turn_spanning_more_syncs_than_four_is_kept_and_one_past_the_resume_limit_is_given_up():
     """Issue 26 item 7 for agents: a turn's continuations follow the staleness bound (resume_limit), not a constant
     4; a turn still aborted at the limit ends the episode ABORTED, marked for rollout/resume_limit_drops."""
-    from glue.rollout import resume_limit
-    from test_rollout_fns import ScriptedAborts
+    from glue.rollout.manager import resume_limit
+    from helpers.rollout import ScriptedAborts
 
     class OneTurnEnv(FlakyEnv):
         async def step(self, action):

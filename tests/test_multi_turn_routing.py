@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from glue.engine_client import EngineClient
-from glue.rollout import RolloutContext
-from glue.routed_experts import RoutedExpertsLayout
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.manager import RolloutContext
+from glue.rollout.routed_experts import RoutedExpertsLayout
 from glue.types import SampleStatus
 from rollout_fns.multi_turn import EpisodeConfig, generate_group
-from test_cli import one_line_error
-from test_routed_experts import reference_routing
-from test_routed_experts_samples import LAYOUT, rows, wire
+from helpers.cli import one_line_error
+from helpers.routing import LAYOUT, reference_routing, rows, wire
 
 OBSERVATION = [9, 10, 11]  # the token ids every environment step answers with
 

@@ -13,13 +13,13 @@ import pytest
 from conftest import is_gone
 from glue.embedded_engine.openai_chat import NEUTRAL_FIELDS
 from glue.embedded_engine.routes import CHAT_COMPLETION
-from glue.engine_client import EngineClient
-from glue.openai_agent import ID_FLAGS, ID_HEADERS, ChatCall, ChatRecorder, RecordingError, trajectory_samples
-from glue.rollout import RolloutContext
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.openai_agent import ID_FLAGS, ID_HEADERS, ChatCall, ChatRecorder, RecordingError, trajectory_samples
+from glue.rollout.manager import RolloutContext
 from glue.types import SampleStatus
 from rollout_fns.openai_agent import generate_group
-from test_embedded_engine import call, generate
-from test_engine_schema import class_fields, sglang_srt, string_constants  # noqa: F401 (sglang_srt: a fixture)
+from helpers.engines import call, generate
+from helpers.schema import class_fields, string_constants
 
 QUESTION = [{"role": "system", "content": "Solve the problem."}, {"role": "user", "content": "What is 2+3?"}]
 TOOL_OUTPUT = "The answer is 5"
@@ -290,7 +290,7 @@ def test_a_two_call_tool_agent_becomes_one_sample_per_trajectory_with_tool_token
 
 
 def test_the_agent_works_through_the_real_sgl_router(text_model_dir, tokenizer, tmp_path_factory):
-    from glue.fleet import RolloutFleet
+    from glue.fleet.fleet import RolloutFleet
 
     fleet = RolloutFleet(model_path=text_model_dir, num_engines=2, engine_args=["--num-threads", "1"],
                          log_dir=tmp_path_factory.mktemp("agent_fleet_logs"), engine_startup_timeout_s=120)
@@ -307,7 +307,7 @@ def test_the_agent_works_through_the_real_sgl_router(text_model_dir, tokenizer, 
 
 
 def test_odd_values_of_every_chat_field_and_message_never_get_a_5xx(engine_url):
-    from test_engine_fuzz import POOL
+    from helpers.engines import POOL
 
     bodies = [{"messages": [{"role": "user", "content": value}]} for value in POOL]
     bodies += [{"messages": [{"role": "tool", **{name: value}, "content": "x"}]}

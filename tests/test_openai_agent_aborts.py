@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import openai
 import pytest
 
-from glue.engine_client import EngineClient
-from glue.rollout import RolloutContext
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.manager import RolloutContext
 from glue.types import SampleStatus
 from rollout_fns.openai_agent import generate_group
 
@@ -155,9 +155,9 @@ def test_an_abort_at_the_last_token_of_the_budget_is_a_length_answer_without_a_c
 
 @pytest.mark.parametrize("swallow", [False, True], ids=["agent_raises", "agent_goes_on"])
 def test_a_completion_still_aborted_at_the_resume_limit_gives_the_run_up_and_is_counted(swallow):
-    from glue.buffer import RolloutBuffer
-    from glue.staleness import StalenessGate
-    from glue.stream import RolloutStream
+    from glue.loop.buffer import RolloutBuffer
+    from glue.loop.staleness import StalenessGate
+    from glue.loop.stream import RolloutStream
     from glue.types import Group
 
     parts = [([11], "1", "abort"), ([12], "2", "abort"), ([13], "3", "abort"), ([99], "4", "stop")]

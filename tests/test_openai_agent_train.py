@@ -6,7 +6,7 @@ import math
 import openai
 import pytest
 
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.config import load_config
 from launch.runner import run
 

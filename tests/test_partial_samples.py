@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from glue.engine_client import EngineClient
-from glue.rollout import RolloutManager
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.manager import RolloutManager
 
 SAMPLING = {"max_new_tokens": 160, "temperature": 1.0, "ignore_eos": True}
 

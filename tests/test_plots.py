@@ -1,4 +1,4 @@
-"""glue.plots draws a run's metrics.jsonl: sync-like and async-like records (eval at some steps, keys missing at
+"""glue.metrics.plots draws a run's metrics.jsonl: sync-like and async-like records (eval at some steps, keys missing at
 others) give the expected PNGs, figures whose keys are absent are skipped, and `sluice plot` exits 0 or 2."""
 import json
 import struct
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from glue.plots import timeline_rows, timeline_summary, write_plots
+from glue.metrics.plots import timeline_rows, timeline_summary, write_plots
 from launch.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -119,13 +119,13 @@ def test_the_timeline_headline_says_how_long_the_trainer_waited_and_the_engines_
 
 
 def test_a_failing_plot_costs_the_run_one_warning_line(tmp_path, capsys, monkeypatch):
-    import glue.plots
-    from launch.runner import plot_run
+    import launch.run_dir
+    from launch.run_dir import plot_run
 
     def broken(run_dir):
         raise RuntimeError("no font\nsecond line")
 
-    monkeypatch.setattr(glue.plots, "write_plots", broken)
+    monkeypatch.setattr(launch.run_dir, "write_plots", broken)
     assert plot_run(tmp_path) == ""
     out = capsys.readouterr().out
     assert out.splitlines() == [f"sluice: warning: plots not written (RuntimeError: no font); try `sluice plot "

@@ -98,3 +98,26 @@ def test_a_bad_config_path_fails_within_the_first_second():
         fn = load_object("rollout_fns.toy_tasks:EchoTsak", what="task")
         check_signature(fn, EXPECTED, "task")
     assert time.monotonic() - start < 1.0
+
+
+def test_an_old_glue_module_path_is_refused_with_its_new_one():
+    with pytest.raises(ImportError, match=r"'glue.judge' moved to glue.rewards.judge"):
+        load_object("glue.judge:Judge", what="judge")
+    with pytest.raises(AttributeError, match=r"'glue.fleet' moved to glue.fleet.fleet"):
+        load_object("glue.fleet:RolloutFleet", what="fleet")
+    assert load_object("glue.rewards.judge:Judge", what="judge").__name__ == "Judge"
+
+
+def test_a_user_module_importing_an_old_glue_path_is_named_with_the_new_one(tmp_path, monkeypatch):
+    (tmp_path / "old_style_rollout.py").write_text("from glue.engine_client import EngineClient\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match=r"'glue.engine_client' \(imported by 'old_style_rollout'\) moved to "
+                                          r"glue.fleet.engine_client"):
+        load_object("old_style_rollout:generate", what="rollout function")
+
+
+def test_the_rollout_function_api_still_loads_from_the_rollout_wing():
+    from glue.rollout import RolloutContext, append_generation
+    from glue.rollout.manager import RolloutContext as direct
+
+    assert RolloutContext is direct and callable(append_generation)

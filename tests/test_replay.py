@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from glue.metrics import read_metrics
-from glue.replay import load_step, saved_steps
-from glue.reward_shaping import overlong_penalty
+from glue.metrics.logger import read_metrics
+from glue.loop.replay import load_step, saved_steps
+from glue.rewards.shaping import overlong_penalty
 from glue.types import SampleStatus
 from rollout_fns.toy_tasks import EchoTask
 
@@ -111,7 +111,7 @@ def test_a_rollout_only_run_generates_and_saves_its_steps_with_no_trainer(saved_
 def test_saved_steps_come_back_whole_with_routing_and_withheld_samples(tmp_path):
     import numpy as np
 
-    from glue.replay import save_step
+    from glue.loop.replay import save_step
     from glue.types import Group, Sample
 
     sample = Sample(prompt_tokens=[0, 5], group_id=3, index=1, reward={"score": 0.5, "correct": 1.0},
@@ -128,7 +128,7 @@ def test_saved_steps_come_back_whole_with_routing_and_withheld_samples(tmp_path)
 
 
 def test_a_replay_needs_every_step_it_trains_saved_and_refuses_its_own_folder(tmp_path):
-    from glue.replay import save_step
+    from glue.loop.replay import save_step
     from glue.types import Group, Sample
     from launch.config import ConfigError, load_config
     from launch.runner import check_replay

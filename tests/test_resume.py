@@ -12,19 +12,12 @@ from pathlib import Path
 import pytest
 
 from conftest import is_alive, sluice_run
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
+from helpers.runs import expand, learning_record
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, GROUPS = 6, 4
 RAY_AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
-
-
-def expand(ranges: str) -> list[int]:
-    ids = []
-    for part in ranges.split(","):
-        a, _, b = part.partition("-")
-        ids += list(range(int(a), int(b or a) + 1))
-    return ids
 
 
 def sluice(tmp_path, config, *extra, steps=STEPS):
@@ -101,14 +94,6 @@ def test_a_run_killed_after_a_checkpoint_resumes_without_losing_or_repeating_a_p
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "r/hf")
     assert sum(p.numel() for p in model.parameters()) > 0
     assert sorted(p.name for p in (tmp_path / "r/checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
-
-
-TIMING = ("time/", "sync/", "async/", "fault/", "staleness/in_flight", "staleness/in_queue", "weights/lag", "eval/time_s")
-
-
-def learning_record(record: dict) -> dict:
-    """What a run learnt and trained on at a step, without what depends on timing (waits, queue depths)."""
-    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
 
 
 @pytest.mark.slow

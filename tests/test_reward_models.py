@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from glue.judge import fill_template, load_parser
-from glue.reward_models import ModelRewardFailed, ModelRewards, SampleText
+from glue.rewards.judge import fill_template, load_parser
+from glue.rewards.models import ModelRewardFailed, ModelRewards, SampleText
 from glue.types import Sample, SampleStatus
 from launch.config import ConfigError, load_config
 from rollout_fns.judge import first_number_parser, score_parser, yes_no_parser
@@ -117,7 +117,7 @@ def test_the_shrinker_swaps_judge_and_reward_model_checkpoints_for_tiny_text_mod
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
-    from glue.scalar_rm import save_tiny_reward_model
+    from glue.rewards.scalar_rm import save_tiny_reward_model
 
     return save_tiny_reward_model(str(tmp_path_factory.mktemp("rm")), vocab_size=272, seed=3)
 
@@ -140,7 +140,7 @@ def direct_scores(path, texts):
 
 
 def test_the_scalar_reward_model_scores_as_a_direct_forward_and_batches_groups_together(rm_dir):
-    from glue.scalar_rm import ScalarRewardModel
+    from glue.rewards.scalar_rm import ScalarRewardModel
 
     expected = direct_scores(rm_dir, TEXTS)
     assert len({round(v, 6) for v in expected}) == len(TEXTS)  # the texts really score differently
@@ -167,7 +167,7 @@ def test_the_scalar_reward_model_scores_as_a_direct_forward_and_batches_groups_t
 
 
 def test_a_reward_model_too_slow_for_its_timeout_is_counted_and_scores_nothing(rm_dir):
-    from glue.scalar_rm import ScalarRewardModel
+    from glue.rewards.scalar_rm import ScalarRewardModel
 
     rm = ScalarRewardModel(path=rm_dir, batch_size=16, timeout_s=1e-4)
     verdicts = asyncio.run(rm.score(TEXTS))

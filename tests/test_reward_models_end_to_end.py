@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.config import load_config
 from launch.runner import run
-from test_end_to_end import live_children
+from helpers.processes import live_children
 
 STEPS, GROUPS, SAMPLES = 2, 2, 4
 
@@ -72,8 +72,8 @@ def test_the_judge_and_reward_model_scores_equal_direct_calls_of_their_checkpoin
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from glue.judge import fill_template
-    from glue.reward_models import SampleText
+    from glue.rewards.judge import fill_template
+    from glue.rewards.models import SampleText
 
     cfg, run_dir, _, trained, _ = judged_run
     policy = AutoTokenizer.from_pretrained(run_dir / "init_model")

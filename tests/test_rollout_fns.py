@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from glue.engine_client import EngineClient
-from glue.rollout import RolloutContext, RolloutManager, score
+from glue.fleet.engine_client import EngineClient
+from glue.rollout.manager import RolloutContext, RolloutManager, score
 from glue.types import Sample, SampleStatus
 from rollout_fns.single_turn import generate_group, generate_one
 from rollout_fns.toy_tasks import EchoTask
+from helpers.rollout import ScriptedAborts, run
 
 
 class NanTask:
@@ -52,16 +53,6 @@ async def returns_a_dict(ctx, prompt, num_samples):
 @pytest.fixture(scope="module")
 def engine_url(engine_processes, tiny_model_dir):
     return engine_processes.start_sglang_stand_in(tiny_model_dir, "--num-threads", "1")
-
-
-def run(client: EngineClient, coro):
-    async def wrapped():
-        try:
-            return await coro
-        finally:
-            await client.aclose()
-
-    return asyncio.run(wrapped())
 
 
 def post(url: str, body: dict) -> None:
@@ -128,22 +119,6 @@ def test_a_generation_aborted_by_a_pause_resumes_and_carries_both_weight_version
     post(f"{engine_url}/update_weight_version", {"new_version": initial, "abort_all_requests": False})
 
 
-class ScriptedAborts:
-    """Answers in SGLang's shape: the first `aborts` calls end with finish reason abort after 3 tokens at version
-    `call index`, then one complete answer at the next version."""
-
-    def __init__(self, aborts: int):
-        self.aborts, self.inputs = aborts, []
-
-    async def generate(self, input_ids, sampling_params, return_logprob=True):
-        self.inputs.append(list(input_ids))
-        call = len(self.inputs) - 1
-        n = 3 if call < self.aborts else sampling_params["max_new_tokens"]
-        kind = "abort" if call < self.aborts else "length"
-        return {"output_ids": [7] * n, "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * n,
-                                                      "weight_version": str(call), "finish_reason": {"type": kind}}}
-
-
 @pytest.mark.parametrize("mode", ["resume", "restart"])
 def test_an_aborted_generation_resumes_or_restarts_per_the_partial_rollout_setting(mode):
     client = ScriptedAborts(aborts=2)
@@ -154,7 +129,7 @@ def test_an_aborted_generation_resumes_or_restarts_per_the_partial_rollout_setti
     if mode == "resume":  # prompt + tokens so far, three versions in one sample
         assert client.inputs == [[0, 4], [0, 4, 7, 7, 7], [0, 4, 7, 7, 7, 7, 7, 7]]
         assert sample.versions == [0, 0, 0, 1, 1, 1, 2, 2]
-    else:  # seed 001's interruption route: every try starts from the prompt; one version per sample
+    else:  # the interruption route ([W1]): every try starts from the prompt; one version per sample
         assert client.inputs == [[0, 4]] * 3
         assert sample.versions == [2] * 8 and sample.metadata["discarded_tokens"] == 6
 
@@ -162,7 +137,7 @@ def test_an_aborted_generation_resumes_or_restarts_per_the_partial_rollout_setti
 def test_a_generation_spanning_more_syncs_than_four_is_kept_when_the_staleness_limit_allows_them():
     """Issue 26 item 7: a fixed limit of 4 continuations dropped exactly the longest answers of a run with
     max_staleness > 4; the limit follows the staleness bound (resume_limit: 2 x (max_staleness + 1))."""
-    from glue.rollout import resume_limit
+    from glue.rollout.manager import resume_limit
 
     client = ScriptedAborts(aborts=6)  # six syncs' pauses while it generates: fine under max_staleness 6
     ctx = RolloutContext(client=client, sampling_params={"max_new_tokens": 24}, reward_fn=lambda s: 0.0, group_id=0,
@@ -174,9 +149,9 @@ def test_a_generation_spanning_more_syncs_than_four_is_kept_when_the_staleness_l
 
 
 def test_a_generation_past_the_resume_limit_is_given_up_and_counted_in_a_metric():
-    from glue.buffer import RolloutBuffer
-    from glue.staleness import StalenessGate
-    from glue.stream import RolloutStream
+    from glue.loop.buffer import RolloutBuffer
+    from glue.loop.staleness import StalenessGate
+    from glue.loop.stream import RolloutStream
     from glue.types import Group
 
     client = ScriptedAborts(aborts=100)
@@ -197,8 +172,8 @@ def test_a_generation_past_the_resume_limit_is_given_up_and_counted_in_a_metric(
 def test_an_answer_without_per_token_spans_is_stamped_with_its_one_version_and_counted():
     """Issue 26 item 8: the single-version fallback of append_generation is visible (rollout/single_version_answers);
     an answer with spans is not counted; one with neither says what is missing."""
-    from glue.batch import rollout_metrics
-    from glue.rollout import append_generation
+    from glue.loop.batch import rollout_metrics
+    from glue.rollout.manager import append_generation
     from glue.types import Group
 
     def answer(**meta):
@@ -298,7 +273,7 @@ def test_echo_task_prompts_are_seeded_and_drawn_from_the_content_range():
 
 def test_rollout_modules_import_no_backend():
 
-    code = ("import sys, glue.rollout, glue.plugins, glue.engine_client, rollout_fns.single_turn, "
+    code = ("import sys, glue.rollout.manager, glue.plugins, glue.fleet.engine_client, rollout_fns.single_turn, "
             "rollout_fns.toy_tasks; print(sorted(m for m in ('ray', 'sglang', 'megatron', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout

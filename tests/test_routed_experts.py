@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from glue.engine_client import EngineClient
-from glue.fleet import RolloutFleet
-from glue.rollout import RolloutManager, append_generation
-from glue.routed_experts import RoutedExpertsLayout
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import RolloutFleet
+from glue.rollout.manager import RolloutManager, append_generation
+from glue.rollout.routed_experts import RoutedExpertsLayout
 from glue.types import Sample, TrainBatch
+from helpers.routing import reference_routing
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
 PROMPT = [0, 4, 5, 6, 7]
@@ -49,16 +50,6 @@ def hf_model(tiny_moe_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32).eval()
-
-
-def reference_routing(model, tokens: list[int]) -> np.ndarray:
-    """The model's own top-k from a teacher-forced forward, recomputed here from the router logits it reports:
-    `[len(tokens) - 1, layers, top_k]` (the last token's row dropped, as an engine never runs it)."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens]), output_router_logits=True).router_logits
-    k = model.config.num_experts_per_tok
-    top = [torch.topk(torch.softmax(layer.float(), dim=-1), k, dim=-1).indices for layer in logits]
-    return torch.stack(top, dim=1)[:-1].numpy()
 
 
 def post(url: str, body: dict) -> dict:
@@ -175,7 +166,7 @@ def test_a_rollout_step_with_routing_on_yields_samples_and_a_train_batch_with_ro
         np.testing.assert_array_equal(batch.routed_experts[b, : n - 1].numpy(), s.routed_experts)
         assert (batch.routed_experts[b, n - 1:] == -1).all()  # the last token and the padding
     # the step's payload is reported: 2 layers x top-2 int8 = 4 bytes per routed position
-    from glue.batch import rollout_metrics
+    from glue.loop.batch import rollout_metrics
     from glue.types import Group
 
     metrics = rollout_metrics([Group(group_id=0, samples=samples)])

@@ -11,20 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from glue.routed_experts import RoutedExpertsLayout, append_routed_experts, start_len_for
+from glue.rollout.routed_experts import RoutedExpertsLayout, append_routed_experts, start_len_for
 from glue.types import Sample, TrainBatch
-
-LAYOUT = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4)
-
-
-def wire(rows: list) -> str:
-    """SGLang's meta_info.routed_experts for `rows` ([n, layers, top_k] nested lists): base64 of int32 bytes."""
-    return base64.b64encode(np.array(rows, dtype=np.int32).tobytes()).decode()
-
-
-def rows(first: int, n: int) -> list:
-    """n hand-made rows whose experts encode the position: position p -> [[p%4, (p+1)%4], [(p+2)%4, (p+3)%4]]."""
-    return [[[p % 4, (p + 1) % 4], [(p + 2) % 4, (p + 3) % 4]] for p in range(first, first + n)]
+from helpers.routing import LAYOUT, rows, wire
 
 
 def test_the_layout_keeps_ids_in_int8_up_to_127_experts_and_in_int16_beyond():
@@ -164,7 +153,7 @@ def test_the_engine_refuses_routing_it_does_not_record_and_a_start_past_the_prom
 
 
 def test_the_client_sends_r3_requests_to_the_engine_with_the_fewest_in_flight_taking_ties_in_turn():
-    from glue.engine_client import EngineClient
+    from glue.fleet.engine_client import EngineClient
 
     client = EngineClient("http://router", ["http://e0", "http://e1", "http://e2"])
     assert [client._pick_engine() for _ in range(4)] == ["http://e0/generate", "http://e1/generate",
@@ -174,7 +163,7 @@ def test_the_client_sends_r3_requests_to_the_engine_with_the_fewest_in_flight_ta
 
 
 def test_the_single_turn_restart_policy_drops_the_routing_of_the_thrown_away_tokens():
-    from glue.rollout import RolloutContext
+    from glue.rollout.manager import RolloutContext
     from rollout_fns.single_turn import generate_one
 
     class Engine:
@@ -204,8 +193,8 @@ def test_an_answer_aborted_in_sglangs_waiting_queue_without_routing_is_resumed_n
     """SGLang's `_handle_abort_req` (tokenizer_manager.py) answers a request aborted in its waiting queue (retracted
     there, then paused with mode "abort") with the tokens it had streamed and no `routed_experts`: the sample drops
     those tokens, stays aborted and the resumed request generates them again with their routing."""
-    from glue.batch import rollout_metrics
-    from glue.rollout import RolloutContext
+    from glue.loop.batch import rollout_metrics
+    from glue.rollout.manager import RolloutContext
     from glue.types import Group
     from rollout_fns.single_turn import generate_one
 
@@ -260,7 +249,7 @@ def test_a_layout_from_a_deepseek_or_qwen_moe_config_names_its_dense_layers(tmp_
 def test_sglangs_zeros_in_layers_without_experts_decode_as_no_expert_not_expert_0():
     """SGLang gives every decoder layer a slot and leaves a dense layer's at 0 (state_capturer/base.py: a zeroed
     buffer that only MoE routers write); the embedded engine writes -1. Both decode to -1 there."""
-    from glue.routed_experts import decode_routed_experts
+    from glue.rollout.routed_experts import decode_routed_experts
 
     layout = RoutedExpertsLayout(num_layers=3, top_k=2, num_experts=4, dense_layers=(0,))
     sglang = [[[0, 0], [1, 3], [2, 0]], [[0, 0], [0, 2], [3, 1]]]  # 2 positions; layer 0 dense

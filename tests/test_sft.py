@@ -15,7 +15,7 @@ import torch
 from conftest import free_port
 from glue.sft.data import ConversationStream, load_samples, read_conversations, to_sample, tokenize_chat
 from loss import SftLossConfig, compute_loss, sft_loss
-from test_trainer_megatron import hf_teacher_forced_logprobs
+from helpers.trainer import hf_teacher_forced_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 SFT_YAML = REPO / "examples/configs/sft.yaml"
@@ -217,9 +217,9 @@ def test_the_rehearsal_shrink_moves_an_sft_recipe_s_data_to_generated_chats_and_
 
 
 def test_an_rl_run_refuses_to_resume_an_sft_checkpoint_and_says_to_start_from_its_policy(tmp_path):
-    from glue.checkpoint import Checkpoints
+    from glue.loop.checkpoint import Checkpoints
     from launch.config import ConfigError, load_config
-    from launch.runner import find_checkpoint
+    from launch.run_dir import find_checkpoint
 
     Checkpoints(tmp_path / "runs/sft/checkpoints").save(3, lambda folder: None, {"mode": "sft", "version": 3,
                                                                                 "cursor": 48})

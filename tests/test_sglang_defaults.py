@@ -47,7 +47,7 @@ def test_strict_engines_may_simulate_engine_tp_on_cpu():
 
 
 def test_every_engine_gets_its_own_random_seed_fixed_by_the_run_seed_or_sglang_random_seed():
-    from glue.fleet import engine_seed
+    from glue.fleet.fleet import engine_seed
 
     def seeds(*overrides):
         _, plan = resolve(load_config(None, ["rollout.num_engines=3", *overrides]))
@@ -69,15 +69,15 @@ class FleetSeen(Exception):
 def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_seed(monkeypatch, tmp_path):
     import contextlib
 
-    import glue.fleet
     import launch.reward_models
     import launch.teacher
-    from glue.fleet import engine_seed
+    from glue.fleet.fleet import engine_seed
 
     def fleet(**kwargs):
         raise FleetSeen(kwargs["seed"])
 
-    monkeypatch.setattr(glue.fleet, "RolloutFleet", fleet)
+    monkeypatch.setattr(launch.reward_models, "RolloutFleet", fleet)
+    monkeypatch.setattr(launch.teacher, "RolloutFleet", fleet)
     monkeypatch.setattr(launch.reward_models, "checkpoint_dir", lambda *a: str(tmp_path))
     monkeypatch.setattr(launch.teacher, "teacher_model", lambda *a: str(tmp_path))
 

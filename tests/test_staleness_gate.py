@@ -5,14 +5,16 @@ import random
 
 import pytest
 
-from glue.buffer import RolloutBuffer
-from glue.colocation import Disaggregated
-from glue.controller import run_loop
-from glue.metrics import MetricsLogger, read_metrics
-from glue.staleness import StalenessGate, StalenessStats
-from glue.stream import RolloutFailed, RolloutStream
+from glue.loop.buffer import RolloutBuffer
+from glue.loop.colocation import Disaggregated
+from glue.loop.controller import LoopParts, run_loop
+from glue.metrics.logger import MetricsLogger, read_metrics
+from glue.loop.staleness import StalenessGate, StalenessStats
+from glue.loop.stream import RolloutFailed, RolloutStream
 from glue.types import Group, Sample, SampleStatus
 from loss import LossConfig
+from helpers.fleet import ScriptedBridge, ScriptedFleet
+from helpers.managers import ScriptedManager
 
 
 def test_sync_mode_admits_one_steps_groups_per_version_and_syncs_after_every_step():
@@ -139,7 +141,7 @@ def test_too_stale_samples_are_withheld_and_counted_under_drop_and_trained_under
 
 
 def test_withheld_samples_count_in_the_baseline_but_are_not_trained():
-    from glue.batch import build_train_batch
+    from glue.loop.batch import build_train_batch
 
     g = group(0, [0], n=4)  # rewards 0, 1, 2, 3: mean 1.5
     batch, _ = build_train_batch([g], LossConfig(normalize_std=False), withheld={(0, 3)})
@@ -148,7 +150,7 @@ def test_withheld_samples_count_in_the_baseline_but_are_not_trained():
 
 
 def test_a_sample_still_aborted_after_its_resumes_is_not_trained():
-    from glue.batch import build_train_batch
+    from glue.loop.batch import build_train_batch
 
     g = group(0, [0], n=3)
     g.samples[2].status = SampleStatus.ABORTED
@@ -171,26 +173,6 @@ class ScriptedEngine:
         self.version, self.latency, self.rng = 0, latency, random.Random(seed)
 
 
-class ScriptedManager:
-    def __init__(self, engine, tokens=3):
-        self.engine, self.tokens, self.next_id = engine, tokens, 0
-
-    def next_group(self):
-        gid, self.next_id = self.next_id, self.next_id + 1
-        return gid, self._generate(gid)
-
-    async def _generate(self, gid):
-        samples = [Sample(prompt_tokens=[0, 1], group_id=gid, index=i) for i in range(2)]
-        slow = 8 if self.engine.rng.random() < 0.2 else 1  # a straggler now and then, to tempt overtaking
-        for _ in range(self.tokens):
-            await asyncio.sleep(slow * self.engine.rng.uniform(0, self.engine.latency))
-            for s in samples:
-                s.append_response([2], [-1.0], self.engine.version)
-        for i, s in enumerate(samples):
-            s.reward = float(i)
-        return Group(group_id=gid, samples=samples)
-
-
 class ScriptedTrainer:
     def __init__(self):
         self.version, self.trained_versions = 0, []
@@ -201,26 +183,6 @@ class ScriptedTrainer:
         return {"weights/version": float(self.version)}
 
 
-class ScriptedFleet:
-    def __init__(self):
-        self.calls = []
-
-    def pause_generation(self, mode="retract"):
-        self.calls.append(("pause", mode))
-
-    def continue_generation(self):
-        self.calls.append(("continue",))
-
-
-class ScriptedBridge:
-    def __init__(self, engine):
-        self.engine, self.versions = engine, []
-
-    def sync(self, version):
-        self.engine.version = version
-        self.versions.append(version)
-
-
 def run_scripted(tmp_path, *, max_staleness, interval=1, steps=12, groups_per_step=2, latency=0.02, seed=0,
                  stale_policy="keep"):
     engine = ScriptedEngine(latency, seed)
@@ -229,8 +191,8 @@ def run_scripted(tmp_path, *, max_staleness, interval=1, steps=12, groups_per_st
                            buffer=RolloutBuffer(groups_per_step=groups_per_step, stale_policy=stale_policy))
     trainer, fleet, bridge = ScriptedTrainer(), ScriptedFleet(), ScriptedBridge(engine)
     logger = MetricsLogger(tmp_path / f"m{max_staleness}_{interval}_{seed}.jsonl")
-    asyncio.run(run_loop(num_steps=steps, stream=stream, trainer=trainer, fleet=fleet, phases=Disaggregated(bridge),
-                         loss_cfg=LossConfig(), logger=logger, pause_mode="abort"))
+    parts = LoopParts(stream=stream, trainer=trainer, fleet=fleet, phases=Disaggregated(bridge), logger=logger)
+    asyncio.run(run_loop(parts, num_steps=steps, loss_cfg=LossConfig(), pause_mode="abort"))
     return trainer, bridge, fleet, read_metrics(logger.path)
 
 
@@ -282,9 +244,10 @@ def test_a_rollout_function_error_reaches_the_loop_and_stops_every_group(tmp_pat
 
     async def main():
         with pytest.raises(RuntimeError, match="group 3"):
-            await run_loop(num_steps=10, stream=stream, trainer=ScriptedTrainer(), fleet=ScriptedFleet(),
-                           phases=Disaggregated(ScriptedBridge(engine)), loss_cfg=LossConfig(),
-                           logger=MetricsLogger(tmp_path / "m.jsonl"))
+            await run_loop(LoopParts(stream=stream, trainer=ScriptedTrainer(), fleet=ScriptedFleet(),
+                                     phases=Disaggregated(ScriptedBridge(engine)),
+                                     logger=MetricsLogger(tmp_path / "m.jsonl")),
+                           num_steps=10, loss_cfg=LossConfig())
         assert not stream._tasks and stream._producer.done()
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         assert not pending, pending
@@ -293,7 +256,7 @@ def test_a_rollout_function_error_reaches_the_loop_and_stops_every_group(tmp_pat
 
 
 class FailsSome(ScriptedManager):
-    """Groups whose id is in `failing` come back failed, as glue.rollout.RolloutManager returns them when the
+    """Groups whose id is in `failing` come back failed, as glue.rollout.manager.RolloutManager returns them when the
     user's function raises or times out: every sample FAILED, `error` set."""
 
     def __init__(self, engine, failing):
@@ -315,8 +278,9 @@ def run_failing(tmp_path, failing, *, steps=6, max_staleness=1):
     stream = RolloutStream(manager=FailsSome(engine, failing), gate=gate, buffer=RolloutBuffer(groups_per_step=4),
                            max_groups=steps * 4, max_failed_frac=0.5)
     trainer, logger = ScriptedTrainer(), MetricsLogger(tmp_path / "failing.jsonl")
-    asyncio.run(run_loop(num_steps=steps, stream=stream, trainer=trainer, fleet=ScriptedFleet(),
-                         phases=Disaggregated(ScriptedBridge(engine)), loss_cfg=LossConfig(), logger=logger))
+    parts = LoopParts(stream=stream, trainer=trainer, fleet=ScriptedFleet(),
+                      phases=Disaggregated(ScriptedBridge(engine)), logger=logger)
+    asyncio.run(run_loop(parts, num_steps=steps, loss_cfg=LossConfig()))
     return stream, trainer, read_metrics(logger.path)
 
 
@@ -338,7 +302,7 @@ def test_with_colocated_placement_the_weight_transfer_is_timed_as_sync_not_rollo
     """Colocated placement moves the weights when it hands the devices back to the engines; that is sync time."""
     import time
 
-    from glue.colocation import Colocated
+    from glue.loop.colocation import Colocated
 
     engine = ScriptedEngine(0.0, 0)
 
@@ -360,8 +324,8 @@ def test_with_colocated_placement_the_weight_transfer_is_timed_as_sync_not_rollo
     stream = RolloutStream(manager=ScriptedManager(engine), gate=gate, buffer=RolloutBuffer(groups_per_step=1),
                            max_groups=3)
     logger = MetricsLogger(tmp_path / "colocated.jsonl")
-    asyncio.run(run_loop(num_steps=3, stream=stream, trainer=trainer, fleet=ScriptedFleet(), phases=phases,
-                         loss_cfg=LossConfig(), logger=logger))
+    parts = LoopParts(stream=stream, trainer=trainer, fleet=ScriptedFleet(), phases=phases, logger=logger)
+    asyncio.run(run_loop(parts, num_steps=3, loss_cfg=LossConfig()))
     records = read_metrics(logger.path)
     assert all(r["time/sync_s"] >= 0.3 and r["time/rollout_s"] < 0.3 for r in records), records
     assert engine.version == 3

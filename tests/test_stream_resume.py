@@ -3,31 +3,10 @@
 them train over-stale (stale_policy keep) or be dropped (drop)."""
 import asyncio
 
-from glue.buffer import RolloutBuffer
-from glue.staleness import StalenessGate
-from glue.stream import RolloutStream
-
-
-class HangingGroups:
-    """A rollout manager whose groups never finish (they are still generating when the checkpoint is taken)."""
-
-    partial_rollouts = "resume"
-
-    def __init__(self):
-        self.groups_drawn, self._reissue = 0, []
-
-    def next_group(self):
-        if self._reissue:
-            group_id = self._reissue.pop(0)
-        else:
-            group_id, self.groups_drawn = self.groups_drawn, self.groups_drawn + 1
-        return group_id, asyncio.Event().wait()
-
-    def partial_samples(self, ids):
-        return {}
-
-    def resume(self, groups_drawn, reissue, partial):
-        self.groups_drawn, self._reissue = groups_drawn, list(reissue)
+from glue.loop.buffer import RolloutBuffer
+from glue.loop.staleness import StalenessGate
+from glue.loop.stream import RolloutStream
+from helpers.managers import HangingGroups
 
 
 def stream_at(version: int) -> RolloutStream:

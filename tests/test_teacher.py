@@ -3,7 +3,8 @@ and a teacher that solves the echo task by construction."""
 import pytest
 import torch
 
-from glue.teacher import TeacherConfig, build_teacher_model
+from glue.rewards.config import TeacherConfig
+from glue.rewards.teacher import build_teacher_model
 from launch.config import ConfigError, load_config
 
 

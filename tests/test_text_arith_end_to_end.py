@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from glue.metrics import read_metrics
+from glue.metrics.logger import read_metrics
 from launch.config import load_config
 from launch.runner import run
-from test_end_to_end import live_children
-from test_resume import expand
+from helpers.processes import live_children
+from helpers.runs import expand
 
 
 def first_token_mod4(response_text, label, sample):

@@ -63,7 +63,7 @@ def test_autotokenizer_encodes_like_the_trained_tokenizer_file(text_model_dir, t
 
 
 def test_tiny_text_model_is_the_same_for_a_seed_and_differs_across_seeds(tmp_path):
-    from glue.tiny_text_model import save_tiny_text_model
+    from glue.embedded_engine.tiny_text_model import save_tiny_text_model
 
     a, b, c = (Path(save_tiny_text_model(tmp_path / name, seed=seed)) for name, seed in [("a", 3), ("b", 3), ("c", 4)])
     for name in ["tokenizer.json", "model.safetensors", "config.json"]:
@@ -208,7 +208,7 @@ def test_skip_lands_where_next_would_and_tokenizes_nothing_without_a_limit(arith
 
 def test_a_resumed_rollout_manager_draws_the_same_prompts(arith_path, text_model_dir):
     """The rollout manager's resume re-reads prompts(seed) and re-issues drawn-but-untrained groups."""
-    from glue.rollout import RolloutManager
+    from glue.rollout.manager import RolloutManager
 
     def manager():
         return RolloutManager(function_path="rollout_fns.single_turn:generate_group",
@@ -241,7 +241,7 @@ class ScriptedClient:
                                                 ("}{garbage", 0.0)])
 def test_a_rollout_step_decodes_responses_and_scores_them_against_the_label(tmp_path, text_model_dir, tokenizer,
                                                                             answer_text, score):
-    from glue.rollout import RolloutManager
+    from glue.rollout.manager import RolloutManager
 
     path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": "What is 12+7?", "answer": "19"})])
     manager = RolloutManager(function_path="rollout_fns.single_turn:generate_group",
@@ -276,7 +276,7 @@ def test_a_tokenizer_without_a_chat_template_needs_apply_chat_template_off(tmp_p
 
 
 def test_tiny_text_model_refuses_a_vocabulary_smaller_than_the_bytes(tmp_path):
-    from glue.tiny_text_model import save_tiny_text_model
+    from glue.embedded_engine.tiny_text_model import save_tiny_text_model
 
     with pytest.raises(ValueError, match="vocab_size must be >= 260"):
         save_tiny_text_model(tmp_path / "m", vocab_size=128)

@@ -2,30 +2,10 @@
 same copy from Ray's object store (the driver funnel: world-size copies of every batch through one process)."""
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 
-from test_trainer_megatron import make_batch
-
-
-@contextlib.contextmanager
-def serialised_bytes():
-    """Bytes this process hands to Ray's serializer (task arguments and ray.put alike) inside the block."""
-    from ray._private.serialization import SerializationContext
-
-    original, counted = SerializationContext.serialize, []
-
-    def counting(self, value):
-        out = original(self, value)
-        counted.append(out.total_bytes)
-        return out
-
-    SerializationContext.serialize = counting
-    try:
-        yield counted
-    finally:
-        SerializationContext.serialize = original
+from helpers.trainer import make_batch, serialised_bytes
 
 
 @pytest.fixture(scope="module")

@@ -8,34 +8,11 @@ import torch
 
 from glue.trainer.config import TrainerConfig
 from glue.trainer.packing import MicroBatch, first_fit_decreasing, packed_plan, plan_micro_batches
-from glue.types import Sample, TrainBatch
+from glue.types import TrainBatch
 from loss import LossConfig
+from helpers.packing import LOSS, PROMPT_LEN, RESPONSE_LENS, real_positions, spread_batch
 
-# 6..60 tokens: lengths spread 10x, as agent rollouts are
-PROMPT_LEN = 3
-RESPONSE_LENS = [57, 3, 20, 9, 41, 5, 14, 30]
 BUDGET = 64  # rows of up to 64 tokens: several samples share a row
-# sequence-level ratio and aggregation, KL to a reference model and an entropy bonus: every per-sequence and
-# per-token input of the loss goes through the packing
-LOSS = dict(policy_loss="gspo", aggregation="seq_mean_token_mean", kl_loss_coef=0.05, entropy_coef=0.01)
-
-
-def spread_batch(response_lens: list[int] = RESPONSE_LENS, seed: int = 5) -> TrainBatch:
-    """Samples of random tokens with the given response lengths, rewards 0, 1, ... (advantage = reward - mean)."""
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, n in enumerate(response_lens):
-        tokens = torch.randint(2, 32, (PROMPT_LEN + n,), generator=gen).tolist()
-        s = Sample(prompt_tokens=tokens[:PROMPT_LEN], reward=float(i), index=i)
-        s.append_response(tokens[PROMPT_LEN:], (-1.0 - torch.rand(n, generator=gen)).tolist(), version=0)
-        samples.append(s)
-    mean = (len(samples) - 1) / 2
-    return TrainBatch.from_samples(samples, [float(i) - mean for i in range(len(samples))])
-
-
-def real_positions(batch: TrainBatch) -> torch.Tensor:
-    """Positions whose target token t+1 belongs to the same sample."""
-    return torch.arange(batch.tokens.shape[1])[None, :] < torch.tensor(batch.seq_lens)[:, None] - 1
 
 
 def sample_tokens(batch: TrainBatch) -> torch.Tensor:
@@ -126,7 +103,7 @@ def test_thd_params_for_transformer_engine_start_a_sequence_wherever_the_id_chan
 def _packed_and_padded_scenario(model_dir: str) -> dict:
     """The same batch through a padded and a packed worker: logprobs and entropy, one train step's metrics and raw
     gradients (no clipping), logprobs after the step, and the shape of every forward."""
-    from test_trainer_old_logprobs import start_worker, stop_worker
+    from helpers.trainer_process import start_worker, stop_worker
 
     batch = spread_batch()
     out = {}
@@ -147,7 +124,7 @@ def _packed_and_padded_scenario(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def packed_and_padded(tiny_model_dir) -> dict:
-    from test_trainer_old_logprobs import run_in_trainer_process
+    from helpers.trainer_process import run_in_trainer_process
 
     return run_in_trainer_process(_packed_and_padded_scenario, tiny_model_dir)
 
@@ -185,7 +162,7 @@ def _isolation_scenario(model_dir: str) -> dict:
     from megatron.core.models.common.embeddings import rope_utils
 
     from glue.trainer.packing import packed_plan
-    from test_trainer_old_logprobs import start_worker, stop_worker
+    from helpers.trainer_process import start_worker, stop_worker
 
     batch = spread_batch()
     rows = [row for rank in packed_plan(batch.seq_lens, slice(0, 8), BUDGET, 1) for mb in rank for row in mb]
@@ -210,7 +187,7 @@ def _isolation_scenario(model_dir: str) -> dict:
 
 
 def test_changing_one_sample_leaves_the_next_sample_in_its_packed_row_unchanged(tiny_model_dir):
-    from test_trainer_old_logprobs import run_in_trainer_process
+    from helpers.trainer_process import run_in_trainer_process
 
     out = run_in_trainer_process(_isolation_scenario, tiny_model_dir)
     a, b = out["a"], out["b"]
@@ -235,7 +212,7 @@ def test_packed_rows_over_two_expert_parallel_ranks_train_like_one_padded_rank(t
     # micro-batch, and under EP=2 each micro-batch is padded to the other rank's shape, because every forward's
     # token all-gather concatenates equal shares. Unequal counts or shapes would fail the collective or hang.
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from test_trainer_megatron import run_trainer_ranks
+    from helpers.trainer import run_trainer_ranks
 
     batch = spread_batch(RESPONSE_LENS + [50])
     model = save_tiny_model(str(tmp_path_factory.mktemp("moe_packed")), family="qwen3_moe", seed=3)

@@ -7,29 +7,9 @@ import pytest
 import torch
 
 from glue.embedded_engine.tiny_model import save_tiny_model
-from test_trainer_megatron import make_batch, run_trainer_ranks
+from helpers.trainer import ADAM, assert_same_step, make_batch, run_trainer_ranks
 
 pytestmark = pytest.mark.slow
-
-# Adam's first step moves a weight by lr * g / (|g| + eps): with a tiny eps, gradients at rounding level (which
-# differ between layouts in their last bits) move weights by up to lr either way. A larger eps keeps the comparison
-# of updated weights about the gradients, not their rounding.
-ADAM = {"adam_eps": 1e-5}
-
-
-def assert_same_step(one: dict, many: dict, what: str) -> None:
-    """`many` (a parallel layout) trained exactly like `one` (a single rank), up to float rounding."""
-    m1, m2 = one["metrics"], many["metrics"]
-    assert m1["weights/version"] == m2["weights/version"] == 1.0
-    for name in ("train/loss", "train/pg_loss", "train/clipfrac", "train/entropy"):
-        assert abs(m1[name] - m2[name]) < 1e-6, f"{what}: {name} {m2[name]} != {m1[name]}"
-    assert abs(m1["train/grad_norm"] - m2["train/grad_norm"]) < 1e-5 * max(1.0, m1["train/grad_norm"]), \
-        f"{what}: grad norm {m2['train/grad_norm']} != {m1['train/grad_norm']}"
-    assert (many["before"] - one["before"]).abs().max().item() < 1e-5, f"{what}: logprobs before the step differ"
-    assert (many["after"] - one["after"]).abs().max().item() < 1e-5, f"{what}: logprobs after the step differ"
-    assert list(many["weights"]) == list(one["weights"]), f"{what}: gathered HF names differ"
-    for name, w1 in one["weights"].items():
-        assert (many["weights"][name] - w1).abs().max().item() < 1e-5, f"{what}: {name}"
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import pytest
 
 from glue.embedded_engine.tiny_model import save_tiny_model
 from glue.trainer.config import TrainerConfig
-from test_trainer_megatron import make_batch, run_trainer_ranks
-from test_trainer_parallel import ADAM, assert_same_step
+from helpers.trainer import ADAM, assert_same_step, make_batch, run_trainer_ranks
 
 
 def test_pipeline_parallelism_is_accepted_but_context_parallelism_says_what_it_would_take():

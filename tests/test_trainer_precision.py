@@ -9,8 +9,8 @@ import torch
 from glue.embedded_engine.tiny_model import save_tiny_model
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_trainer_megatron import make_batch, run_trainer_ranks
-from test_trainer_old_logprobs import run_in_trainer_process, start_worker, stop_worker
+from helpers.trainer import make_batch, run_trainer_ranks
+from helpers.trainer_process import run_in_trainer_process, start_worker, stop_worker
 
 
 # ---- config: what is refused before any rank starts ----
@@ -227,7 +227,7 @@ def _resume_main(rank: int, world: int, ports: tuple[int, int], model: str, cfg:
     import pickle
 
     from glue.trainer.worker import TrainerWorker
-    from test_trainer_megatron import make_batch
+    from helpers.trainer import make_batch
 
     def state(w) -> dict:
         part = w.training.optimizer.chained_optimizers[0]
@@ -259,7 +259,7 @@ def test_a_bf16_run_resumes_exactly_with_its_sharded_main_weights_adam_state_and
     so a resumed bf16 run continues bit for bit (weights, main weights, warm-up position)."""
     import multiprocessing as mp
 
-    from test_trainer_megatron import _free_port, results_of_ranks
+    from helpers.trainer import _free_port, results_of_ranks
 
     model = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
     cfg = TrainerConfig(lr=1e-2, precision="bf16", data_parallel_size=2, micro_batch_size=3, lr_warmup_steps=3,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_trainer_old_logprobs import run_in_trainer_process, start_worker, stop_worker, with_versions
+from helpers.trainer_process import run_in_trainer_process, start_worker, stop_worker, with_versions
 
 NOISE = 0.6  # the engine's gate weights differ by this much noise (x their std): a few % of routings change
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import free_port
-from test_embedded_engine import call, generate, teacher_forced_logprobs
+from helpers.engines import call, generate, teacher_forced_logprobs
 from weight_sync.broadcast import dtype_to_str, receive_tensors, send_tensors, str_to_dtype
 from weight_sync.process_group import create_process_group, destroy_process_group
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glue.config import SyncConfig
+from glue.loop.config import SyncConfig
 from weight_sync.bridge import WeightSyncError, make_bridge
 from weight_sync.buckets import pack_bucket, plan_buckets, unpack_bucket
 from weight_sync.delta import (DELTA_LOAD_FORMAT, INDEX_SUFFIX, VALUES_SUFFIX, apply_delta, delta_layout,
                                delta_nbytes, delta_tensors, diff_bucket)
 from weight_sync.engine_calls import weight_checksums
-from weight_sync.source import LocalWeightSource, tensor_checksum
+from weight_sync.buckets import tensor_checksum
+from weight_sync.sender import LocalWeightSource
 
 
 def packed(tensors: dict[str, torch.Tensor]):
@@ -210,7 +211,7 @@ def test_delta_sync_is_refused_before_any_weight_moves_for_engines_that_cannot_a
         SyncConfig(transport="ipc", delta=True)
     # SGLang 0.5.x's /update_weights_from_distributed never reaches a custom loader: the strict stand-in refuses a
     # delta bucket's request outright rather than receiving tensors it would hand to the model's own loader
-    from test_embedded_engine import call
+    from helpers.engines import call
 
     assert call(strict, "/begin_weight_update", {})[0] == 200
     status, answer = call(strict, "/update_weights_from_distributed", {

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from glue.config import SyncConfig
+from glue.loop.config import SyncConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_trainer_megatron import make_batch
+from helpers.trainer import make_batch
 from weight_sync.bridge import make_bridge
 from weight_sync.engine_calls import weight_checksums
 
@@ -55,7 +55,7 @@ def test_delta_syncs_after_training_steps_leave_a_bf16_engine_bit_identical_to_t
             assert 0 < figures["delta_changed_frac"] < 1
             assert figures["bytes_sent"] < figures["bytes_full"]
         full = bf16_trainer.full_hf_state()
-        from weight_sync.source import tensor_checksum
+        from weight_sync.buckets import tensor_checksum
 
         assert weight_checksums(url, 30) == {n: tensor_checksum(t) for n, t in full.items()}
     finally:

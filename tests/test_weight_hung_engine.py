@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from glue.config import SyncConfig
-from glue.fleet import RolloutFleet
-from test_embedded_engine import call
+from glue.loop.config import SyncConfig
+from glue.fleet.fleet import RolloutFleet
+from helpers.engines import call
 from weight_sync.bridge import make_bridge
-from weight_sync.source import LocalWeightSource
+from weight_sync.sender import LocalWeightSource
 
 
 class RecordingSource(LocalWeightSource):
@@ -43,13 +43,13 @@ def test_a_hung_engine_is_removed_from_the_broadcast_group_and_the_rebuilt_group
         bridge = make_bridge(SyncConfig(transport="broadcast", verify="checksum", timeout_s=60.0), source=source,
                              engine_urls=list(fleet.engine_urls))
         bridge.sync(1)
-        first_group = next(iter(source._source.channels))
+        first_group = next(iter(source._sender.channels))
         os.kill(hung, signal.SIGSTOP)
         t0 = time.monotonic()
         bridge.remove_engine(fleet.engine_urls[0])
         assert time.monotonic() - t0 < 30, "removing a hung engine waited out the weight group's timeout"
         assert bridge.engine_urls == [fleet.engine_urls[1]]
-        assert first_group in source.closed and first_group not in source._source.channels
+        assert first_group in source.closed and first_group not in source._sender.channels
         assert bridge.sync(2) and call(fleet.engine_urls[1], "/model_info")[1]["weight_version"] == "2"
         assert bridge.last_sync["left_behind"] == 1.0  # the hung engine's side of the group: counted, not hidden
         late = fleet.add_engine(prepare=bridge.add_engine)
@@ -58,7 +58,7 @@ def test_a_hung_engine_is_removed_from_the_broadcast_group_and_the_rebuilt_group
         assert [call(u, "/model_info")[1]["weight_version"] for u in bridge.engine_urls] == ["3", "3"]
         bridge.close()
         bridge = None
-        assert "" not in source.closed and not source._source.channels
+        assert "" not in source.closed and not source._sender.channels
     finally:
         os.kill(hung, signal.SIGCONT)
         if bridge is not None:

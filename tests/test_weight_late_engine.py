@@ -7,12 +7,13 @@ import os
 import pytest
 import torch
 
-from glue.config import SyncConfig
-from glue.fleet import RolloutFleet
-from test_embedded_engine import call
+from glue.loop.config import SyncConfig
+from glue.fleet.fleet import RolloutFleet
+from helpers.engines import call
 from weight_sync.bridge import WeightSyncError, make_bridge
 from weight_sync.engine_calls import weight_checksums
-from weight_sync.source import LocalWeightSource, tensor_checksum
+from weight_sync.buckets import tensor_checksum
+from weight_sync.sender import LocalWeightSource
 
 
 def source_sums(source: LocalWeightSource) -> dict[str, str]:

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from glue.config import SyncConfig
+from glue.loop.config import SyncConfig
 from glue.embedded_engine.tiny_model import save_tiny_model
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from weight_sync.bridge import WeightSyncError, make_bridge
 from weight_sync.engine_calls import post_json, weight_checksums
-from weight_sync.sources import ParallelBroadcastTransport, interleave
+from weight_sync.parallel import ParallelBroadcastTransport, interleave
 
 BUCKET = 12 << 10  # several buckets per source
 

@@ -9,13 +9,12 @@ import time
 import pytest
 import torch
 
-import weight_sync.broadcast
-import weight_sync.source
-from glue.config import SyncConfig
-from test_embedded_engine import call
+import weight_sync.channels
+from glue.loop.config import SyncConfig
+from helpers.engines import call
 from weight_sync.bridge import make_bridge
 from weight_sync.buckets import pipeline_bucket_bytes
-from weight_sync.source import LocalWeightSource
+from weight_sync.sender import LocalWeightSource
 from weight_sync.verify import check_full
 
 
@@ -35,14 +34,14 @@ def random_source(tiny_model_dir: str, seed: int) -> LocalWeightSource:
 def sent_buckets(monkeypatch) -> list[tuple[int, int]]:
     """(data pointer, bytes) of every bucket the source broadcasts, in order."""
     seen: list[tuple[int, int]] = []
-    broadcast = weight_sync.broadcast.broadcast_bucket
+    broadcast = weight_sync.channels.broadcast_bucket
 
     def recording(group, flat, src=0, wait=True):
         if group.rank == 0:
             seen.append((flat.data_ptr(), flat.numel()))
         return broadcast(group, flat, src, wait)
 
-    monkeypatch.setattr(weight_sync.broadcast, "broadcast_bucket", recording)
+    monkeypatch.setattr(weight_sync.channels, "broadcast_bucket", recording)
     return seen
 
 
@@ -71,7 +70,7 @@ def test_a_pipelined_sync_packs_only_into_its_two_preallocated_buffers_bucket_af
     bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=40_000), source=source, engine_urls=[engine],
                          pipeline=True)
     try:
-        (channel,) = source._source.channels.values()
+        (channel,) = source._sender.channels.values()
         buffers = [b.data_ptr() for b in channel.buffers]
         seen = sent_buckets(monkeypatch)
         for version in (1, 2, 3):
@@ -90,9 +89,9 @@ def test_a_streamed_broadcast_channel_keeps_one_buffer_even_when_pipelined(monke
     """A streaming source (the trainer's) brings each bucket's tensors with its send, and the broadcast ends before
     the send returns, so a second buffer would never be used: the channel holds one, and every bucket goes out of
     it. A weight group of the source alone (world size 1) stands in for the engines."""
-    from test_trainer_megatron import _free_port
+    from helpers.trainer import _free_port
     from weight_sync.buckets import plan_buckets
-    from weight_sync.source import BucketSource
+    from weight_sync.sender import BucketSender
 
     tensors = {f"w{i}": torch.full((1000,), float(i)) for i in range(4)}
     layouts = plan_buckets([(n, "float32", (1000,)) for n in tensors], 4000)
@@ -100,7 +99,7 @@ def test_a_streamed_broadcast_channel_keeps_one_buffer_even_when_pipelined(monke
             "master_address": "127.0.0.1", "master_port": _free_port(), "world_size": 1, "group_name": "streamed",
             "backend": "gloo", "timeout_s": 30}
     seen = sent_buckets(monkeypatch)
-    source = BucketSource()
+    source = BucketSender()
     try:
         source.open_channel("streamed", spec, streamed=True)
         channel = source.channels["streamed"]
@@ -116,7 +115,7 @@ def test_a_streamed_broadcast_channel_keeps_one_buffer_even_when_pipelined(monke
 def test_a_packing_failure_mid_pipeline_raises_once_and_leaves_no_thread_or_engine_stuck(engine, tiny_model_dir,
                                                                                        monkeypatch):
     source = random_source(tiny_model_dir, 13)
-    pack = weight_sync.source.pack_bucket
+    pack = weight_sync.channels.pack_bucket
 
     def failing_at_bucket_3(layout, tensors, out):
         if layout.index == 3:
@@ -128,13 +127,13 @@ def test_a_packing_failure_mid_pipeline_raises_once_and_leaves_no_thread_or_engi
                          engine_urls=[engine], pipeline=True)
     try:
         bridge.sync(1)
-        monkeypatch.setattr(weight_sync.source, "pack_bucket", failing_at_bucket_3)
+        monkeypatch.setattr(weight_sync.channels, "pack_bucket", failing_at_bucket_3)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"^packing bucket 3 failed \(injected\)$"):
             bridge.sync(2)
         assert time.monotonic() - t0 < 20  # surfaced at once, not after a collective's 60 s timeout
         assert call(engine, "/model_info")[1]["weight_version"] == "1"  # the failed sync tagged nothing
-        monkeypatch.setattr(weight_sync.source, "pack_bucket", pack)
+        monkeypatch.setattr(weight_sync.channels, "pack_bucket", pack)
         bridge.sync(3)  # the same group carries the next sync: nobody was left inside a collective
         assert call(engine, "/model_info")[1]["weight_version"] == "3"
     finally:

@@ -13,14 +13,14 @@ import torch
 from glue.embedded_engine.tiny_model import save_tiny_model
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_trainer_megatron import _free_port, results_of_ranks
+from helpers.trainer import _free_port, results_of_ranks
 
 BUCKET_BYTES = 12 << 10  # small buckets: several per stage, and fused q/k/v split across two of them
 
 
 def _stream_rank(rank: int, world: int, port: int, model_path: str, cfg: TrainerConfig, bucket_bytes: int,
                  results) -> None:
-    from glue.trainer.weight_stream import TrainerWeightSource
+    from glue.trainer.weight_stream import TrainerWeightSender
     from glue.trainer.worker import TrainerWorker
     from tensor_census import TensorCensus
     from weight_sync.buckets import plan_buckets
@@ -29,7 +29,7 @@ def _stream_rank(rank: int, world: int, port: int, model_path: str, cfg: Trainer
     worker.initialize("127.0.0.1", port)
     whole = worker.full_hf_state()
     layouts = plan_buckets(worker.hf_weight_specs(), bucket_bytes)
-    source = TrainerWeightSource(worker.model, worker.hf_config, worker.place)
+    source = TrainerWeightSender(worker.model, worker.hf_config, worker.place)
     source.bucket_names["test"] = [list(layout.names) for layout in layouts]
     source.stage(worker.version, with_tensor_checksums=False)
     streamed, left_over, census = {}, 0, TensorCensus()

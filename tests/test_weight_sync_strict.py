@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from glue.config import SyncConfig
-from test_embedded_engine import call
-from test_weight_transports import hf_model, max_logprob_diff, source_of
+from glue.loop.config import SyncConfig
+from helpers.engines import call
+from helpers.weights import hf_model, max_logprob_diff, source_of
 from weight_sync.bridge import WeightSyncError, make_bridge
 from weight_sync.transports import BroadcastTransport
 
@@ -79,7 +79,7 @@ def test_an_update_outside_the_session_is_refused_at_once_with_sglangs_message(s
             transport.transfer([engine], "3")
         assert time.perf_counter() - t0 < 15
         assert transport.groups == {}  # the broken group was dropped, its source side closed
-        assert source._source.channels == {}
+        assert source._sender.channels == {}
     finally:
         transport.close()
     assert call(engine, "/model_info", method="GET")[1]["weight_version"] != "3"

@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from glue.config import SyncConfig
+from glue.loop.config import SyncConfig
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_embedded_engine import generate
-from test_trainer_megatron import make_batch
+from helpers.engines import generate
+from helpers.trainer import make_batch
 from weight_sync.bridge import make_bridge
 
 PROMPTS = ([3, 4, 5], [9, 2], [2, 7, 7, 1])

@@ -7,7 +7,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name in ("make_bridge", "WeightBridge", "WeightSyncError"):
-        from weight_sync import bridge
+        from weight_sync import bridge  # lazy: its modules import torch; weight_sync.config must load without it
 
         return getattr(bridge, name)
     raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")

@@ -9,8 +9,10 @@ import time
 from typing import Any, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, pipeline_bucket_bytes, plan_buckets, spec_bytes
+from weight_sync.config import BridgeConfig
 from weight_sync.engine_calls import (WeightSyncError, admin_key, begin_update_session, end_update_session,
                                      engine_capabilities, post_json, run_together)
+from weight_sync.parallel import ParallelBroadcastTransport
 from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
                                     free_port)
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
@@ -26,7 +28,7 @@ class WeightBridge:
     `api_key` / `admin_api_key`: the engines' SGLang keys, when they were started with them. `pipeline`: buckets
     of the size that lets packing overlap the wire (`pipeline_bucket_bytes`, at most `bucket_bytes`); off: buckets
     of `bucket_bytes`, packed and sent one after the other. `sources`: "parallel" plans each source's buckets apart
-    and sends them through a group per source (`weight_sync.sources`; the source must offer `weight_source_plan`),
+    and sends them through a group per source (`weight_sync.parallel`; the source must offer `weight_source_plan`),
     "one" through one group from one rank, None: parallel when the source reports more than one. `delta` (broadcast
     only): after a confirmed sync to the whole fleet, each bucket goes as its changes since then where that is
     smaller (`weight_sync.delta`); the source must offer `prepare_weight_bucket`."""
@@ -255,53 +257,53 @@ class WeightBridge:
                 "delta_changed_frac": figures.get("changed", 0.0) / max(figures.get("elements", 0.0), 1.0)}
 
 
-def make_bridge(sync_cfg: Any, *, source: WeightSource, engine_urls: Sequence[str],
+def make_bridge(cfg: BridgeConfig, *, source: WeightSource, engine_urls: Sequence[str],
                 disk_dir: str | None = None, engine_tp_size: int = 1, api_key: str | None = None,
                 admin_api_key: str | None = None, pipeline: bool | None = None) -> WeightBridge:
-    """The bridge `sync_cfg` (glue.config.SyncConfig: transport, backend, bucket_bytes, verify, ...) describes,
-    connected to every engine; each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size) and
-    was started with `api_key` / `admin_api_key` (SGLang's --api-key / --admin-api-key), if any. `pipeline`: see
-    `WeightBridge`; None: `sync_cfg.pipeline`, whose null means on with nccl and off with gloo. `sync_cfg.sources`
-    (broadcast only): one source rank, or parallel sources (weight_sync.sources); null: parallel when the source
-    reports several."""
-    transport, timeout_s = sync_cfg.transport, sync_cfg.timeout_s
+    """The bridge `cfg` (the `sync:` section, validated when it was built) describes, connected to every engine;
+    each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size) and was started with `api_key` /
+    `admin_api_key` (SGLang's --api-key / --admin-api-key), if any. `pipeline`: see `WeightBridge`; None:
+    `cfg.pipeline`, whose null means on with nccl and off with gloo. `cfg.sources` (broadcast only): one source
+    rank, or parallel sources (weight_sync.parallel); null: parallel when the source reports several. `disk_dir`:
+    where the disk transport writes when `cfg.disk_dir` is null."""
     if pipeline is None:
-        pipeline = getattr(sync_cfg, "pipeline", None)
-        pipeline = sync_cfg.backend == "nccl" if pipeline is None else pipeline
-    key = admin_key(api_key, admin_api_key)  # every weight route is an admin route
-    sources = getattr(sync_cfg, "sources", None)
-    delta = bool(getattr(sync_cfg, "delta", False))
-    if delta and transport != "broadcast":
-        raise ValueError(f"sync.delta: true needs sync.transport: broadcast (got {transport!r}); set sync.delta: false")
-    pipeline = pipeline and not delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
-    if transport == "broadcast":
-        def make(src, layouts, with_checksum, pipeline, parts=None):
-            options = dict(backend=sync_cfg.backend, master_address=sync_cfg.master_address,
-                           with_checksum=with_checksum, timeout_s=timeout_s, ranks_per_engine=engine_tp_size, key=key,
-                           pipeline=pipeline)
-            if parts is not None:
-                from weight_sync.sources import ParallelBroadcastTransport
-
-                return ParallelBroadcastTransport(src, parts, **options)
-            return BroadcastTransport(src, layouts, **options)
-    elif sources == "parallel":
-        raise ValueError(f"sync.sources: parallel needs sync.transport: broadcast (got {transport!r}); use one")
-    elif transport == "ipc":
-        def make(src, layouts, with_checksum, pipeline):
-            return IpcTransport(src, layouts, device="cuda" if sync_cfg.backend == "nccl" else "cpu",
-                                with_checksum=with_checksum, timeout_s=timeout_s, key=key, pipeline=pipeline,
-                                ranks_per_engine=engine_tp_size)
-    elif transport == "disk":
-        def make(src, layouts, with_checksum, pipeline):
-            return DiskTransport(src, layouts, directory=getattr(sync_cfg, "disk_dir", None) or disk_dir,
-                                 with_checksum=with_checksum, timeout_s=timeout_s, key=key)
-    else:
-        raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {transport!r}")
-    bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=sync_cfg.bucket_bytes,
-                          verify=sync_cfg.verify, timeout_s=timeout_s, api_key=api_key, admin_api_key=admin_api_key,
-                          pipeline=pipeline, sources=sources if transport == "broadcast" else "one", delta=delta)
+        pipeline = cfg.backend == "nccl" if cfg.pipeline is None else cfg.pipeline
+    pipeline = pipeline and not cfg.delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
+    options = dict(timeout_s=cfg.timeout_s, key=admin_key(api_key, admin_api_key))  # every weight route is admin
+    make = TRANSPORT_MAKERS[cfg.transport](cfg, options, engine_tp_size, disk_dir)
+    bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=cfg.bucket_bytes, verify=cfg.verify,
+                          timeout_s=cfg.timeout_s, api_key=api_key, admin_api_key=admin_api_key, pipeline=pipeline,
+                          sources=cfg.sources if cfg.transport == "broadcast" else "one", delta=cfg.delta)
     bridge.connect()
     return bridge
+
+
+def _broadcast_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size: int, disk_dir: str | None) -> Any:
+    """(source, layouts, with_checksum, pipeline, parts) -> a broadcast transport, parallel when `parts` is given."""
+    def make(src, layouts, with_checksum, pipeline, parts=None):
+        broadcast = dict(backend=cfg.backend, master_address=cfg.master_address, with_checksum=with_checksum,
+                         ranks_per_engine=engine_tp_size, pipeline=pipeline, **options)
+        if parts is not None:
+            return ParallelBroadcastTransport(src, parts, **broadcast)
+        return BroadcastTransport(src, layouts, **broadcast)
+    return make
+
+
+def _ipc_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size: int, disk_dir: str | None) -> Any:
+    def make(src, layouts, with_checksum, pipeline):
+        return IpcTransport(src, layouts, device="cuda" if cfg.backend == "nccl" else "cpu",
+                            with_checksum=with_checksum, pipeline=pipeline, ranks_per_engine=engine_tp_size, **options)
+    return make
+
+
+def _disk_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size: int, disk_dir: str | None) -> Any:
+    def make(src, layouts, with_checksum, pipeline):
+        return DiskTransport(src, layouts, directory=cfg.disk_dir or disk_dir, with_checksum=with_checksum, **options)
+    return make
+
+
+# `sync.transport` -> what builds its transport for the bridge (BridgeConfig has refused any other value)
+TRANSPORT_MAKERS = {"broadcast": _broadcast_maker, "ipc": _ipc_maker, "disk": _disk_maker}
 
 
 __all__ = ["WeightBridge", "WeightSyncError", "make_bridge", "free_port", "post_json"]

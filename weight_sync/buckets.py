@@ -5,6 +5,7 @@ ends compute.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -258,3 +259,10 @@ def checksum_tensors(tensors: Sequence[torch.Tensor]) -> str:
         a, b = _byte_sums(data, offset)
         plain, weighted, offset = plain + a, weighted + b, offset + data.numel()
     return _hex((plain & _MASK, weighted & _MASK))
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """SGLang's per-tensor weights-checker hash on CPU: the first 8 bytes of SHA-256 of the bytes, as 16 hex digits
+    (verify: full compares the source's and every engine's, tensor by tensor)."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()[:16]

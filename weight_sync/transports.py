@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
+from weight_sync.broadcast import abort_key
 from weight_sync.buckets import BucketLayout
 from weight_sync.engine_calls import WeightSyncError, call_update, run_together
 
@@ -23,7 +24,7 @@ class WeightSource(Protocol):
     A source on another node may also offer `weight_channel_address() -> (node address, free port there)`: the
     broadcast group is then hosted at its own node's address, which the driver cannot know or bind. A source with
     several ranks may offer `weight_source_plan() -> [(source rank, HF names it sends), ...]` for parallel sources
-    (`weight_sync.sources`); then `weight_channel_address(rank)` and a channel spec's `source` name the rank.
+    (`weight_sync.parallel`); then `weight_channel_address(rank)` and a channel spec's `source` name the rank.
     """
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
@@ -184,9 +185,10 @@ class BroadcastTransport(_Base):
     def transfer(self, urls: Sequence[str], weight_version: str, delta: bool | None = None) -> Transfer:
         """Bucket by bucket, the source and every engine enter the bucket's broadcast together; the next bucket's
         requests go out once every engine has answered, so each engine takes them in order (a request carries no
-        bucket index). The overlap is the source's: it packs ahead of the wire (`weight_sync.source`). `delta`
-        (delta sync on; None: off): the source first chooses each bucket's form, whole or, when True and smaller,
-        its changes since the last sync (`weight_sync.delta`), and the bucket's requests announce that form."""
+        bucket index). The overlap is the source's: it packs ahead of the wire (`channels.BroadcastChannel`).
+        `delta` (delta sync on; None: off): the source first chooses each bucket's form, whole or, when True and
+        smaller, its changes since the last sync (`weight_sync.delta`), and the bucket's requests announce that
+        form."""
         if tuple(urls) not in self.groups:  # never connected, or dropped by a failed transfer: a fresh group
             self.connect(urls)
         name = self.groups[tuple(urls)]
@@ -222,8 +224,6 @@ class BroadcastTransport(_Base):
         import datetime
 
         import torch.distributed as dist
-
-        from weight_sync.broadcast import abort_key
 
         host, port = self._addresses[name]
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10),

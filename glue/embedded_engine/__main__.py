@@ -14,7 +14,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
     parser.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                         help="SGLang's flag: seed of the generator that draws each request's sampling seed (default: "
-                             "a random one, as SGLang; engines of one fleet must not share it, glue.fleet.engine_seed)")
+                             "a random one, as SGLang; engines of one fleet must not share it, glue.fleet.fleet.engine_seed)")
     parser.add_argument("--max-running-requests", type=int, default=64, help="rows decoded together at most")
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads for the model")
     parser.add_argument("--weight-version", default=None,
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from glue.embedded_engine.engine import build_engine, serve
+    from glue.embedded_engine.engine import build_engine, serve  # lazy: torch, aiohttp; launch.plan imports this module
 
     try:
         server = build_engine(model_path=args.model_path, host=args.host, port=args.port, seed=args.seed,

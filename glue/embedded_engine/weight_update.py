@@ -17,8 +17,9 @@ import torch
 from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.embedded_engine.model_runner import ModelRunner
 from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtype
-from weight_sync.buckets import BucketLayout, checksum, checksum_tensors, dtype_to_str, unpack_bucket
+from weight_sync.buckets import BucketLayout, checksum, checksum_tensors, dtype_to_str, tensor_checksum, unpack_bucket
 from weight_sync.delta import DELTA_LOAD_FORMAT, apply_delta
+from weight_sync.disk import read_checkpoint
 from weight_sync.ipc import MappedSegments, decode_shm_handle
 from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
 
@@ -269,8 +270,6 @@ class WeightReceiver:
 
     def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
-        from weight_sync.disk import read_checkpoint
-
         with self._lock:
             try:
                 named, sums = read_checkpoint(model_path)
@@ -282,8 +281,6 @@ class WeightReceiver:
     def check_weights(self, action: str) -> dict[str, Any]:
         """SGLang's `/weights_checker` answer for action "checksum": per-tensor SHA-256 prefixes of the live weights
         by checkpoint name (what the trainer sends), taken between two forwards."""
-        from weight_sync.source import tensor_checksum
-
         if action != "checksum":
             return {"success": False, "message": f"action {action!r} is not supported by the embedded engine; "
                                                  "use 'checksum'"}

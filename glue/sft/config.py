@@ -28,7 +28,7 @@ class SftConfig:
 
     def loss_config(self):
         """The trainer's loss config for this run (loss.SftLossConfig)."""
-        from loss import SftLossConfig
+        from loss import SftLossConfig  # lazy: loss imports torch, a config module must not
 
         return SftLossConfig(aggregation=self.aggregation)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from glue.checkpoint import Checkpoints
-from glue.controller import Trainer
-from glue.metrics import MetricsLogger, StepTimer
+from glue.loop.checkpoint import Checkpoints
+from glue.loop.controller import Trainer
+from glue.metrics.logger import MetricsLogger, StepTimer
 from glue.sft.data import ConversationStream
 
 MODE = "sft"  # a checkpoint's state.json says which kind of run wrote it

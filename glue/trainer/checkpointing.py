@@ -1,4 +1,4 @@
-"""One trainer rank's part of a checkpoint (glue.checkpoint writes the folder), with no gather:
+"""One trainer rank's part of a checkpoint (glue.loop.checkpoint writes the folder), with no gather:
 
 - `dist/`: the model's weights and the optimizer's state (fp32 main weights, Adam moments and step, shaped like the
   parameters: megatron's `fully_reshardable` form) in megatron-core's sharded format (`dist_checkpointing`,

@@ -14,10 +14,14 @@ from typing import Any, Callable
 
 import torch
 
+from glue.trainer import model, optim
+from glue.trainer.checkpointing import load_sharded, save_sharded
 from glue.trainer.packing import MicroBatch, split_mini_batches
 from glue.trainer.parallel import sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
 from glue.types import TrainBatch
+from loss.config import LossConfig
+from loss.value import clipped_value_loss, explained_variance, gae_targets
 
 CRITIC_DIR = "critic"
 
@@ -47,8 +51,6 @@ class ValueHead(torch.nn.Module):
 def build_value_model(hf_config: Any, model_path: str, layout: Any, build: dict[str, Any]) -> torch.nn.Module:
     """This rank's shard of the critic: the policy's GPTModel built untied (the head replaces the output layer, the
     embedding stays the trunk's own), every trunk weight from the HF checkpoint, the value head on the last stage."""
-    from glue.trainer import model
-
     untied = copy.copy(hf_config)
     untied.tie_word_embeddings = False
     critic = model.build_model(untied, **build)
@@ -71,7 +73,7 @@ class Critic:
     """The value model of one trainer rank and its training. `micro_batches(seq_lens, T, rows)` is the worker's
     plan (the same packing and DP split as the policy's); every method is collective over the trainer's ranks."""
 
-    def __init__(self, *, model: torch.nn.Module, training: Any, place: Any, device: torch.device, loss_cfg: Any,
+    def __init__(self, *, model: torch.nn.Module, training: Any, place: Any, device: torch.device, loss_cfg: LossConfig,
                  micro_batches: Callable[[list[int], int, slice], list[MicroBatch]], num_epochs: int,
                  num_mini_batches: int):
         self.model, self.training, self.place, self.device = model, training, place, device
@@ -82,8 +84,6 @@ class Critic:
     def build(cls, worker: Any, build: dict[str, Any]) -> "Critic":
         """The critic for `worker` (initialised: parallel state, place, device), with `build` the policy's
         build_model arguments, trained by Adam at trainer.critic_lr (trainer.lr when null)."""
-        from glue.trainer import optim
-
         cfg = worker.cfg
         critic = build_value_model(worker.hf_config, worker.model_path, worker.place.layout(), build)
         critic.to(worker.device)
@@ -110,8 +110,6 @@ class Critic:
     def train_step(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """Values before the update -> GAE advantages and returns; then `num_epochs` x `num_mini_batches` critic
         optimizer steps toward the returns. Returns the batch carrying the advantages and the `critic/*` metrics."""
-        from loss.value import explained_variance, gae_targets
-
         mask = batch.logprob_mask.float()
         old_values = self.values(batch)
         rewards = torch.tensor(batch.rewards, dtype=torch.float64)
@@ -133,8 +131,6 @@ class Critic:
                         ) -> dict[str, float]:
         """One critic optimizer step over `rows`: micro-batch value losses normalised by the rows' global token
         count (so the summed gradient is the mini-batch's token mean), gradients summed over DP ranks."""
-        from loss.value import clipped_value_loss
-
         mask = batch.logprob_mask.float()
         num_tokens = float(mask[rows].sum())
         self.training.zero_grad()
@@ -164,8 +160,6 @@ class Critic:
     def save(self, directory: str, rank: int) -> None:
         """Collective: the critic's weight shards and optimizer state (megatron's sharded format, reshardable like the
         policy's) into `directory`/critic/dist, and this rank's schedule into `directory`/critic/."""
-        from glue.trainer.checkpointing import save_sharded
-
         dist = os.path.join(directory, CRITIC_DIR, "dist")
         os.makedirs(dist, exist_ok=True)
         save_sharded(self.model, self.training, dist)
@@ -173,8 +167,6 @@ class Critic:
 
     def load(self, directory: str, rank: int) -> None:
         """Collective: the critic's weights and optimizer state from `directory`/critic/ at this rank's layout."""
-        from glue.trainer.checkpointing import load_sharded
-
         dist = os.path.join(directory, CRITIC_DIR, "dist")
         if not os.path.isdir(dist):
             raise FileNotFoundError(f"{directory} holds no critic ({dist} is missing): it was written by a run without "

@@ -3,24 +3,26 @@ torch.distributed group, behind blocking methods the controller and the weight b
 done."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from glue.trainer.config import TrainerConfig
+from glue.trainer.worker import TrainerWorker
 from glue.types import TrainBatch
+
+if TYPE_CHECKING:  # the driver side stays free of the loss package's torch math
+    from loss import LossConfig, SftLossConfig
 
 
 class TrainerGroup:
     """The trainer as the loop sees it: `train_step`, `compute_logprobs`, `version` (+1 per train_step), and the
     weight-source calls."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: Any,
+    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig,
                  actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
         launch.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
         versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1)."""
         import ray
-
-        from glue.trainer.worker import TrainerWorker
 
         if actor_options is not None and len(actor_options) != cfg.world_size:
             raise ValueError(f"TrainerGroup: {len(actor_options)} actor_options for {cfg.world_size} ranks")

@@ -15,6 +15,8 @@ import types
 import typing
 from typing import Any
 
+from glue.plugins import load_object
+
 # The megatron-core configs whose fields are passed through, `module:Class`, in the order their help is shown.
 MEGATRON_CONFIGS = (
     "megatron.core.model_parallel_config:ModelParallelConfig",
@@ -182,8 +184,6 @@ def _check_scalar(spec: MegatronField, value: Any, where: str) -> Any:
 def to_megatron(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     """The subset of `values` that `cls` declares, converted to the objects megatron expects (dtype, enum, object)."""
     import torch
-
-    from glue.plugins import load_object
 
     hints = typing.get_type_hints(cls)
     out = {}

@@ -14,7 +14,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from weight_sync.convert import hf_to_megatron_local, is_tied
+from glue.trainer import cpu_compat
+from glue.trainer.layer_spec import layer_spec
+from glue.trainer.megatron_fields import to_megatron
+from glue.trainer.optim import unwrap
+from weight_sync.convert import hf_to_megatron_local, is_moe_layer, is_tied, num_experts
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
@@ -80,12 +84,9 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
 
 def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
     """TransformerConfig fields that differ by family: Qwen3's per-head q/k RMSNorm, Qwen3-MoE's routed experts."""
-    from weight_sync.convert import is_moe_layer, num_experts
-
     kwargs: dict[str, Any] = {"qk_layernorm": hf_config.model_type in ("qwen3", "qwen3_moe")}
     if num_experts(hf_config) == 0:
         return kwargs
-    from glue.trainer import cpu_compat
 
     kwargs.update(
         num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
@@ -106,8 +107,6 @@ def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
     ones; megatron's own __post_init__ validates the result)."""
     import dataclasses
 
-    from glue.trainer.megatron_fields import to_megatron
-
     return dataclasses.replace(config, **to_megatron(type(config), megatron_args or {}))
 
 
@@ -119,8 +118,6 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
     fields."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-
-    from glue.trainer.layer_spec import layer_spec
 
     dtype = "bfloat16" if precision == "bf16" else "float32"
     megatron_args = {**(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
@@ -184,8 +181,6 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     Packed rows pass `seq_ids` [B, T] (which sample each token belongs to; attention never crosses samples) and
     `position_ids` [B, T] (restarting at 0 per sample). `model` may be wrapped for training (megatron's DDP,
     Float16Module): the forward runs through the wrappers, the GPTModel inside answers what it is."""
-    from glue.trainer.optim import unwrap
-
     inner = unwrap(model)
     batch, seq_len = tokens.shape
     if inner.config.sequence_parallel:  # the sequence is split over TP ranks: pad it to a multiple of TP

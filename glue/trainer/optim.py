@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from glue.trainer.config import TrainerConfig
+from glue.trainer.megatron_fields import to_megatron
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -183,8 +184,6 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
-
-    from glue.trainer.megatron_fields import to_megatron
 
     passed = cfg.megatron_values()
     bf16 = precision == "bf16"

@@ -15,10 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from glue.trainer.parallel import row_share
-
 # plan[dp_rank][micro-batch][row] = the samples (batch rows) laid end to end in that row
 Plan = list[list[list[list[int]]]]
+
+
+def row_share(rows: slice, part: int, num_parts: int) -> slice:
+    """Part `part` of `rows` cut into `num_parts` contiguous near-equal shares, in order (a share may be empty):
+    a data-parallel rank's rows, or a PPO mini-batch."""
+    n = rows.stop - rows.start
+    return slice(rows.start + round(part * n / num_parts), rows.start + round((part + 1) * n / num_parts))
 
 
 @dataclass
@@ -86,7 +91,7 @@ def balance_by_tokens(lengths: list[int], num_ranks: int, sizes: list[int] | Non
 
 def dp_shares(seq_lens: list[int], rows: slice, dp_size: int, balance: str, *, equal_rows: bool) -> list[list[int]]:
     """Each DP rank's samples (batch rows, ascending) of `rows`: `rows` balance gives contiguous near-equal shares by
-    count (`parallel.row_share`); `tokens` balances their token counts, keeping the same row count per rank as
+    count (`row_share`); `tokens` balances their token counts, keeping the same row count per rank as
     `rows` would when `equal_rows` (padded rows all cost the full width, so a rank with more of them would run
     longer)."""
     if balance not in ("tokens", "rows"):

@@ -12,12 +12,8 @@ from typing import Any
 
 import torch
 
-
-def row_share(rows: slice, part: int, num_parts: int) -> slice:
-    """Part `part` of `rows` cut into `num_parts` contiguous near-equal shares, in order (a share may be empty):
-    a data-parallel rank's rows, or a PPO mini-batch."""
-    n = rows.stop - rows.start
-    return slice(rows.start + round(part * n / num_parts), rows.start + round((part + 1) * n / num_parts))
+from glue.trainer.pipeline import describe_stages, gather_stages
+from weight_sync.convert import ParallelLayout, megatron_to_hf
 
 
 def is_expert_param(name: str) -> bool:
@@ -49,8 +45,6 @@ class RankPlace:
         (collective over the expert group and the PP group, once)."""
         from megatron.core import parallel_state as ps
 
-        from glue.trainer.pipeline import describe_stages
-
         mine = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
         group = ps.get_expert_tensor_and_model_parallel_group()
         members: list[Any] = [None] * torch.distributed.get_world_size(group)
@@ -66,8 +60,6 @@ class RankPlace:
     def layout(self, tp_rank: int | None = None, member: tuple[int, int] | None = None, stage: int | None = None):
         """The converter's ParallelLayout of this rank, or of the rank holding dense TP shard `tp_rank` and the
         expert shard of expert-group `member` in pipeline stage `stage`."""
-        from weight_sync.convert import ParallelLayout
-
         ep_rank, etp_rank = member if member is not None else (self.ep_rank, self.etp_rank)
         stage = self.pp_rank if stage is None else stage
         layers = {} if self.pp_size == 1 else {"first_layer": self.stages[stage].first_layer,
@@ -119,12 +111,8 @@ def full_hf_state(model: torch.nn.Module, hf_config: Any, place: RankPlace, *, k
     TP, expert shards over the ETP x EP group, the stages' shards to the keeping rank's stage, then the converter
     assembles them. Ranks with `keep=False` only take part and return {}, so one host copy of the model is made,
     not one per rank. Read it before the next optimizer step: unsharded tensors may be the parameters themselves."""
-    from weight_sync.convert import megatron_to_hf
-
     by_stage = {place.pp_rank: _stage_shards(model, place)}
     if place.pp_size > 1:
-        from glue.trainer.pipeline import gather_stages
-
         by_stage = gather_stages(by_stage[place.pp_rank], place, keep)
     if not keep:
         return {}
@@ -159,8 +147,6 @@ def _stage_shards(model: torch.nn.Module, place: RankPlace) -> dict[str, list[to
 def hf_weight_specs(model: torch.nn.Module, hf_config: Any, place: RankPlace) -> list[tuple[str, Any, tuple]]:
     """(HF name, dtype, full shape) of every tensor `full_hf_state` returns, in its order; no communication
     (meta tensors: every rank's shard of a parameter has the same shape, and every rank knows every stage's)."""
-    from weight_sync.convert import megatron_to_hf
-
     if place.pp_size == 1:
         params = {0: [(n, p.shape, p.dtype) for n, p in model.named_parameters()]}
     else:

@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 import torch
 
+from glue.trainer import model as trainer_model
 from glue.trainer.packing import MicroBatch
+from glue.trainer.routing_replay import micro_batch_rows
 
 # head(micro-batch, logits [R, L, V / TP]) -> (loss to backpropagate or None when forward-only, result to keep)
 Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor | None, Any]]
@@ -51,8 +53,6 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
     every MoE layer routes each token through the engine's experts, in the forwards and in any recompute."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from glue.trainer import model as trainer_model
-
     if not module.config.calculate_per_token_loss:
         raise ValueError("the trainer's losses arrive normalised by the batch's global token counts, which megatron's "
                          "schedules keep only with calculate_per_token_loss=true; do not turn it off")
@@ -81,8 +81,6 @@ def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], 
     replaying = replay is not None and routed_experts is not None
     if replaying:
         from megatron.core import parallel_state as ps
-
-        from glue.trainer.routing_replay import micro_batch_rows
 
         sequence_split = dict(sequence_parallel=module.config.sequence_parallel,
                               tp_rank=ps.get_tensor_model_parallel_rank(),

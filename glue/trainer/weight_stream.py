@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 
+from glue.trainer.parallel import hf_weight_specs
+from weight_sync.convert import local_name, num_experts, rule_to_hf, rules, shard_into_hf, shard_rank
+from weight_sync.convert.layout import REPLICATED
+from weight_sync.sender import BucketSender
+
 SOURCE_RANK = 0  # the trainer rank that sends every bucket with one source (pp, tp, dp, ep all 0)
 
 
@@ -54,8 +59,6 @@ class WeightStream:
     def __init__(self, model: torch.nn.Module, hf_config: Any, place: Any):
         from megatron.core import parallel_state as ps
 
-        from weight_sync.convert import num_experts, rules
-
         self.model, self.hf_config, self.place = model, hf_config, place
         self.params = dict(model.named_parameters())  # the Parameter objects stay; offload swaps only their .data
         self.rank = torch.distributed.get_rank()
@@ -71,7 +74,6 @@ class WeightStream:
         self.producers = [self._producer(rule) for rule in self.rules]
         self.groups = {"dense": ps.get_tensor_model_parallel_group(), "expert": ps.get_expert_tensor_parallel_group()}
         self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        self.tensor_sums: bool = False
         self._made: set[int] = set()  # rules produced in this sync (their HF names may span two buckets)
         self._ready: dict[str, torch.Tensor] = {}  # source rank: produced HF tensors not yet in a bucket
 
@@ -97,11 +99,10 @@ class WeightStream:
             parts.append(SourcePart(rank=rank, members=tuple(sorted(ranks)), names=names))
         return parts
 
-    def reset(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensor_sums: bool = False) -> None:
+    def reset(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         """A new sync: nothing produced yet. `specs`: (HF name, dtype, shape) of every tensor, for the source's
         receive buffers."""
         self.specs = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
-        self.tensor_sums = tensor_sums
         self._made.clear()
         self._ready.clear()
 
@@ -121,8 +122,6 @@ class WeightStream:
 
     # ---- one rule
     def _producer(self, rule: Any) -> Producer:
-        from weight_sync.convert import local_name
-
         p = self.place
         stages = range(p.pp_size)
         if rule.expert is None:
@@ -150,9 +149,6 @@ class WeightStream:
         return me.ep == producer.ep_rank and me.edp == 0
 
     def _produce(self, index: int, sends: list, source: int) -> dict[str, torch.Tensor]:
-        from weight_sync.convert import local_name, rule_to_hf, shard_rank
-        from weight_sync.convert.layout import REPLICATED
-
         rule, producer = self.rules[index], self.producers[index]
         if self._holds(producer):
             layout = self.place.layout()
@@ -185,8 +181,6 @@ class WeightStream:
         it their shard (kept in `sends` until received). Rank 0 allocates the HF tensors and copies each shard into
         its place as it arrives, through one shard-sized buffer: the tensor plus one shard, not every shard, their
         concatenation and the split copies at once (nor gloo's all-gather's own flat copy)."""
-        from weight_sync.convert import shard_into_hf
-
         rule = self.rules[index]
         group = self.groups["dense" if rule.expert is None else "expert"]
         if rank != 0:
@@ -207,10 +201,11 @@ class WeightStream:
         return next(self.model.parameters()).device
 
 
-class TrainerWeightSource:
-    """One trainer rank's side of the weight bridge's source calls (weight_sync.transports.WeightSource). A channel
-    has one source rank (its spec's `source`, default rank 0: one source for the whole model), which holds the
-    channel (weight_sync.source.BucketSource) and sends; the ranks that produce its tensors take part in each send."""
+class TrainerWeightSender:
+    """One trainer rank's side of the bridge's calls to its `WeightSource` (weight_sync.transports; the driver's
+    `TrainerGroup` fans them out to every rank). A channel has one sending rank (its spec's `source`, default rank 0:
+    one source for the whole model), which holds the channel (weight_sync.sender.BucketSender) and sends; the ranks
+    that produce its tensors take part in each send."""
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, place: Any):
         self.model, self.hf_config, self.place = model, hf_config, place
@@ -218,9 +213,10 @@ class TrainerWeightSource:
         self.bucket_names: dict[str, list[list[str]]] = {}  # channel -> the HF names of each of its buckets
         self.channel_source: dict[str, int] = {}  # channel -> the rank that sends it
         self.staged_version: int | None = None  # the version stage() was called at, for send()'s guard
+        self.tensor_sums = False  # verify: full: every bucket's send reports its per-tensor checksums
         self._stream: WeightStream | None = None
-        self._source: Any = None  # weight_sync.source.BucketSource, on source ranks only
-        self._prepared: dict[tuple[str, int], dict[str, Any]] = {}  # delta sync: buckets gathered, not yet sent
+        self._sender: Any = None  # weight_sync.sender.BucketSender, on sending ranks only
+        self._prepared: set[tuple[str, int]] = set()  # delta sync: buckets gathered and chosen, not yet sent
 
     def _ensure_stream(self) -> WeightStream:
         """The stream (collective the first time: it learns every rank's coordinates)."""
@@ -230,71 +226,60 @@ class TrainerWeightSource:
 
     def source_plan(self) -> list[SourcePart]:
         """Collective: the parallel sources of this model's layout (`WeightStream.source_plan`)."""
-        from glue.trainer.parallel import hf_weight_specs
-
         return self._ensure_stream().source_plan([n for n, _, _ in hf_weight_specs(self.model, self.hf_config,
                                                                                    self.place)])
 
     def open(self, name: str, spec: dict[str, Any]) -> None:
-        """Every rank learns the channel's buckets; its source rank opens it (broadcast: blocks until every engine
+        """Every rank learns the channel's buckets; its sending rank opens it (broadcast: blocks until every engine
         joined)."""
         self.bucket_names[name] = [list(layout["names"]) for layout in spec["layouts"]]
         self.channel_source[name] = int(spec.get("source", SOURCE_RANK))
         if self.rank == self.channel_source[name]:
-            if self._source is None:
-                from weight_sync.source import BucketSource
-
-                self._source = BucketSource()
-            self._source.open_channel(name, spec, streamed=True)
+            if self._sender is None:
+                self._sender = BucketSender()
+            self._sender.open_channel(name, spec, streamed=True)
 
     def stage(self, version: int, with_tensor_checksums: bool) -> None:
         """Start a sync of the weights at `version`: nothing is gathered yet (each bucket is, when it is sent).
         Collective the first time (the stream learns every rank's coordinates)."""
-        from glue.trainer.parallel import hf_weight_specs
-
         stream = self._ensure_stream()
-        stream.reset(hf_weight_specs(self.model, self.hf_config, self.place), with_tensor_checksums)
+        stream.reset(hf_weight_specs(self.model, self.hf_config, self.place))
         self.staged_version = version
+        self.tensor_sums = with_tensor_checksums
         self._prepared.clear()
 
     def send(self, channel: str, index: int, version: int) -> dict[str, Any]:
         """Collective over the ranks producing the channel's tensors: gather bucket `index` of `channel`
-        (weight_stream.WeightStream) and, on the channel's source rank, send it; the source answers with what the
-        channel reports (checksum, handle or path, timings) plus, when staged with tensor checksums, `tensor_sums`
-        of the bucket's tensors. Refuses once a train step ran since `stage`: the bucket would carry that step's
-        weights under the staged version's tag."""
+        (weight_stream.WeightStream) and, on the channel's sending rank, send it in one call to the sender, which
+        answers with what the channel reports (checksum, handle or path, timings) plus, when staged with tensor
+        checksums, `tensor_sums` of the bucket's tensors. Refuses once a train step ran since `stage`: the bucket
+        would carry that step's weights under the staged version's tag."""
         self._check_staged(channel, version)
         assert self._stream is not None, "stage() makes the stream"
         source = self.channel_source[channel]
-        sums = self._prepared.pop((channel, index), None)
-        if sums is not None:  # gathered and chosen by prepare()
-            return {**self._source.send_bucket(channel, index), **sums} if self.rank == source else {}
+        if (channel, index) in self._prepared:  # gathered and chosen by prepare()
+            self._prepared.discard((channel, index))
+            return self._sender.send_bucket(channel, index) if self.rank == source else {}
         tensors = self._stream.bucket(self.bucket_names[channel][index], source)
         if self.rank != source:
             return {}
-        return {**self._source.send_bucket(channel, index, tensors), **self._tensor_sums(tensors)}
+        return self._sender.send_bucket(channel, index, tensors, tensor_sums=self.tensor_sums)
 
     def prepare(self, channel: str, index: int, version: int, delta: bool) -> dict[str, Any]:
-        """Delta sync: like `send` up to the wire: gather bucket `index` and, on the source rank, choose whether it
-        goes whole or as a delta (weight_sync.source.BucketSource.prepare_bucket); the next `send` of it sends
-        that. The source answers with the request fields the engines need."""
+        """Delta sync: like `send` up to the wire: gather bucket `index` and, on the sending rank, choose whether it
+        goes whole or as a delta (weight_sync.sender.BucketSender.prepare_bucket, which keeps the bucket's tensor
+        checksums for its send); the next `send` of it sends that. The sender answers with the request fields the
+        engines need."""
         self._check_staged(channel, version)
         assert self._stream is not None, "stage() makes the stream"
         source = self.channel_source[channel]
         tensors = self._stream.bucket(self.bucket_names[channel][index], source)
         if self.rank != source:
-            self._prepared[channel, index] = {}
+            self._prepared.add((channel, index))
             return {}
-        answer = self._source.prepare_bucket(channel, index, delta, tensors)
-        self._prepared[channel, index] = self._tensor_sums(tensors)
+        answer = self._sender.prepare_bucket(channel, index, delta, tensors, tensor_sums=self.tensor_sums)
+        self._prepared.add((channel, index))
         return answer
-
-    def _tensor_sums(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        if not self._stream.tensor_sums:
-            return {}
-        from weight_sync.source import tensor_checksum
-
-        return {"tensor_sums": {name: tensor_checksum(t) for name, t in tensors.items()}}
 
     def _check_staged(self, channel: str, version: int) -> None:
         if self.staged_version != version:
@@ -313,5 +298,5 @@ class TrainerWeightSource:
         for channel in [name] if name is not None else list(self.bucket_names):
             self.bucket_names.pop(channel, None)
             self.channel_source.pop(channel, None)
-            if self._source is not None:
-                self._source.close_channel(channel)
+            if self._sender is not None:
+                self._sender.close_channel(channel)

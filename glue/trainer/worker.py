@@ -14,14 +14,19 @@ from typing import Any
 
 import torch
 
-from glue.trainer import offload
+from glue.trainer import cpu_compat, model, offload, optim
+from glue.trainer.checkpointing import load_rank, save_rank
 from glue.trainer.config import CONTEXT_PARALLEL_NEEDS, TrainerConfig
+from glue.trainer.critic import Critic
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import RankPlace, full_hf_state, hf_weight_specs, sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
 from glue.trainer.routing_replay import RoutingReplay, logprob_gaps, replay_args
 from glue.trainer.snapshots import PolicySnapshots, pre_update_metrics
+from glue.trainer.weight_stream import TrainerWeightSender
 from glue.types import TrainBatch
+from loss import LossConfig, SftLossConfig, compute_loss, count_tokens_and_seqs, ewma_proximal_logprobs
+from weight_sync.buckets import dtype_to_str
 
 
 class TrainerWorker:
@@ -32,15 +37,15 @@ class TrainerWorker:
     (the launcher passes sync.max_staleness + 1, so every version an admitted token can carry is kept).
     """
 
-    def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: Any, rank: int, world_size: int,
-                 keep_versions: int = 1):
+    def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig, rank: int,
+                 world_size: int, keep_versions: int = 1):
         if world_size != cfg.world_size:
             raise ValueError(f"trainer world size {world_size} != TP x PP x CP x DP = {cfg.world_size}; start exactly "
                              "that many workers")
         if cfg.context_parallel_size != 1:
             raise ValueError(f"trainer.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_NEEDS}; "
                              "set trainer.context_parallel_size: 1")
-        if getattr(loss_cfg, "kl_reward_coef", 0) > 0:
+        if loss_cfg.kl_reward_coef > 0:
             raise ValueError("loss.kl_reward_coef > 0 needs reference logprobs before the advantages are computed, "
                              "which this trainer does not provide yet; use loss.kl_loss_coef (KL as a loss term)")
         self.model_path, self.cfg, self.loss_cfg = model_path, cfg, loss_cfg
@@ -49,7 +54,7 @@ class TrainerWorker:
         # host copies of this rank's shard per version, only when the loss takes old logprobs from the trainer
         uses_snapshots = loss_cfg.needs_old_logprobs and cfg.old_logprobs == "snapshot"
         self._snapshots = PolicySnapshots(keep_versions) if uses_snapshots else None
-        self._weight_source: Any = None  # glue.trainer.weight_stream.TrainerWeightSource, made on first use
+        self._weight_sender: Any = None  # glue.trainer.weight_stream.TrainerWeightSender, made on first use
         self._offloaded: list[Any] | None = None  # host copies while offloaded (colocated placement)
         self.critic: Any = None  # glue.trainer.critic.Critic with loss.advantage_estimator gae, built by initialize
 
@@ -65,8 +70,6 @@ class TrainerWorker:
         """Init torch.distributed + megatron parallel state, build the model from HF weights, make the optimizer.
         Returns the start-up line saying the dtypes of the checkpoint, weights, main weights and the bridge."""
         from megatron.core import parallel_state, tensor_parallel
-
-        from glue.trainer import cpu_compat, model, optim
 
         cpu_compat.apply()
         torch.manual_seed(self.cfg.seed)
@@ -85,16 +88,14 @@ class TrainerWorker:
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
         self.reference = None  # the frozen initial policy, for the KL loss term
-        if getattr(self.loss_cfg, "kl_loss_coef", 0) > 0:
+        if self.loss_cfg.kl_loss_coef > 0:
             self.reference = model.build_model(self.hf_config, **build)
             model.load_hf_weights(self.reference, self.model_path, self.hf_config, self.place.layout())
             self.reference.requires_grad_(False).to(self.device)
         # megatron's DDP (its gradient and parameter buffers now back self.model's parameters) and optimizer
         self.training = optim.build(self.model, self.cfg, self.precision)
         self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
-        if getattr(self.loss_cfg, "uses_critic", False):  # GAE: a value model beside the policy (docs/critic.md)
-            from glue.trainer.critic import Critic
-
+        if self.loss_cfg.uses_critic:  # GAE: a value model beside the policy (docs/critic.md)
             self.critic = Critic.build(self, build)
         if self._snapshots is not None:
             self._snapshots.save(self.version, self.model)
@@ -114,8 +115,6 @@ class TrainerWorker:
         """The end of one micro-batch's forward, on the last pipeline stage: (logprobs [R, L], entropy [R, L] or
         None) of its token rows `tokens` [R, L] from their logits; `seq_ids` marks packed samples. Differentiable
         when grad is enabled."""
-        from glue.trainer import model
-
         tokens = tokens.to(self.device)
         seq_ids = None if seq_ids is None else seq_ids.to(self.device)
         entropy = model.token_entropy(logits, self.cfg.temperature) if with_entropy else None
@@ -236,8 +235,6 @@ class TrainerWorker:
         """One optimizer step over `rows` of the batch (this DP rank trains on its micro-batches, gradients are
         summed over ranks); returns its loss, grad norm and the loss's metrics (token-weighted means over
         micro-batches and DP ranks; `pg_loss` shares are summed)."""
-        from loss import count_tokens_and_seqs
-
         num_tokens, num_seqs = count_tokens_and_seqs(batch.logprob_mask[rows].float())
         self.training.zero_grad()
 
@@ -269,8 +266,6 @@ class TrainerWorker:
         share of the mini-batch's trained tokens; `ewma` (PPO-EWMA's state, [B, T]) gets this evaluation's update. A
         padding micro-batch's mask is all 0: its loss is 0 but its forward and backward still meet the other ranks'
         collectives."""
-        from loss import compute_loss, ewma_proximal_logprobs
-
         def take(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else mb.take(x).to(self.device)
 
@@ -282,7 +277,7 @@ class TrainerWorker:
             mask=mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs, entropy=entropy,
             seq_ids=None if mb.seq_ids is None else mb.seq_ids.to(self.device),
             ewma_logprobs=take(ewma), ref_logprobs=take(ref_logprobs), proximal_logprobs=take(proximal))
-        if ewma is not None and mb.is_real:
+        if ewma is not None and mb.is_real and isinstance(self.loss_cfg, LossConfig):  # only an RL loss has an EWMA
             mb.put(ewma_proximal_logprobs(state=take(ewma), logprobs=logprobs, beta=self.loss_cfg.ewma_beta), ewma)
         return loss, metrics, float(mask.sum()) / max(num_tokens, 1)
 
@@ -305,8 +300,8 @@ class TrainerWorker:
         """Copy the training state to host memory (glue.trainer.offload) and free its device storage; returns
         `training_state_bytes()` (0). Idempotent."""
         if self._offloaded is None:
-            if self._weight_source is not None:
-                self._weight_source.drop_staged()
+            if self._weight_sender is not None:
+                self._weight_sender.drop_staged()
             self._offloaded = offload.to_host(self._state_tensors())
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
@@ -321,8 +316,6 @@ class TrainerWorker:
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(HF name, dtype name, full shape) of every tensor the weight bridge sends, in bucket order."""
-        from weight_sync.broadcast import dtype_to_str
-
         return [(n, dtype_to_str(dtype), shape) for n, dtype, shape in hf_weight_specs(self.model, self.hf_config, self.place)]
 
     def full_hf_state(self) -> dict[str, torch.Tensor]:
@@ -332,23 +325,17 @@ class TrainerWorker:
     # ---- checkpoints (glue.trainer.checkpointing): HF weights, optimizer and RNG state per rank ----
     def save_checkpoint(self, directory: str) -> None:
         """Collective: this rank's part of a checkpoint into `directory`."""
-        from glue.trainer.checkpointing import save_rank
-
         save_rank(self, directory)
 
     def load_checkpoint(self, directory: str) -> int:
         """This rank's part of the checkpoint in `directory`; returns the policy version it was taken at."""
-        from glue.trainer.checkpointing import load_rank
-
         return load_rank(self, directory)
 
     # ---- the weight bridge's source calls (weight_sync.transports.WeightSource): every rank takes part ----
     def _weights(self) -> Any:
-        if self._weight_source is None:
-            from glue.trainer.weight_stream import TrainerWeightSource
-
-            self._weight_source = TrainerWeightSource(self.model, self.hf_config, self.place)
-        return self._weight_source
+        if self._weight_sender is None:
+            self._weight_sender = TrainerWeightSender(self.model, self.hf_config, self.place)
+        return self._weight_sender
 
     def open_weight_channel(self, name: str, spec: dict[str, Any]) -> None:
         """Every rank learns the channel's buckets; rank 0 opens it (a weight group, a shared segment or a
@@ -374,14 +361,14 @@ class TrainerWorker:
         return self._weights().prepare(channel, index, self.version, delta)
 
     def close_weight_channel(self, name: str) -> None:
-        if self._weight_source is not None:
-            self._weight_source.close(name)
+        if self._weight_sender is not None:
+            self._weight_sender.close(name)
 
     def shutdown(self) -> None:
         """Leave the process groups and remove what only interpreter exit would (the actor is killed afterwards,
         with no exit handlers run)."""
-        if self._weight_source is not None:
-            self._weight_source.close()
+        if self._weight_sender is not None:
+            self._weight_sender.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         remove_wandb_staging_dirs()

@@ -21,7 +21,7 @@ MODES = [("sync", 0), ("async", 1), ("async", 2), ("async", 4)]
 
 
 def run_mode(tmp_path: Path, mode: str, max_staleness: int) -> list[dict]:
-    from glue.metrics import read_metrics
+    from glue.metrics.logger import read_metrics
     from launch.config import load_config
     from launch.runner import run
 

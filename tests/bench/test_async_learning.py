@@ -66,8 +66,8 @@ def is_chosen(names: tuple[str, ...], known: set[str]) -> bool:
 
 
 def run_one(tmp_path: Path, config: str, name: str, overrides: list[str], seed: int) -> dict:
-    from glue.learning_curves import run_curves
-    from glue.metrics import read_metrics
+    from glue.metrics.learning_curves import run_curves
+    from glue.metrics.logger import read_metrics
     from launch.config import load_config
     from launch.runner import run
 
@@ -87,7 +87,7 @@ def run_one(tmp_path: Path, config: str, name: str, overrides: list[str], seed: 
 
 
 def run_section(tmp_path: Path, task: str, lr: float) -> dict:
-    from glue.learning_curves import summarise_row
+    from glue.metrics.learning_curves import summarise_row
 
     config, description = TASKS[task]
     rows = {}
@@ -104,8 +104,8 @@ def run_section(tmp_path: Path, task: str, lr: float) -> dict:
 
 @pytest.mark.timeout(6 * 3600)
 def test_learning_table(tmp_path):
-    from glue.learning_curves import merge_tables
-    from glue.plots import write_learning_table_plots
+    from glue.metrics.learning_curves import merge_tables
+    from glue.metrics.plots import write_learning_table_plots
 
     known = {*TASKS, *(section_name(t, x) for t in TASKS for x in LRS), *ROWS, *PROBES}
     if unknown := [item for item in ONLY if item not in known]:  # a typo would silently run all 240 runs

@@ -170,7 +170,7 @@ def trained_figures(run_dir: Path) -> dict:
     """What the run's record says it trained: steps, lost groups (group ids below the highest one drawn that no
     step trained), groups trained twice, tokens trained beyond max_staleness (each saved step's samples, against
     the trainer version it trained from: step - 1), steps whose weights/version is not the step."""
-    from glue.metrics import read_metrics
+    from glue.metrics.logger import read_metrics
 
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 1]
     steps = [r["step"] for r in records]

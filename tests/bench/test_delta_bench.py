@@ -12,8 +12,8 @@ import statistics
 import pytest
 
 from conftest import REPO_ROOT
-from test_scale_bench import write_section
-from test_trainer_megatron import make_batch
+from helpers.bench import write_section
+from helpers.trainer import make_batch
 
 pytestmark = pytest.mark.bench
 SMOLLM2 = os.environ.get("SMOLLM2", str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
@@ -23,7 +23,7 @@ SPLIT = ("stage_s", "pack_s", "wire_s", "copy_in_s", "verify_s")
 
 
 def run_rate(lr: float, url: str) -> list[dict[str, float]]:
-    from glue.config import SyncConfig
+    from glue.loop.config import SyncConfig
     from glue.trainer.config import TrainerConfig
     from glue.trainer.group import TrainerGroup
     from loss import LossConfig

@@ -26,7 +26,7 @@ SETTINGS = {
 
 
 def run_one(tmp_path, name: str, seed: int) -> dict:
-    from glue.metrics import read_metrics
+    from glue.metrics.logger import read_metrics
     from launch.config import load_config
     from launch.runner import run
 

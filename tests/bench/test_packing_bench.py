@@ -192,7 +192,7 @@ def dp_rank_main(rank: int, port: int, model_dir: str, results) -> None:
 def test_token_balanced_dp_trains_a_long_tailed_batch_faster_than_a_split_by_count(tmp_path):
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.trainer.packing import plan_micro_batches
-    from test_trainer_megatron import results_of_ranks
+    from helpers.trainer import results_of_ranks
 
     model_dir = save_tiny_model(str(tmp_path / "model"), seed=0, **DP_MODEL)
     batch = long_tailed_batch()

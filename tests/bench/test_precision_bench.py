@@ -19,8 +19,8 @@ import torch
 from conftest import REPO_ROOT
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
-from test_scale_bench import write_section
-from test_trainer_megatron import _free_port, make_batch, results_of_ranks
+from helpers.bench import write_section
+from helpers.trainer import _free_port, make_batch, results_of_ranks
 
 pytestmark = pytest.mark.bench
 OUT = REPO_ROOT / "bench-results" / "precision.json"
@@ -99,7 +99,7 @@ def _small_updates_main(model: str, lr: float, steps: int, results) -> None:
     from megatron.core import parallel_state
 
     from glue.trainer.worker import TrainerWorker
-    from test_trainer_megatron import make_batch as tiny_batch
+    from helpers.trainer import make_batch as tiny_batch
 
     batch = tiny_batch()
     batch.tokens = batch.tokens % 1000 + 100  # ordinary SmolLM2 tokens

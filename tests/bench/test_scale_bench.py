@@ -5,24 +5,14 @@ sweep over many stand-in engines, some hung), `sizes` (memory during a sync) and
 and from parallel sources)."""
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers.bench import write_section
 
 pytestmark = pytest.mark.bench
-OUT = REPO_ROOT / "bench-results" / "scale.json"
-
-
-def write_section(values: dict[str, Any], out: Path = OUT) -> None:
-    """Merge `values` into scale.json (the other sections stay as an earlier run wrote them)."""
-    out.parent.mkdir(exist_ok=True)
-    current = json.loads(out.read_text()) if out.exists() else {}
-    out.write_text(json.dumps({**current, **values}, indent=2) + "\n")
 
 
 def test_driver_ratio_per_world_size(tmp_path_factory):
@@ -35,8 +25,7 @@ def test_driver_ratio_per_world_size(tmp_path_factory):
     from glue.trainer.config import TrainerConfig
     from glue.trainer.group import TrainerGroup
     from loss import LossConfig
-    from test_trainer_batch_share import serialised_bytes
-    from test_trainer_megatron import make_batch
+    from helpers.trainer import make_batch, serialised_bytes
 
     model = save_tiny_model(str(tmp_path_factory.mktemp("tiny")), family="qwen2", seed=0)
     batch = make_batch(response_len=64)
@@ -65,8 +54,8 @@ def test_health_sweep_over_64_stand_in_engines_with_4_hung():
     them hung; target: at most 2 x the probe timeout."""
     import time
 
-    from glue.fleet_watch import FleetWatch
-    from test_fleet_health_sweep import StandInFleet
+    from glue.fleet.watch import FleetWatch
+    from helpers.fleet import StandInFleet
 
     fleet = StandInFleet(64, hung={5, 21, 42, 60}, hang_s=60)
     try:
@@ -121,14 +110,14 @@ def _count_sync_tensors(actor) -> None:
     from tensor_census import TensorCensus
 
     def arm(worker):
-        source = worker._weight_source
-        census, send = TensorCensus(), getattr(source, "uncounted_send", source.send)
+        sender = worker._weight_sender
+        census, send = TensorCensus(), getattr(sender, "uncounted_send", sender.send)
 
         def counted(*args, **kwargs):
             with census:
                 return send(*args, **kwargs)
 
-        source.send, source.uncounted_send, source.census = counted, send, census
+        sender.send, sender.uncounted_send, sender.census = counted, send, census
 
     ray.get(actor.__ray_call__.remote(arm))
 
@@ -139,9 +128,9 @@ def _sync_tensors(actor) -> dict[str, int]:
     import ray
 
     def read(worker):
-        source, census = worker._weight_source, getattr(worker._weight_source, "census", None)
-        buffers = sum(b.numel() * b.element_size() for c in getattr(source._source, "channels", {}).values()
-                      for b in c.buffers) if source._source is not None else 0
+        sender, census = worker._weight_sender, getattr(worker._weight_sender, "census", None)
+        buffers = sum(b.numel() * b.element_size() for c in getattr(sender._sender, "channels", {}).values()
+                      for b in getattr(c, "buffers", [])) if sender._sender is not None else 0
         return {"peak": census.peak if census else 0, "largest": census.largest if census else 0,
                 "buffers": buffers}
 
@@ -189,7 +178,7 @@ def test_sync_memory_per_model_size(tmp_path_factory, engine_processes):
     import ray.cloudpickle
 
     import tensor_census
-    from glue.config import SyncConfig
+    from glue.loop.config import SyncConfig
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.trainer.config import TrainerConfig
     from glue.trainer.group import TrainerGroup
@@ -265,7 +254,7 @@ def test_sync_from_one_source_and_from_parallel_sources(tmp_path_factory, engine
 
     import ray
 
-    from glue.config import SyncConfig
+    from glue.loop.config import SyncConfig
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.trainer.config import TrainerConfig
     from glue.trainer.group import TrainerGroup

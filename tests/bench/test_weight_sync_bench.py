@@ -125,7 +125,7 @@ def paired_runs(url: str, source, tmp_path: Path, baseline, *, pipeline: bool | 
                 ratio: str = "ratio_to_raw", **sync) -> dict:
     """REPEATS syncs, each right after one baseline measurement; the ratios, their median and the median split.
     `pipeline` None: what a run gets (sync.pipeline's default for the backend)."""
-    from glue.config import SyncConfig
+    from glue.loop.config import SyncConfig
     from weight_sync.bridge import make_bridge
 
     bridge = make_bridge(SyncConfig(disk_dir=str(tmp_path / "ckpt"), timeout_s=600, **sync), source=source,
@@ -214,7 +214,7 @@ def bench_model(name: str, tmp_path: Path) -> dict:
     from safetensors.torch import load_file
 
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from weight_sync.source import LocalWeightSource
+    from weight_sync.sender import LocalWeightSource
 
     model_dir = save_tiny_model(tmp_path / name, **MODELS[name])
     gen = torch.Generator().manual_seed(1)

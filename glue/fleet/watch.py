@@ -1,0 +1,286 @@
+"""Keeps the rollout fleet serving while the loop trains: an engine that dies, or stops generating, is replaced.
+
+Beside the loop, every `poll_s` the watch looks at the processes the fleet started, and every
+`health_interval_s` asks every engine at once for one token (`GET /health_generate`, SGLang's deep health check;
+at most `HEALTH_PROBES_AT_ONCE` in flight, and outside the sync lock, so a sync never waits on a sweep). An engine
+that exited, or failed `health_failures` checks in a row, is restarted in its place: taken off the router, a new
+process started on its bundle, brought to the weights the others hold, and only then routed to
+(`RolloutFleet.replace_engine` with `WeightBridge.add_engine`). Its in-flight requests are not lost: the router sends
+a request that failed on a dead engine to another one (counted in `fault/reissued_requests`, with the client's own
+retries of the router's 502-504). The generated tokens of those requests went down with the engine; they start
+again from the prompt (or from the tokens a partial rollout already holds).
+
+A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
+again (`guarded_sync`), and so does one that meets a hung engine (the sweep is off while sluice syncs or holds
+generation paused, so in an async run a hang is usually met first by the next sync's pause): an engine that then
+answers nothing at all, not even GET /health, is replaced like one that died.
+A repair gathers the trainer's weights only between train steps and checkpoints (`trainer_turn`, `guarded_train`), and
+a new engine gets the version the fleet holds (`engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
+for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
+unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count. The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
+when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
+line naming what died and its log.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from glue.fleet.fleet import ProcessDied, _http_get
+
+HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
+HEALTH_PROBES_AT_ONCE = 64  # deep health probes in flight at once during a sweep
+
+
+class FleetWatch:
+    """`repair(index)` replaces engine `index` (blocking; None: faults end the run). `client` (its
+    `connect_retries`) adds the client's retries to the router's in `fault/reissued_requests`; the loop pauses and
+    continues generation through the watch, which passes the calls on to `client`."""
+
+    def __init__(self, fleet: Any, *, repair: Callable[[int], None] | None, client: Any = None,
+                 max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
+                 health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES,
+                 trainer_turn: threading.Lock | None = None):
+        self.fleet, self.repair, self.client = fleet, repair, client
+        self.trainer_turn = trainer_turn or threading.Lock()  # train steps and a repair's weight gathering take turns
+        self.max_restarts, self.poll_s = max_restarts, poll_s
+        self.health_interval_s, self.health_timeout_s, self.health_failures = (health_interval_s, health_timeout_s,
+                                                                               health_failures)
+        self.lock = threading.Lock()  # held by a weight sync and by a repair: never both at once
+        self.restarts = 0
+        self.recovery_s: list[float] = []  # seconds from detection to the new engine serving, per restart
+        self._failed_checks: dict[int, int] = {}
+        # engines a failed sync found answering nothing; rebound, never changed in place (two threads read it)
+        self._unanswering: frozenset[int] = frozenset()
+        self._syncing = False
+        self._paused = False  # sluice holds generation paused (pause_generation until continue_generation)
+        self._pauses = 0  # pause_generation calls so far: a health probe that a pause overtook says nothing
+        self._lock_holds = 0  # syncs and repairs so far: a sweep that one overlapped says nothing either
+        self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
+        self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
+
+    # ---- what the loop calls
+    async def run(self, training: asyncio.Future) -> Any:
+        """Await `training` while watching; a fault that cannot be repaired cancels it and raises ProcessDied (as
+        does a training error once a process died, or a dead trainer rank), instead of a traceback from whichever
+        call met the death first."""
+        from ray.exceptions import RayActorError
+
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            await asyncio.wait({training, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not training.done():
+                training.cancel()
+                await asyncio.gather(training, return_exceptions=True)
+                watchdog.result()
+            try:
+                return training.result()
+            except RayActorError as err:
+                raise ProcessDied(f"a trainer rank died: {str(err).strip().splitlines()[0]}") from err
+            except Exception as err:
+                dead = self.fleet.exited()
+                if dead:
+                    raise ProcessDied(self._beyond_repair("; ".join(dead))) from err
+                raise
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, *([self._repair] if self._repair else []), return_exceptions=True)
+
+    def guarded_sync(self, sync: Callable[[], Any]) -> Any:
+        """Run a weight sync (blocking, in a worker thread) while no repair runs; if it fails because an engine
+        died, wait for the watch to replace it and sync again (the new engine holds the previous weights, the
+        others may hold part of the new ones under the old tag and stay paused until then)."""
+        self._syncing = True
+        try:
+            for attempt in range(self.max_restarts + 1):
+                with self.lock:
+                    self._lock_holds += 1
+                    try:
+                        return sync()
+                    except Exception:
+                        if self.repair is None or attempt == self.max_restarts or not (
+                                self._death_seen() or self._hang_seen()):
+                            raise
+                self._wait_for_repair()
+        finally:
+            self._syncing = False
+
+    def guarded_train(self, call: Callable[[], Any]) -> Any:
+        """Run a trainer call whose collectives must not meet a repair's (a train step, a checkpoint; blocking, in a
+        worker thread): a repair gathers the weights for its new engine only between them (`engine_repair`)."""
+        with self.trainer_turn:
+            return call()
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        """`client.pause_generation(mode)`; until `continue_generation` returns, no engine is probed. Outside a
+        sync (a checkpoint's pause) a call that fails on an engine that died or hangs waits for its repair and goes
+        again (inside one, `guarded_sync` does that for the whole sync)."""
+        self._paused, self._pauses = True, self._pauses + 1
+        self._through_repairs(lambda: self.client.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        """`client.continue_generation()`, through repairs as `pause_generation`; probes resume once it succeeded
+        (a failed one leaves the engines paused)."""
+        self._through_repairs(self.client.continue_generation)
+        self._paused = False
+
+    def _through_repairs(self, call: Callable[[], Any]) -> Any:
+        if self._syncing:
+            return call()
+        for attempt in range(self.max_restarts + 1):
+            try:
+                return call()
+            except Exception:
+                if self.repair is None or attempt == self.max_restarts or not (self._death_seen() or
+                                                                                self._hang_seen()):
+                    raise
+            self._wait_for_repair()
+
+    async def calls_settled(self, **kwargs: Any) -> bool:
+        """`client.calls_settled`: the checkpoint's wait for the aborted requests (glue.loop.stream.checkpoint_state)."""
+        return await self.client.calls_settled(**kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Run totals: engines restarted, requests sent again (by the router or the client)."""
+        reissued = self.fleet.router_retries() + (self.client.connect_retries if self.client is not None else 0)
+        return {"fault/engine_restarts": float(self.restarts), "fault/reissued_requests": float(reissued)}
+
+    # ---- the watch
+    async def _watch(self) -> None:
+        try:
+            await self._watch_until_fault()
+        finally:
+            self._ended.set()
+
+    async def _watch_until_fault(self) -> None:
+        next_check = time.monotonic() + self.health_interval_s
+        while True:
+            await asyncio.sleep(self.poll_s)
+            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited) if line.startswith("router")]
+            if router_gone:
+                raise ProcessDied(router_gone[0])
+            for index in await asyncio.to_thread(self.fleet.dead_engines):
+                await self._replace(index, self.fleet.engine_exit(index))
+            for index in sorted(self._unanswering):
+                await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) answered nothing during "
+                                           f"a weight sync, not even GET /health within {self.health_timeout_s:g} s")
+            if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
+                for index in await asyncio.to_thread(self._hung_engines):
+                    await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) failed "
+                                               f"{self.health_failures} deep health checks in a row (GET "
+                                               f"/health_generate, {self.health_timeout_s:g} s each)")
+                next_check = time.monotonic() + self.health_interval_s
+
+    def _hung_engines(self) -> list[int]:
+        """Ask every engine for a token, up to `HEALTH_PROBES_AT_ONCE` at a time, so a sweep takes about one
+        `health_timeout_s` however many engines there are; the ones that have now failed `health_failures` checks
+        in a row. The sweep holds no lock, so a sync never waits on it; a sweep that a pause (every sync pauses
+        first), a sync or a repair overlapped says nothing and is dropped."""
+        if self._paused or self.lock.locked():
+            return []  # a sync or a repair is under way: engines may be busy loading weights
+        urls, pauses, holds = list(self.fleet.engine_urls), self._pauses, self._lock_holds
+        key = getattr(self.fleet, "api_key", None)
+
+        def healthy(url: str) -> bool:
+            return _http_get(f"{url}/health_generate", timeout=self.health_timeout_s, key=key)[0] == 200
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), HEALTH_PROBES_AT_ONCE)),
+                                thread_name_prefix="health-probe") as pool:
+            answers = list(pool.map(healthy, urls))
+        if self._paused or (self._pauses, self._lock_holds) != (pauses, holds) or self.lock.locked():
+            return []
+        for index, ok in enumerate(answers):
+            self._failed_checks[index] = 0 if ok else self._failed_checks.get(index, 0) + 1
+        return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
+
+    async def _replace(self, index: int, why: str) -> None:
+        if self.repair is None or self.restarts >= self.max_restarts:
+            raise ProcessDied(self._beyond_repair(why))
+        self.restarts += 1
+        self._failed_checks[index] = 0
+        self._unanswering = self._unanswering - {index}
+        print(f"sluice: {why}; restarting it ({self.restarts} of at most {self.max_restarts} restarts)", flush=True)
+        started = time.monotonic()
+        # shielded: a run that ends meanwhile waits for the repair (run's finally) instead of racing it with stop()
+        self._repair = asyncio.ensure_future(asyncio.to_thread(self._repair_locked, index))
+        try:
+            await asyncio.shield(self._repair)
+        except Exception as err:
+            raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+        self.recovery_s.append(time.monotonic() - started)
+        print(f"sluice: engine {index} serves again at {self.fleet.engine_urls[index]} with the current weights, "
+              f"{self.recovery_s[-1]:.1f} s after the fault was seen", flush=True)
+
+    def _beyond_repair(self, why: str) -> str:
+        """`why`, and why no restart follows when restarts were possible but are used up."""
+        if self.repair is None or self.restarts < self.max_restarts:
+            return why
+        return f"{why} (rollout.max_engine_restarts={self.max_restarts} restarts used up)"
+
+    def _repair_locked(self, index: int) -> None:
+        with self.lock:
+            self._lock_holds += 1
+            self.repair(index)
+
+    def _death_seen(self, within_s: float = 3.0) -> bool:
+        """Did an engine die? A sync call can fail on a dying engine's socket a moment before its exit shows."""
+        deadline = time.monotonic() + within_s
+        while not self.fleet.dead_engines():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _hang_seen(self) -> bool:
+        """Did an engine hang? After a failed sync every engine is asked GET /health at once; one that gives no
+        answer at all within `health_timeout_s` (an HTTP error is an answer: a paused SGLang server answers 503) is
+        handed to the watch to replace."""
+        urls, key = list(self.fleet.engine_urls), getattr(self.fleet, "api_key", None)
+
+        def silent(url: str) -> bool:
+            return _http_get(f"{url}/health", timeout=self.health_timeout_s, key=key)[0] == 0
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), HEALTH_PROBES_AT_ONCE)),
+                                thread_name_prefix="hang-probe") as pool:
+            found = {i for i, quiet in enumerate(pool.map(silent, urls)) if quiet}
+        self._unanswering = self._unanswering | found
+        return bool(found)
+
+    def _wait_for_repair(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while ((self.fleet.dead_engines() or self._unanswering) and not self._ended.is_set()
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+
+
+def engine_repair(fleet: Any, bridge: Any, *, trainer_turn: threading.Lock | None = None, client: Any = None,
+                  pause_mode: str | None = None) -> Callable[[int], None]:
+    """The usual `repair`: the bridge stops syncing the faulty engine, the fleet replaces it and the bridge brings
+    the new one to the fleet's weights before the router sees it. If the new engine cannot be routed to after all,
+    the bridge forgets it again (it is stopped). The weights are gathered by the trainer's collectives, so the
+    catch-up waits for `trainer_turn` (the lock `FleetWatch.guarded_train` holds around every train step and
+    checkpoint); a trainer that trained since the last sync brings the whole fleet to its version
+    (`WeightBridge.add_engine`), with generation paused through `client` (in `pause_mode`) meanwhile."""
+    turn = trainer_turn or threading.Lock()
+
+    def prepare(url: str) -> None:
+        with turn:
+            if client is None or not bridge.is_behind_source():
+                bridge.add_engine(url)
+                return
+            client.pause_generation(pause_mode or "retract")
+            bridge.add_engine(url)  # a failure leaves generation paused: weights may be half written
+            client.continue_generation()
+
+    def repair(index: int) -> None:
+        bridge.remove_engine(fleet.engine_urls[index])
+        try:
+            fleet.replace_engine(index, prepare=prepare)
+        except BaseException:
+            bridge.remove_engine(fleet.engine_urls[index])
+            raise
+
+    return repair

@@ -1,0 +1,85 @@
+"""The `rollout:` section: the fleet's size, the rollout function and task, sampling, and how groups are run.
+
+Light module: imports no backend, so `launch.config` can build and validate a run config anywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0  # sampling temperature; the trainer scales logits by the same value
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = -1  # top-k sampling, -1 = off
+    max_new_tokens: int = 8  # response length limit per generate call
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's eos
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.sampling.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def to_sglang(self) -> dict[str, Any]:
+        """SGLang's `sampling_params` JSON object."""
+        params = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "max_new_tokens": self.max_new_tokens}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    num_engines: int = 2  # inference engines behind the router
+    function: str = "rollout_fns.single_turn:generate_group"  # rollout function, `module:attr`
+    task: str = "rollout_fns.toy_tasks:EchoTask"  # task object/class with prompts() and reward(), `module:attr`
+    task_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the task class
+    prompts_per_step: int = 8  # groups per training step
+    samples_per_prompt: int = 8  # group size (GRPO's G)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_concurrent_groups: int | None = None  # groups generating at once (e.g. the sandboxes an agent task has); null: as many as the staleness gate admits
+    buffer_order: Literal["fifo", "newest_first"] = "fifo"  # which finished groups a step takes first once those due by the staleness bound are in (newest_first surfaces fresh data)
+    router_policy: str = "round_robin"  # sgl-router load-balancing policy
+    engine_startup_timeout_s: float = 120.0  # an engine not healthy by then fails the run with its log tail
+    group_timeout_s: float | None = 3600.0  # a group still generating after this is cut and counted FAILED; null: no limit
+    error_masking: bool = False  # multi-turn: a failed turn (malformed tool call, tool error, environment exception) is not trained on, the turns after it are (rollout/masked_error_turns)
+    max_failed_frac: float = 0.5  # the run stops when more than this share of a step's groups fail (raise or time out)
+    max_engine_restarts: int = 3  # engines that die or hang are restarted this many times per run, then the run stops
+    health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate)
+    health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
+    dynamic_sampling: bool = False  # DAPO: a group whose rewards are all equal (no advantage) is dropped when it finishes and another prompt drawn in its place
+    return_routed_experts: bool = False  # MoE routing replay (R3): the single-turn and multi-turn rollouts ask engines for the experts every token was routed to (sent to engines directly: sgl-router drops the field; the OpenAI-agent path refuses the key) and samples carry them to the train batch; SGLang engines also need sglang.enable_return_routed_experts: true
+    max_filtered_frac: float = 0.9  # with dynamic_sampling, the run stops when more than this share of the groups finished while collecting a step were dropped
+
+    def __post_init__(self) -> None:
+        for name in ("num_engines", "prompts_per_step", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_groups is not None and self.max_concurrent_groups < 1:
+            raise ValueError(f"rollout.max_concurrent_groups must be >= 1 or null, got {self.max_concurrent_groups}")
+        if self.buffer_order not in ("fifo", "newest_first"):
+            raise ValueError(f"rollout.buffer_order must be 'fifo' or 'newest_first', got {self.buffer_order!r}")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"rollout.max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        for name in ("health_check_interval_s", "health_check_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
+        if self.group_timeout_s is not None and not self.group_timeout_s > 0:
+            raise ValueError(f"rollout.group_timeout_s must be > 0 or null, got {self.group_timeout_s}")
+        if not 0 <= self.max_filtered_frac < 1:
+            raise ValueError(f"rollout.max_filtered_frac must be in [0, 1), got {self.max_filtered_frac} (at 1 a task "
+                             "whose every group has equal rewards would draw prompts forever)")
+        if not 0 <= self.max_failed_frac < 1:
+            raise ValueError(f"rollout.max_failed_frac must be in [0, 1), got {self.max_failed_frac} (at 1 a task "
+                             "whose every group fails would draw prompts forever)")
+        if self.samples_per_prompt < 2:
+            raise ValueError("rollout.samples_per_prompt must be >= 2: group-relative advantages need at least two samples")
+        for name in ("function", "task"):
+            path = getattr(self, name)
+            if not isinstance(path, str) or not path.replace(":", ".").replace("_", "a").replace(".", "a").isalnum():
+                raise ValueError(f"rollout.{name} must be an import path like 'pkg.module:attr', got {path!r}")

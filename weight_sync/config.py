@@ -1,0 +1,44 @@
+"""The transport half of the `sync:` section: how weights travel from the trainer to the engines (the loop's
+half, when they travel, is glue.loop.config.SyncConfig, which extends this class).
+
+Light module: imports no backend, so a run config builds and validates anywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class BridgeConfig:
+    """What `weight_sync.make_bridge` builds: transport, collective backend, buckets, sources and checks."""
+
+    transport: Literal["broadcast", "ipc", "disk"] = "broadcast"  # broadcast (weight group), ipc (colocated, shared memory / CUDA IPC), disk (safetensors, the slow reference)
+    backend: Literal["gloo", "nccl"] = "gloo"  # collective backend of the weight group (nccl on GPU); nccl also makes ipc share CUDA buffers
+    bucket_bytes: int = 512 * 1024**2  # weights travel in flat buckets of at most this many bytes
+    pipeline: bool | None = None  # pack bucket k+1 while bucket k is on the wire (two reused buffers, smaller buckets); null: on with nccl, off with gloo (on 2 shared CPU cores the packing thread competes with gloo; bench medians were 0.41-0.67 of a raw gloo broadcast either way, within the noise, and ipc was slower pipelined)
+    sources: Literal["one", "parallel"] | None = None  # broadcast: one (trainer rank 0 sends every bucket) or parallel (each pipeline stage and expert group sends its own through its own weight group); null: parallel when the trainer has several stages / expert groups
+    delta: bool = False  # broadcast, embedded engines: after a sync every engine confirmed, send each bucket as its changed elements (positions + values) where that is smaller; any failure or fleet change makes the next sync whole. Costs each source rank a CPU copy of the weights it sends (2 bytes/param in bf16)
+    verify: Literal["auto", "checksum", "full", "off"] = "auto"  # after every sync each engine's version is checked; checksum: also every bucket, both sides (engines that report bucket checksums: sluice's embedded engine); full: also every engine tensor vs the trainer's (embedded engine); auto: checksum where every engine reports bucket checksums, else versions only (SGLang)
+    master_address: str | None = None  # address trainer rank 0 hosts the weight group on; null: its node's address as Ray reports it (set it on machines with several networks)
+    disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory
+    timeout_s: float = 300.0  # a sync that takes longer fails the run
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("broadcast", "ipc", "disk"):
+            raise ValueError(f"sync.transport must be 'broadcast', 'ipc' or 'disk', got {self.transport!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"sync.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.sources not in (None, "one", "parallel"):
+            raise ValueError(f"sync.sources must be 'one' or 'parallel' (or null: parallel when the trainer has "
+                             f"several stages / expert groups), got {self.sources!r}")
+        if self.sources == "parallel" and self.transport != "broadcast":
+            raise ValueError(f"sync.sources: parallel needs sync.transport: broadcast (got {self.transport!r}); "
+                             "set sync.sources: one")
+        if self.delta and self.transport != "broadcast":
+            raise ValueError(f"sync.delta: true needs sync.transport: broadcast (got {self.transport!r}): ipc copies "
+                             "in memory and disk is the reference path; set sync.delta: false")
+        if self.verify not in ("auto", "checksum", "full", "off"):
+            raise ValueError(f"sync.verify must be 'auto', 'checksum', 'full' or 'off', got {self.verify!r}")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"sync.bucket_bytes must be >= 1 (default 512 MiB = 536870912), got {self.bucket_bytes}")
