@@ -117,3 +117,12 @@ def test_checksum_catches_one_flipped_bit_anywhere_and_swapped_tensors():
 
 def test_dtype_names_resolve_like_sglangs():
     assert str_to_dtype("bfloat16") is torch.bfloat16
+
+
+def test_the_cuda_ipc_encoder_imports_on_this_torch_and_refuses_a_bucket_outside_cuda():
+    # torch 2.11 dropped torch.multiprocessing.reductions.ForkingPickler; the encoder must still import its pickler
+    # (here, with no CUDA, it reaches the device check and names the device)
+    from weight_sync.ipc import encode_cuda_handle
+
+    with pytest.raises(ValueError, match="this bucket is on cpu"):
+        encode_cuda_handle(torch.zeros(8, dtype=torch.uint8), BucketLayout(index=0, slots=()))

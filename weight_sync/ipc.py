@@ -124,7 +124,9 @@ def encode_cuda_handle(flat: torch.Tensor, layout: BucketLayout) -> str:
     """GPU: SGLang's flattened-bucket payload, `{"flattened_tensor": <CUDA IPC handle>, "metadata": [...]}`,
     pickled by torch's multiprocessing reductions and base64-encoded (what SGLang's MultiprocessingSerializer sends).
     The source must keep `flat` alive and unchanged until every engine has answered."""
-    from torch.multiprocessing.reductions import ForkingPickler  # registers the CUDA tensor reductions
+    from multiprocessing.reduction import ForkingPickler  # torch >= 2.11 no longer re-exports it
+
+    import torch.multiprocessing  # noqa: F401  registers torch's CUDA tensor reductions with ForkingPickler
 
     if flat.device.type != "cuda":
         raise ValueError(f"encode_cuda_handle shares CUDA tensors; this bucket is on {flat.device}")
