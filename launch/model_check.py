@@ -1,6 +1,6 @@
 """What a run reads from `model.path`, checked before anything starts (by launch.preflight, for every run and for
 `--dry-run`), and what the plan learns from config.json alone: the checkpoint's files, the rules megatron-core sets
-for the model the trainer builds from it, and how many bytes a weight sync moves."""
+for the model the trainer builds from it, the layer spec it is built with, and how many bytes a weight sync moves."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ from typing import Any
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer.model import check_tensor_parallel, read_hf_config
 from glue.trainer.optim import resolve_precision
+from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
 from weight_sync.buckets import pipeline_bucket_bytes
 
@@ -93,6 +94,42 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
         raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "
                           "experts) needs sequence parallelism, which megatron-core requires to train MoE layers with "
                           "TP > 1: add --sequence-parallel (trainer.megatron.sequence_parallel: true)")
+
+
+def check_layer_spec(trainer: Any) -> str:
+    """`trainer.layer_spec` as this machine resolves it (a glue.trainer.config.TrainerConfig): te is refused where
+    transformer_engine does not import; auto is reported, each trainer rank resolving it where it runs."""
+    try:
+        spec = resolve_layer_spec(trainer.layer_spec)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if trainer.layer_spec != "auto":
+        return f"layer spec: {spec}"
+    imports = "imports" if spec == "te" else "does not import"
+    return f"layer spec: auto, {spec} here (transformer_engine {imports}; each trainer node resolves it for itself)"
+
+
+REFERENCE_ATTENTION = "megatron DotProductAttention, unfused ([T, T] scores and mask per layer: the reference)"
+FAST_ATTENTION = {  # GPU nodes? -> what sluice's core attention runs there
+    True: "sluice core attention: FlashAttention varlen (torch.nn.attention.varlen) on packed THD rows in bf16, "
+          "causal SDPA on padded rows (fp32, or a torch without varlen_attn: causal SDPA over each packed row's "
+          "samples as a batch)",
+    False: "sluice core attention on CPU: causal SDPA over each packed row's samples as a batch, causal SDPA on "
+           "padded rows",
+}
+
+
+def describe_attention(trainer: Any, on_gpus: bool) -> str:
+    """The attention line of `--dry-run`: the kernel every trainer rank runs, from trainer.layer_spec, megatron's
+    attention_backend (auto / flash / fused: sluice's fused core attention; local / unfused: megatron's reference)
+    and whether the trainer nodes have GPUs."""
+    backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
+    if backend not in ("auto", "flash", "fused", "local", "unfused"):
+        raise ConfigError(f"--attention-backend {backend!r} is not one of auto, flash, fused, local, unfused")
+    if resolve_layer_spec(trainer.layer_spec) == "te":
+        return "attention: transformer-engine DotProductAttention (packed rows as THD), every trainer rank"
+    kernel = REFERENCE_ATTENTION if backend in ("local", "unfused") else FAST_ATTENTION[on_gpus]
+    return f"attention ({backend}): {kernel}, every trainer rank"
 
 
 def num_experts(hf_config: Any) -> int:

@@ -19,7 +19,7 @@ class TensorCensus(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live = self.peak = self.largest = 0
+        self.live = self.peak = self.largest = self.largest_elements = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -35,6 +35,7 @@ class TensorCensus(TorchDispatchMode):
             self.live += nbytes
             self.peak = max(self.peak, self.live)
             self.largest = max(self.largest, nbytes)
+            self.largest_elements = max(self.largest_elements, tensor.numel())
             weakref.finalize(storage, self._free, nbytes)
         return out
 

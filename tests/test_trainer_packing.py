@@ -159,8 +159,7 @@ def test_packing_runs_one_row_per_forward_and_fewer_than_half_the_token_slots(pa
 def _isolation_scenario(model_dir: str) -> dict:
     """Logprobs of a packed batch before and after sample A's tokens change (A sits before B in B's packed row),
     and the rotary angles megatron applied in the packed forward."""
-    from megatron.core.models.common.embeddings import rope_utils
-
+    from glue.trainer import rope
     from glue.trainer.packing import packed_plan
     from helpers.trainer_process import start_worker, stop_worker
 
@@ -168,15 +167,15 @@ def _isolation_scenario(model_dir: str) -> dict:
     rows = [row for rank in packed_plan(batch.seq_lens, slice(0, 8), BUDGET, 1) for mb in rank for row in mb]
     worker = start_worker(model_dir, LossConfig(), max_tokens_per_micro_batch=BUDGET)
     angles = []
-    apply = rope_utils._apply_rotary_pos_emb_bshd
+    apply = rope.rotate
 
-    def recording(t, freqs, *args, **kwargs):
+    def recording(t, freqs):
         angles.append(freqs.detach().clone())
-        return apply(t, freqs, *args, **kwargs)
+        return apply(t, freqs)
 
-    rope_utils._apply_rotary_pos_emb_bshd = recording
+    rope.rotate = recording
     before = worker.compute_logprobs(batch)
-    rope_utils._apply_rotary_pos_emb_bshd = apply
+    rope.rotate = apply
     table = worker.model.rotary_pos_emb(max(batch.seq_lens))[:, 0, 0]
     changed = spread_batch()
     a, b = next(row[:2] for row in rows if len(row) > 2)

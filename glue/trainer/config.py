@@ -27,6 +27,7 @@ class TrainerConfig:
     expert_tensor_parallel_size: int | None = None  # Megatron ETP degree of expert layers (null = TP)
     data_parallel_size: int = 1  # trainer replicas; world size = TP x PP x CP x DP
     megatron: dict[str, Any] = field(default_factory=dict)  # other megatron-core config fields, passed through as-is
+    layer_spec: Literal["auto", "local", "te"] = "auto"  # megatron-core layer spec: te (Transformer Engine's fused GPU kernels; needs transformer_engine on the trainer nodes), local (plain PyTorch modules, runs anywhere) or auto (te where transformer_engine imports, else local)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16: bf16 model weights with fp32 main weights, gradients and Adam state (megatron's mixed precision); fp32: everything fp32; auto: bf16 when the checkpoint's torch_dtype is bf16/fp16 or a megatron flag asks for it (--bf16, --params-dtype bfloat16), else fp32
     bf16_rounding: Literal["nearest", "dithered"] = "nearest"  # bf16: how the fp32 main weights become the bf16 model weights after each step: nearest (megatron's cast) or dithered (a fixed per-weight dither: the bf16 weights follow updates far below bf16's spacing on average, where nearest holds them still; docs/precision.md)
     use_distributed_optimizer: bool = True  # megatron's distributed optimizer: main weights and Adam state sharded over the data-parallel ranks (false: each DP rank holds all of its model shard's state)
@@ -42,7 +43,7 @@ class TrainerConfig:
     adam_eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # max global gradient norm (0 turns clipping off)
     micro_batch_size: int = 8  # rows per forward/backward when not packing; gradients accumulate over the batch
-    max_tokens_per_micro_batch: int | None = None  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = "auto"  # sequence packing: whole samples packed (first-fit decreasing) into one row of at most this many tokens per forward, attention kept within each sample; auto = on CUDA a budget sized from the device memory left after the model and optimizer (glue.trainer.token_budget), on CPU padded rows; null or 0 = padded rows of micro_batch_size (a longer sample gets a row of its own)
     dp_balance: Literal["tokens", "rows"] = "tokens"  # how a mini-batch's samples are split over DP ranks: tokens (each rank gets near-equal trained tokens: longest sample first to the rank with the fewest, so one long answer does not leave the other ranks idle; padded rows keep equal row counts per rank) or rows (contiguous near-equal shares by sample count)
     routing_replay: bool = False  # MoE routing replay (R3): every MoE layer routes each token through the experts the engine chose (needs rollout.return_routed_experts); logs moe/routing_agreement and the logprob gap with and without it, split by staleness (two extra forward-only passes per step; with snapshot old logprobs one more per version held, for the gap at each token's own version)
     num_mini_batches: int = 1  # optimizer steps (PPO mini-batches) per train_step (the policy version moves by 1 per train_step)
@@ -59,11 +60,13 @@ class TrainerConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"trainer.{name} must be an integer >= 1, got {value!r}")
         budget = self.max_tokens_per_micro_batch
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"trainer.max_tokens_per_micro_batch must be an integer >= 1 (or null / 0 for padded "
-                             f"micro-batches of micro_batch_size rows), got {budget!r}")
+        if budget not in (None, "auto") and (not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"trainer.max_tokens_per_micro_batch must be an integer >= 1, auto (sized from GPU "
+                             f"memory) or null / 0 (padded micro-batches of micro_batch_size rows), got {budget!r}")
         if self.dp_balance not in ("tokens", "rows"):
             raise ValueError(f"trainer.dp_balance must be 'tokens' or 'rows', got {self.dp_balance!r}")
+        if self.layer_spec not in ("auto", "local", "te"):
+            raise ValueError(f"trainer.layer_spec must be auto, local or te, got {self.layer_spec!r}")
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.critic_lr is not None and not self.critic_lr > 0:

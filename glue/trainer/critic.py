@@ -22,6 +22,7 @@ from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, shar
 from glue.types import TrainBatch
 from loss.config import LossConfig
 from loss.value import clipped_value_loss, explained_variance, gae_targets
+from weight_sync.convert import in_names_of
 
 CRITIC_DIR = "critic"
 
@@ -57,9 +58,9 @@ def build_value_model(hf_config: Any, model_path: str, layout: Any, build: dict[
     if critic.post_process:
         critic.output_layer = ValueHead(critic.config.hidden_size, sequence_parallel=critic.config.sequence_parallel,
                                         dtype=critic.config.params_dtype)
-    local = {k: v for k, v in model.hf_to_megatron_local(model.read_hf_state(model_path), hf_config, layout).items()
-             if not k.startswith("output_layer.")}
     params = {n: p for n, p in critic.named_parameters() if not n.startswith("output_layer.")}
+    converted = in_names_of(model.hf_to_megatron_local(model.read_hf_state(model_path), hf_config, layout), params)
+    local = {k: v for k, v in converted.items() if not k.startswith("output_layer.")}
     if sorted(params) != sorted(local):
         raise ValueError(f"critic: the HF -> megatron conversion does not cover the trunk: missing "
                          f"{sorted(set(params) - set(local))[:5]}, unexpected {sorted(set(local) - set(params))[:5]}")

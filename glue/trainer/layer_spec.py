@@ -1,6 +1,7 @@
 """The trainer's megatron-core layer spec: the local (no Transformer Engine) spec, with megatron's apex-less norm
-swapped for an RMSNorm that also runs under sequence parallelism. Without apex, megatron's local spec builds
-`torch.nn.RMSNorm` and refuses `--sequence-parallel`, which megatron requires for MoE with TP and EP > 1.
+swapped for an RMSNorm that also runs under sequence parallelism (without apex, megatron's local spec builds
+`torch.nn.RMSNorm` and refuses `--sequence-parallel`, which megatron requires for MoE with TP and EP > 1), and its
+unfused DotProductAttention swapped for sluice's fused core attention unless `--attention-backend local` asks for it.
 """
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import dataclasses
 from typing import Any
 
 import torch
+
+from glue.trainer import rope
+from glue.trainer.te_spec import resolve_layer_spec, te_layer_spec
 
 
 class RMSNorm(torch.nn.Module):
@@ -28,10 +32,18 @@ class RMSNorm(torch.nn.Module):
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def layer_spec(config: Any) -> Any:
-    """Block submodules for GPTModel: MoE models get megatron's per-layer block spec (dense or MoE by
+def layer_spec(config: Any, choice: str = "auto") -> Any:
+    """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
+    (glue.trainer.te_spec). Else the local one: MoE models get megatron's per-layer block spec (dense or MoE by
     `moe_layer_freq`, SequentialMLP experts), dense ones the local layer spec on every layer; then every apex-less
-    megatron norm is replaced by `RMSNorm`."""
+    megatron norm is replaced by `RMSNorm` and the core attention is the one `config.attention_backend` names
+    (glue.trainer.attention)."""
+    from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
+
+    if resolve_layer_spec(choice) == "te":
+        rope.install()
+        return te_layer_spec(config)
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -40,18 +52,22 @@ def layer_spec(config: Any) -> Any:
     else:
         layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
         spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
-    return _swap_torch_norm(spec)
-
-
-def _swap_torch_norm(node: Any) -> Any:
-    """`node` (a spec tree of ModuleSpecs, submodule dataclasses and lists) with WrappedTorchNorm replaced."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if node is WrappedTorchNorm:
-        return RMSNorm
+    core_attention = core_attention_class(config.attention_backend)
+    if core_attention is not DotProductAttention:  # the unfused reference keeps megatron's own RoPE too
+        rope.install()
+    return _swap(spec, {WrappedTorchNorm: RMSNorm, DotProductAttention: core_attention})
+
+
+def _swap(node: Any, swaps: dict[type, type]) -> Any:
+    """`node` (a spec tree of ModuleSpecs, submodule dataclasses and lists) with each class in `swaps` replaced."""
+    if isinstance(node, type) and node in swaps:
+        return swaps[node]
     if isinstance(node, list):
-        return [_swap_torch_norm(item) for item in node]
+        return [_swap(item, swaps) for item in node]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return dataclasses.replace(node, **{f.name: _swap_torch_norm(getattr(node, f.name))
+        return dataclasses.replace(node, **{f.name: _swap(getattr(node, f.name), swaps)
                                             for f in dataclasses.fields(node) if f.init})
     return node

@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from glue.trainer import cpu_compat
+from glue.trainer.attention import is_mask_free
 from glue.trainer.layer_spec import layer_spec
+from glue.trainer.logprobs import token_logprobs_and_entropy
 from glue.trainer.megatron_fields import to_megatron
 from glue.trainer.optim import unwrap
-from weight_sync.convert import hf_to_megatron_local, is_moe_layer, is_tied, num_experts
+from weight_sync.convert import hf_to_megatron_local, in_names_of, is_moe_layer, is_tied, num_experts
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
@@ -111,11 +113,11 @@ def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
 
 
 def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None,
-                precision: str = "fp32") -> torch.nn.Module:
+                precision: str = "fp32", layer_spec_choice: str = "auto") -> torch.nn.Module:
     """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard of its pipeline stage
     (the embedding on the first, the output layer on the last), random weights, bf16 or fp32 per `precision`
     (glue.trainer.optim). `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig
-    fields."""
+    fields; `layer_spec_choice` is trainer.layer_spec (auto / local / te)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -124,7 +126,7 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
                      "pipeline_dtype": dtype}
     config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
     return GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config),
+        config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), parallel_output=True,
@@ -148,9 +150,10 @@ def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:
 
 def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layout: Any) -> None:
     """Copy the checkpoint's weights into this rank's part of `model`: its TP shard and, for MoE, its experts
-    (`layout`: a weight_sync.convert.ParallelLayout). Every parameter must be covered."""
-    local = hf_to_megatron_local(read_hf_state(model_dir), hf_config, layout)
+    (`layout`: a weight_sync.convert.ParallelLayout), in the names of its layer spec (local or Transformer
+    Engine's). Every parameter must be covered."""
     params = dict(model.named_parameters())
+    local = in_names_of(hf_to_megatron_local(read_hf_state(model_dir), hf_config, layout), params)
     missing = sorted(set(params) - set(local))
     unexpected = sorted(set(local) - set(params))
     if missing or unexpected:
@@ -193,11 +196,12 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
             return out[:, :seq_len] if inner.post_process else out
     if position_ids is None:
         position_ids = torch.arange(seq_len, dtype=torch.long, device=tokens.device).unsqueeze(0).expand(batch, seq_len)
+    mask_free = is_mask_free(inner)
     if seq_ids is None:
-        return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device))
-    if uses_te_attention(inner):
-        return model(tokens, position_ids, None, packed_seq_params=thd_packed_seq_params(seq_ids))
+        return model(tokens, position_ids, None if mask_free else causal_attention_mask(seq_len, tokens.device))
     with rope_at_positions(inner, position_ids):
+        if mask_free:  # THD: cu_seqlens bound the attention, no [T, T] tensor anywhere
+            return model(tokens, position_ids, None, packed_seq_params=thd_packed_seq_params(seq_ids))
         return model(tokens, position_ids, causal_attention_mask(seq_len, tokens.device, seq_ids))
 
 
@@ -205,7 +209,8 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
 def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
     """Rotate each token by its own position id in the forwards inside the block. megatron's RoPE in the [S, B]
     layout ignores position_ids and rotates the token at s by angle s; the hook replaces its angle table
-    [S, 1, 1, D] (positions 0..S-1) by each token's row of it, [S, B, 1, D]. Position ids must be < S."""
+    [S, 1, 1, D] (positions 0..S-1) by each token's row of it, [S, B, 1, D] (a THD row: [T, 1, 1, D], which
+    glue.trainer.rope applies in one pass). Position ids must be < S."""
     def per_token(module: torch.nn.Module, args: Any, angles: torch.Tensor) -> torch.Tensor:
         return angles[position_ids.t().to(angles.device)].squeeze(2)
 
@@ -216,24 +221,17 @@ def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Ite
         handle.remove()
 
 
-def uses_te_attention(model: torch.nn.Module) -> bool:
-    """True when the model's core attention is Transformer Engine's (a GPU layer spec), which takes packed rows as
-    THD with cu_seqlens instead of a mask. The local spec this trainer builds today never is."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
-    return any(type(layer.self_attention.core_attention).__name__ == "TEDotProductAttention" for layer in layers[:1])
-
-
 def thd_packed_seq_params(seq_ids: torch.Tensor) -> Any:
     """megatron's PackedSeqParams (format "thd") for one packed row [1, T]: a sequence starts wherever the id
-    changes. Untested on this CPU-only machine: it feeds the Transformer-Engine attention only."""
+    changes (trailing padding is a sequence of its own). One host read per row: the longest span."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if seq_ids.shape[0] != 1:
         raise ValueError(f"THD packing takes one packed row per micro-batch, got {seq_ids.shape[0]} rows")
     ids = seq_ids[0]
-    starts = (torch.nonzero(ids[1:] != ids[:-1])[:, 0] + 1).tolist()
-    cu_seqlens = torch.tensor([0, *starts, ids.numel()], dtype=torch.int32, device=seq_ids.device)
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    bounds = [0, *(torch.nonzero(ids[1:] != ids[:-1])[:, 0] + 1).tolist(), ids.numel()]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=seq_ids.device)
+    longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
@@ -241,30 +239,17 @@ def thd_packed_seq_params(seq_ids: torch.Tensor) -> Any:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
                    seq_ids: torch.Tensor | None = None) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) at position t from vocab-parallel logits; last column is 0, and with
-    `seq_ids` (packed rows) so is each sample's last token, whose next token belongs to another sample. [B, T]."""
-    from megatron.core import tensor_parallel
+    `seq_ids` (packed rows) so is each sample's last token, whose next token belongs to another sample. [B, T].
 
-    targets = tokens[:, 1:]
-    scaled = logits[:, :-1].float() / temperature  # a fresh tensor: megatron's kernel edits its input in place
-    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
-    if seq_ids is not None:
-        logprobs = torch.where(seq_ids[:, 1:] == seq_ids[:, :-1], logprobs, 0.0)
-    return F.pad(logprobs, (0, 1))
+    Differentiable, in row chunks without an fp32 copy of the logits (glue.trainer.logprobs)."""
+    return token_logprobs_and_entropy(logits, tokens, temperature, seq_ids, with_entropy=False)[0]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of the temperature-scaled next-token distribution at each position, across TP vocab shards. [B, T].
 
-    Differentiable: the shard sums meet in megatron's all-reduce whose backward is the identity, as for the loss.
+    Differentiable (each TP rank's logits get their own shard's gradient), in row chunks without an fp32 copy of the
+    logits; a caller that also wants the logprobs gets both from one pass with `token_logprobs_and_entropy`.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
-    scaled = logits.float() / temperature
-    peak = scaled.detach().max(dim=-1, keepdim=True).values
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
-                                 group=parallel_state.get_tensor_model_parallel_group())
-    shifted = scaled - peak
-    exp = shifted.exp()
-    sums = tensor_parallel.reduce_from_tensor_model_parallel_region(torch.stack([exp.sum(-1), (exp * shifted).sum(-1)]))
-    # H = log Z - E[x - peak], with Z = sum exp(x - peak)
-    return sums[0].log() - sums[1] / sums[0]
+    no_tokens = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)  # only the entropy is kept
+    return token_logprobs_and_entropy(logits, no_tokens, temperature, with_entropy=True)[1]

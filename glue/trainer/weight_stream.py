@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from glue.trainer.parallel import hf_weight_specs
-from weight_sync.convert import local_name, num_experts, rule_to_hf, rules, shard_into_hf, shard_rank
+from weight_sync.convert import (from_te_names, local_name, num_experts, rule_to_hf, rules, shard_into_hf,
+                                 shard_rank)
 from weight_sync.convert.layout import REPLICATED
 from weight_sync.sender import BucketSender
 
@@ -60,7 +61,9 @@ class WeightStream:
         from megatron.core import parallel_state as ps
 
         self.model, self.hf_config, self.place = model, hf_config, place
-        self.params = dict(model.named_parameters())  # the Parameter objects stay; offload swaps only their .data
+        # by the converter's (local) names, whichever layer spec built the model; the Parameter objects stay
+        # (offload swaps only their .data)
+        self.params = from_te_names(dict(model.named_parameters()))
         self.rank = torch.distributed.get_rank()
         self.n_experts = num_experts(hf_config)
         mine = Coords(pp=place.pp_rank, tp=place.tp_rank, dp=place.dp_rank, ep=place.ep_rank, etp=place.etp_rank,

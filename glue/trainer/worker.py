@@ -18,11 +18,13 @@ from glue.trainer import cpu_compat, model, offload, optim
 from glue.trainer.checkpointing import load_rank, save_rank
 from glue.trainer.config import CONTEXT_PARALLEL_NEEDS, TrainerConfig
 from glue.trainer.critic import Critic
+from glue.trainer.optim import unwrap
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import RankPlace, full_hf_state, hf_weight_specs, sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
 from glue.trainer.routing_replay import RoutingReplay, logprob_gaps, replay_args
 from glue.trainer.snapshots import PolicySnapshots, pre_update_metrics
+from glue.trainer.token_budget import resolve_token_budget
 from glue.trainer.weight_stream import TrainerWeightSender
 from glue.types import TrainBatch
 from loss import LossConfig, SftLossConfig, compute_loss, count_tokens_and_seqs, ewma_proximal_logprobs
@@ -82,7 +84,7 @@ class TrainerWorker:
         self.hf_config = model.read_hf_config(self.model_path)
         self.precision = optim.resolve_precision(self.cfg, self.hf_config)
         build = dict(tp_size=self.cfg.tensor_model_parallel_size, megatron_args=self.cfg.megatron_values(),
-                     precision=self.precision)
+                     precision=self.precision, layer_spec_choice=self.cfg.layer_spec)
         self.model = model.build_model(self.hf_config, **build)
         self.place = RankPlace.from_parallel_state(self.model)
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
@@ -94,6 +96,8 @@ class TrainerWorker:
             self.reference.requires_grad_(False).to(self.device)
         # megatron's DDP (its gradient and parameter buffers now back self.model's parameters) and optimizer
         self.training = optim.build(self.model, self.cfg, self.precision)
+        self.max_tokens = resolve_token_budget(self.cfg.max_tokens_per_micro_batch, unwrap(self.model),
+                                               self.hf_config.vocab_size, self.device)
         self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
         if self.loss_cfg.uses_critic:  # GAE: a value model beside the policy (docs/critic.md)
             self.critic = Critic.build(self, build)
@@ -103,9 +107,10 @@ class TrainerWorker:
 
     def _micro_batches(self, seq_lens: list[int], seq_len: int, rows: slice) -> list[MicroBatch]:
         """This rank's micro-batches over `rows` of a [B, seq_len] batch (glue.trainer.packing): packed rows when
-        trainer.max_tokens_per_micro_batch is set, else padded rows; the samples split over DP ranks per
-        trainer.dp_balance; the same count on every DP rank, and the same shapes where experts are spread over ranks."""
-        return plan_micro_batches(seq_lens, seq_len, rows, max_tokens=self.cfg.max_tokens_per_micro_batch,
+        trainer.max_tokens_per_micro_batch is set (auto: sized from CUDA memory at start), else padded rows; the
+        samples split over DP ranks per trainer.dp_balance; the same count on every DP rank, and the same shapes
+        where experts are spread over ranks."""
+        return plan_micro_batches(seq_lens, seq_len, rows, max_tokens=self.max_tokens,
                                   micro_batch_size=self.cfg.micro_batch_size, dp_rank=self.place.dp_rank,
                                   dp_size=self.place.dp_size, even_shapes=self.place.ep_size > 1,
                                   balance=self.cfg.dp_balance)
@@ -117,8 +122,8 @@ class TrainerWorker:
         when grad is enabled."""
         tokens = tokens.to(self.device)
         seq_ids = None if seq_ids is None else seq_ids.to(self.device)
-        entropy = model.token_entropy(logits, self.cfg.temperature) if with_entropy else None
-        return model.token_logprobs(logits, tokens, self.cfg.temperature, seq_ids), entropy
+        return model.token_logprobs_and_entropy(logits, tokens, self.cfg.temperature, seq_ids,
+                                                with_entropy=with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch | torch.Tensor, with_entropy: bool = False,

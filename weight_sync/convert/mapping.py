@@ -14,6 +14,7 @@ from weight_sync.convert.layout import (GATE_UP, QKV, REPLICATED, ROW, VOCAB, Pa
                                        shard)
 from weight_sync.convert.names import (EMBEDDING, FINAL_NORM, KIND_BY_SUFFIX, OUTPUT, Rule, cfg, is_tied,
                                        model_type, num_experts, rules)
+from weight_sync.convert.te_names import from_te_names
 
 # HF tensors a checkpoint may carry that no megatron tensor needs.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -84,10 +85,12 @@ def megatron_to_hf(states: dict[str, torch.Tensor] | Sequence[dict[str, torch.Te
     Either one full state dict (`layouts=None`), or one local state dict per rank with that rank's layout: TP
     shards are gathered, stages concatenated, EP-local experts renumbered to global ids, vocab padding dropped.
     Ranks holding the same shard (data-parallel or expert-data-parallel copies) are read once. Every tensor of
-    every given state must be used, so a state dict and table that disagree fail loudly.
+    every given state must be used, so a state dict and table that disagree fail loudly. States may be in the local
+    spec's names or in Transformer Engine's (fused norms, `_extra_state` entries: `te_names`).
     """
     if layouts is None:
         states, layouts = [states], [ParallelLayout()]
+    states = [from_te_names(state) for state in states]
     if len(states) != len(layouts):
         raise ValueError(f"megatron_to_hf: {len(states)} state dicts but {len(layouts)} layouts; give one per rank")
     n_experts = num_experts(hf_config)

@@ -1,0 +1,52 @@
+"""RoPE as the trainer applies it: megatron's unfused rotation with cos/sin computed once per forward (not per layer
+and per q/k), and packed THD rows rotated by each token's own position in one pass. megatron's own THD path splits
+the row per sample with a host read each (`_apply_rotary_pos_emb_thd`); `rope_at_positions` (glue.trainer.model)
+hands it one angle row per token instead, which this rotation applies directly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_installed = False
+_cache: dict[str, Any] = {"freqs": None}  # the last angle table and its cos/sin in the tensors' dtype
+
+
+def install() -> None:
+    """Route megatron's attention through `apply_rotary_pos_emb` below (idempotent). Cases it does not cover
+    (fused RoPE, interleaved, YaRN scaling, MLA, context parallelism) go to megatron's function unchanged."""
+    global _installed
+    if _installed:
+        return
+    from megatron.core.transformer import attention
+
+    megatron_rope = attention.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: Any = None,
+                             mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
+        if not _is_plain(config, freqs, t, mscale, cp_group):
+            return megatron_rope(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        if cu_seqlens is None:
+            return rotate(t, freqs)
+        if freqs.shape[0] != t.shape[0]:  # a position table, not one row per token: megatron's per-sample path
+            return megatron_rope(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        return rotate(t[:, None], freqs)[:, 0]  # THD [T, heads, d] with one angle row per token [T, 1, 1, d]
+
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+    _installed = True
+
+
+def _is_plain(config: Any, freqs: torch.Tensor, t: torch.Tensor, mscale: float, cp_group: Any) -> bool:
+    """True when the rotation is megatron's unfused half-rotation over the whole head (the Llama/Qwen case)."""
+    return (not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
+            and mscale == 1.0 and freqs.shape[-1] == t.shape[-1] and (cp_group is None or cp_group.size() == 1))
+
+
+def rotate(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """t * cos + rotate_half(t) * sin, [S, B, heads, d] by angles broadcasting to it ([S, 1 or B, 1, d]); the
+    cos/sin of one forward's angle table are reused by every layer (and by q and k)."""
+    if _cache["freqs"] is not freqs or _cache["dtype"] != t.dtype:
+        _cache.update(freqs=freqs, dtype=t.dtype, cos=freqs.cos().to(t.dtype), sin=freqs.sin().to(t.dtype))
+    first, second = t.chunk(2, dim=-1)
+    return t * _cache["cos"] + torch.cat((-second, first), dim=-1) * _cache["sin"]
