@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test test-long bench gpu-check learning-table learning-merge learning-plots distill-learning chaos rehearse smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test test-long bench gpu-check gpu-bench learning-table learning-merge learning-plots distill-learning chaos rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-check:
 	$(GPU_PY) tests/gpu_check.py --out $(or $(GPU_JSON),bench-results/gpu.json)
+
+# Same machine, same rules: the trainer's train / forward tokens/s and MFU (megatron's FLOP count, H100/H200 bf16
+# peak) on a ~265 M Qwen3 and a 1.5 B Qwen2 shape beside a plain-PyTorch HF + AdamW peer, peak bytes per parameter,
+# the attention kernel and its logprob gap to the unfused reference, into bench-results/gpu_bench.json (8 minutes at
+# most). Without CUDA a tiny model runs on CPU through the same code, the rest "skipped: no CUDA".
+gpu-bench:
+	$(GPU_PY) tests/gpu_bench.py --out $(or $(GPU_BENCH_JSON),bench-results/gpu_bench.json)
 
 # What staleness costs in learning (issue 27 item 3): 6 rows x 5 seeds x 60 steps, on the slow-tool echo task and the
 # multi-turn calculator, each at lr 5e-3 and 2.5e-3 (240 runs): docs/async_learning.json and docs/async_learning_*.png.

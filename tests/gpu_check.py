@@ -25,6 +25,9 @@ CHECKS = {
     "embedded_engine_cuda": ("tests/test_gpu_one_device.py::test_the_embedded_engine_holds_its_model_on_cuda_and_"
                              "generates_what_the_cpu_engine_does", "the embedded engine (--device cuda): model and KV "
                              "cache on CUDA, greedy tokens and logprobs equal to the CPU engine's"),
+    "core_attention_cuda": ("tests/test_gpu_one_device.py::test_sluices_core_attention_on_cuda_runs_flash_kernels_"
+                            "and_equals_the_unfused_reference", "sluice's core attention on CUDA: packed THD rows "
+                            "through torch's varlen FlashAttention, equal to the unfused reference in bf16"),
     "nccl_two_ranks": ("tests/test_weight_gpu.py::test_nccl_broadcast_moves_a_bucket_bit_exactly_between_two_processes",
                        "NCCL broadcast of a bucket between two ranks"),
 }
@@ -83,6 +86,15 @@ def install_carried_megatron() -> str | None:
     return str(target)
 
 
+def put_tree_on_path() -> None:
+    """glue, loss, weight_sync from the tree and megatron-core (the carried wheel, when not importable) on this
+    process's path and on PYTHONPATH, which its child processes inherit: nothing is installed on the GPU machine."""
+    site = install_carried_megatron()
+    for folder in ([site] if site is not None else []) + [str(REPO)]:
+        sys.path.insert(0, folder)
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])
+
+
 def run_checks(env: dict) -> dict[str, dict]:
     if not env["cuda_available"]:
         why = env.get("why") or "no CUDA"
@@ -90,12 +102,7 @@ def run_checks(env: dict) -> dict[str, dict]:
                 for name, (node, what) in CHECKS.items()}
     import pytest
 
-    site = install_carried_megatron()
-    if site is not None:
-        sys.path.insert(0, site)
-        os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])
-    sys.path.insert(0, str(REPO))  # glue, loss, weight_sync from the tree: nothing is installed on the GPU machine
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    put_tree_on_path()
     outcomes = Outcomes()
     os.chdir(REPO)
     pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", *(node for node, _ in CHECKS.values())],

@@ -1,0 +1,169 @@
+"""`make bench` trainer_speed: what the fused core attention and the chunked logprobs change on the CPU the CI runs,
+one megatron-core rank on gloo. Writes bench-results/trainer_speed.json:
+- `packed_t2_bytes`: bytes of tensors of >= T^2 elements allocated in a packed train step of 2,048-token rows
+  (target 0), with megatron's unfused attention's figure beside it;
+- `ops_per_layer`: aten ops per transformer layer per micro-batch, forward + backward, megatron's unfused path
+  (`before`) vs sluice's (`after`), from the op counts of a 2- and a 4-layer model (target after <= 0.5 x before);
+- `logprob_peak_extra_bytes` vs `logprob_full_fp32_bytes` (tokens x vocab / TP x 4; target ratio <= 0.25);
+- `packed_vs_padded`: train tokens/s of the same spread batch packed and padded.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import REPO_ROOT
+from glue.types import Sample, TrainBatch
+from loss import LossConfig
+from helpers.trainer_process import run_in_trainer_process
+
+pytestmark = pytest.mark.bench
+
+OUT = REPO_ROOT / "bench-results" / "trainer_speed.json"
+ROW = 2048  # packed row width of the T^2 census
+MODEL = dict(family="qwen3", vocab_size=1024, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+OPS_ROW, OPS_SAMPLES = 512, 4  # the op-count micro-batch: one packed row of four samples
+
+
+class OpCount(TorchDispatchMode):
+    """Counts aten ops dispatched while entered (views and in-place ops included: each is a launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class LargeAllocations(TorchDispatchMode):
+    """Bytes of every fresh tensor of at least `elements` elements that an aten op returns while entered."""
+
+    def __init__(self, elements: int) -> None:
+        super().__init__()
+        self.elements, self.bytes = elements, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.elements and t.untyped_storage().data_ptr() not in inputs:
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def batch_of(lengths: list[int], vocab: int, seed: int = 0) -> TrainBatch:
+    """Samples of random tokens with these total lengths (prompt 8), rewards 0, 1, ... (advantage = reward - mean)."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, n in enumerate(lengths):
+        tokens = torch.randint(2, vocab, (n,), generator=gen).tolist()
+        s = Sample(prompt_tokens=tokens[:8], reward=float(i), index=i)
+        s.append_response(tokens[8:], [-7.0] * (n - 8), version=0)
+        samples.append(s)
+    mean = (len(lengths) - 1) / 2
+    return TrainBatch.from_samples(samples, [i - mean for i in range(len(lengths))])
+
+
+def _start(model_dir: str, **fields):
+    from helpers.trainer_process import start_worker
+
+    return start_worker(model_dir, LossConfig(old_logprobs_from="rollout"), **fields)
+
+
+def _ops_scenario(model_dir: str, backend: str) -> int:
+    """aten ops of one packed micro-batch's forward + backward (logprobs summed) with `backend`."""
+    from glue.trainer import model as trainer_model
+    from helpers.trainer_process import stop_worker
+
+    worker = _start(model_dir, max_tokens_per_micro_batch=OPS_ROW, megatron={"attention_backend": backend})
+    span = OPS_ROW // OPS_SAMPLES
+    tokens = torch.randint(2, MODEL["vocab_size"], (1, OPS_ROW))
+    seq_ids = torch.arange(OPS_SAMPLES).repeat_interleave(span)[None]
+    positions = torch.arange(span).repeat(OPS_SAMPLES)[None]
+    for counting in (False, True):  # the first pass warms up (lazy buffers, rope tables)
+        counter = OpCount()
+        with counter if counting else torch.no_grad():
+            logits = trainer_model.forward_logits(worker.model, tokens, positions, seq_ids)
+            if counting:
+                trainer_model.token_logprobs(logits, tokens, 1.0, seq_ids).sum().backward()
+    stop_worker(worker)
+    return counter.count
+
+
+def _census_scenario(model_dir: str, backend: str) -> int:
+    from helpers.trainer_process import stop_worker
+
+    worker = _start(model_dir, max_tokens_per_micro_batch=ROW, megatron={"attention_backend": backend})
+    census = LargeAllocations(ROW * ROW)
+    with census:
+        worker.train_step(batch_of([ROW // 4] * 4, MODEL["vocab_size"]))
+    stop_worker(worker)
+    return census.bytes
+
+
+def _throughput_scenario(model_dir: str, fields: dict, lengths: list[int]) -> float:
+    from helpers.trainer_process import stop_worker
+
+    worker = _start(model_dir, **fields)
+    batch = batch_of(lengths, MODEL["vocab_size"])
+    worker.train_step(batch)  # warm-up
+    started = time.perf_counter()
+    worker.train_step(batch)
+    seconds = time.perf_counter() - started
+    stop_worker(worker)
+    return sum(lengths) / seconds
+
+
+def _logprob_memory_scenario(tokens: int, vocab: int) -> dict:
+    """Peak bytes the chunked logprobs + entropy allocate in forward + backward beyond the logits' own gradient."""
+    from glue.trainer.logprobs import token_logprobs_and_entropy
+    from helpers.trainer_process import stop_worker
+    from tensor_census import TensorCensus
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    import tempfile
+
+    worker = _start(save_tiny_model(tempfile.mkdtemp(), family="qwen3"))  # for the TP group of one
+    logits = torch.randn(1, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, vocab, (1, tokens))
+    census = TensorCensus()
+    with census:
+        logprobs, entropy = token_logprobs_and_entropy(logits, ids, 1.0, with_entropy=True)
+        (logprobs.sum() + entropy.sum()).backward()
+    stop_worker(worker)
+    gradient = logits.numel() * logits.element_size()
+    return {"logprob_peak_extra_bytes": census.peak - gradient, "logprob_full_fp32_bytes": tokens * vocab * 4,
+            "logits_gradient_bytes": gradient}
+
+
+def test_trainer_speed(tmp_path):
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    dirs = {n: save_tiny_model(str(tmp_path / f"l{n}"), num_layers=n, **MODEL) for n in (2, 4)}
+    counts = {backend: {n: run_in_trainer_process(_ops_scenario, dirs[n], backend) for n in (2, 4)}
+              for backend in ("local", "auto")}
+    ops = {name: (counts[backend][4] - counts[backend][2]) / 2 for name, backend in (("before", "local"),
+                                                                                      ("after", "auto"))}
+    t2 = {backend: run_in_trainer_process(_census_scenario, dirs[2], backend) for backend in ("auto", "local")}
+    lengths = [64, 96, 128, 192, 256, 384, 512, 512, 80, 160, 320, 448]
+    throughput = {"packed_2048": run_in_trainer_process(_throughput_scenario, dirs[2],
+                                                        {"max_tokens_per_micro_batch": 2048}, lengths),
+                  "padded_4": run_in_trainer_process(_throughput_scenario, dirs[2], {"micro_batch_size": 4}, lengths)}
+    memory = run_in_trainer_process(_logprob_memory_scenario, 8192, 32000)  # a 8k-token micro-batch, 32k vocab
+    report = {
+        "packed_t2_bytes": t2["auto"], "packed_t2_bytes_unfused_reference": t2["local"], "packed_row_tokens": ROW,
+        "ops_per_layer": ops, "ops_micro_batch": f"one packed row of {OPS_ROW} tokens, {OPS_SAMPLES} samples",
+        **memory, "logprob_ratio": memory["logprob_peak_extra_bytes"] / memory["logprob_full_fp32_bytes"],
+        "packed_vs_padded": {k: round(v, 1) for k, v in throughput.items()},
+        "targets": {"packed_t2_bytes": 0, "ops_after_over_before": 0.5, "logprob_ratio": 0.25},
+    }
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    assert t2["local"] > 0, "the census must see megatron's [T, T] scores, or it sees nothing"
