@@ -61,7 +61,7 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
                           "checkpoint's weights there (a directory with config.json alone serves --dry-run only)")
     check_weight_files(cfg.model.path, weights)
     size = sum(p.stat().st_size for p in weights)
-    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {_size(size)})"
+    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {size_text(size)})"
 
 
 def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:
@@ -187,15 +187,20 @@ def weight_files(directory: str) -> list[Path]:
     return sorted(p for p in Path(directory).iterdir() if p.suffix in WEIGHT_SUFFIXES)
 
 
-def parameter_count(hf_config: Any) -> int:
-    """Every parameter of the HF model `hf_config` describes (the tensors a sync sends), counted on the meta device:
-    no memory, no weights."""
+def hf_parameters(hf_config: Any) -> dict[str, int]:
+    """Every parameter of the HF model `hf_config` describes (the tensors a sync sends), name -> elements, counted on
+    the meta device: no memory, no weights. A tied lm_head is the embedding, listed once."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return sum(p.numel() for p in model.parameters())
+    return {name: p.numel() for name, p in model.named_parameters()}
+
+
+def parameter_count(hf_config: Any) -> int:
+    """Every parameter of the HF model `hf_config` describes."""
+    return sum(hf_parameters(hf_config).values())
 
 
 def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
@@ -211,14 +216,14 @@ def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
     total = count * getattr(torch, wire).itemsize
     stored = getattr(hf_config, "dtype", None)  # config.json's torch_dtype: a torch.dtype, a name, "auto" or None
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    as_stored = (f"; {_size(count * stored.itemsize)} at the checkpoint's {str(stored).removeprefix('torch.')}"
+    as_stored = (f"; {size_text(count * stored.itemsize)} at the checkpoint's {str(stored).removeprefix('torch.')}"
                  if isinstance(stored, torch.dtype) else "")
     pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
     bucket = pipeline_bucket_bytes(total, s.bucket_bytes) if pipeline else s.bucket_bytes
     plan = {"transport": f"{s.transport} ({s.backend})" if s.transport != "disk" else "disk",
             "parameters": f"{count:,} ({hf_config.model_type}, counted from "
                           f"{'config.json' if cfg.model.path else 'model.tiny'})",
-            "bytes_per_sync": f"{total:,} = {_size(total)} ({getattr(torch, wire).itemsize} bytes per parameter: "
+            "bytes_per_sync": f"{total:,} = {size_text(total)} ({getattr(torch, wire).itemsize} bytes per parameter: "
                               f"{wire}, the trainer's weights{as_stored})",
             "buckets": f"at least {math.ceil(total / bucket)} of at most {bucket / 2**20:.4g} MiB"
                        + (" (pipelined)" if pipeline and s.transport != "disk" else "")}
@@ -230,7 +235,8 @@ def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
     return plan
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """Bytes in decimal units: 1.5 GB."""
     for unit in ("B", "KB", "MB", "GB"):
         if nbytes < 1000:
             return f"{nbytes:.4g} {unit}"
