@@ -151,6 +151,7 @@ class ClusterConfig:
     cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
     node_ip: str | None = None  # the driver node's address in Ray (`ray start --node-ip-address`); null: Ray's pick
     node_wait_s: float = 600  # attached to a cluster: how long to wait for cluster.num_nodes nodes to join
+    gpu_memory_gb: float = 80  # memory of one GPU in GB (10^9 bytes): --dry-run's memory plan, and a trainer rank whose training state exceeds it is refused
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "engine_tensor_parallel_size"):
@@ -165,6 +166,8 @@ class ClusterConfig:
             raise ValueError(f"cluster.cpus_per_bundle must be > 0, got {self.cpus_per_bundle}")
         if not self.node_wait_s >= 0:
             raise ValueError(f"cluster.node_wait_s must be >= 0, got {self.node_wait_s}")
+        if not self.gpu_memory_gb > 0:
+            raise ValueError(f"cluster.gpu_memory_gb must be > 0 (one GPU's memory in GB), got {self.gpu_memory_gb}")
 
     @property
     def uses_gpus(self) -> bool:

@@ -1,6 +1,7 @@
 """What is checked before anything starts, by `sluice --dry-run` and by every run: the rollout function, task and
 eval task import; the model directory is a checkpoint the trainer can build under its layout, with whole weight
-files, and the layer spec is one this machine builds (launch.model_check); the data files and the tokenizer the
+files, and the layer spec is one this machine builds (launch.model_check); a trainer rank's training state fits
+cluster.gpu_memory_gb (launch.memory_plan); the data files and the tokenizer the
 tasks read are there; the ports the config fixes are free here; the placement group fits the local Ray cluster.
 Each problem is one `ConfigError` line naming the key and the fix, so a typo costs a second, not a Ray start-up and
 a stack of tracebacks."""
@@ -17,6 +18,7 @@ from glue.rewards.judge import load_parser
 from launch.config import ConfigError, SluiceConfig
 from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, describe_attention, has_tokenizer,
                                 weight_files)
+from launch.memory_plan import check_memory
 from launch.plan import RunPlan
 from launch.tasks import eval_task
 from launch.teacher import check_teacher
@@ -27,7 +29,8 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
     plan a GPU run on a login node (too few local GPUs is reported, not refused) from a model directory holding
     config.json alone (reported as plan-only; a real start needs the weights)."""
     return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
-            check_layer_spec(cfg.trainer), describe_attention(cfg.trainer, cfg.cluster.uses_gpus), check_data(cfg),
+            check_layer_spec(cfg.trainer), describe_attention(cfg.trainer, cfg.cluster.uses_gpus), check_memory(cfg),
+            check_data(cfg),
             check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan), check_placement(cfg, plan, here=here),
             *([check_teacher(cfg)] if cfg.teacher is not None else [])]
 

@@ -179,6 +179,12 @@ def test_a_directory_with_config_json_alone_plans_a_235b_run_with_bytes_per_sync
               "run.ray_address=auto", "--tensor-model-parallel-size", "4", "--sequence-parallel",
               "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
               "trainer.data_parallel_size=4", f"model.path={tmp_path}"]
+    # 16 trainer GPUs cannot hold 235B parameters' training state (launch.memory_plan); the refusal names 64
+    line = one_line_error(capsys, layout)
+    assert "would hold 359 GB of training state" in line, line
+    assert line.endswith("trainer.data_parallel_size=16 --expert-model-parallel-size 64 would fit (TP4 x PP1 x DP16, "
+                         "EP64 x ETP1 on 64 GPUs: 77.62 GB per rank)"), line
+    layout += ["cluster.num_nodes=10", "trainer.data_parallel_size=16", "--expert-model-parallel-size", "64"]
     shown = passes(capsys, layout)
     sync = shown["plan"]["weight_sync"]
     assert sync["parameters"].startswith(f"{count:,} (qwen3_moe")
@@ -187,7 +193,7 @@ def test_a_directory_with_config_json_alone_plans_a_235b_run_with_bytes_per_sync
     assert "470.2 GB at the checkpoint's bfloat16" in sync["bytes_per_sync"]
     assert sync["group"].startswith("world_size 17: rank 0 is trainer rank 0")
     assert sync["engines"] == ["engine 0: ranks 1-8 (rank_offset 1)", "engine 1: ranks 9-16 (rank_offset 9)"]
-    assert len(shown["plan"]["trainer"]) == 16 and len(shown["plan"]["engines"]) == 2
+    assert len(shown["plan"]["trainer"]) == 64 and len(shown["plan"]["engines"]) == 2
     assert any(line.startswith(f"model: {tmp_path} holds config.json and no weight files: a plan-only directory")
                for line in shown["checked"])
     fp32 = passes(capsys, [*layout, "trainer.precision=fp32"])["plan"]["weight_sync"]

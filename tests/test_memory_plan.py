@@ -1,0 +1,158 @@
+"""Memory per GPU in the plan (launch.memory, launch.memory_plan): a trainer rank's training state as `--dry-run`
+counts it from config.json matches what a real trainer worker holds (`training_state_bytes`, megatron-core on gloo)
+within 5 % at two layouts; the Qwen3-30B-A3B recipe's figure worked by hand; a layout whose training state exceeds
+cluster.gpu_memory_gb refused with one that fits; the engines' weights and KV pool."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import pickle
+
+import pytest
+import yaml
+
+from glue.trainer.config import TrainerConfig
+from helpers.trainer import _free_port, make_batch, results_of_ranks
+from launch.cli import main
+from launch.config import ModelConfig, SluiceConfig
+from launch.memory import trainer_memory
+from loss import LossConfig
+
+DEMO = "examples/configs/demo.yaml"
+
+
+def _state_main(rank: int, world: int, port: int, model: str, cfg: TrainerConfig, loss_cfg: LossConfig,
+                results) -> None:
+    """One trainer rank: built, one step trained (Adam's moments exist from the first step on), its state counted."""
+    from glue.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(model_path=model, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=world)
+    worker.initialize("127.0.0.1", port)
+    worker.train_step(make_batch())
+    counted = worker.training_state_bytes()
+    worker.shutdown()
+    results.put(pickle.dumps((rank, counted)))
+
+
+def measured_state_bytes(model: str, cfg: TrainerConfig, loss_cfg: LossConfig) -> dict[int, int]:
+    """`training_state_bytes()` of every rank of a real trainer of `cfg`'s layout, in spawned processes."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_state_main, args=(r, cfg.world_size, port, model, cfg, loss_cfg, results))
+             for r in range(cfg.world_size)]
+    return {rank: out[0] for rank, out in results_of_ranks(procs, results).items()}
+
+
+@pytest.mark.parametrize("family, layout, loss", [
+    # one rank, bf16: weights, gradient buffer, main weights, moments, and a critic with all of its own
+    ("qwen3", {"data_parallel_size": 1}, {"advantage_estimator": "gae"}),
+    # two ranks, bf16, experts over EP=2: the distributed optimizer shards the dense state over DP=2 and leaves the
+    # experts' whole (expert-DP = 1); a reference model for the KL term
+    ("qwen3_moe", {"data_parallel_size": 2, "expert_model_parallel_size": 2}, {"kl_loss_coef": 0.1}),
+], ids=["tp1-dp1-critic", "dp2-ep2-reference"])
+def test_the_planned_training_state_matches_the_trainers_own_count(tmp_path, family, layout, loss):
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    # wide enough that megatron's buffer padding (64 elements per parameter) stays far below 5 %
+    shape = dict(vocab_size=512, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512) \
+        if family == "qwen3" else dict(vocab_size=256, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                       intermediate_size=256)
+    model = save_tiny_model(str(tmp_path / family), family=family, **shape)
+    trainer = TrainerConfig(precision="bf16", micro_batch_size=3, lr=1e-3, num_cpus_per_worker=1, **layout)
+    loss_cfg = LossConfig(**loss)
+    planned = trainer_memory(SluiceConfig(model=ModelConfig(path=model), trainer=trainer, loss=loss_cfg))
+    assert len(planned) == 1  # one pipeline stage
+    measured = measured_state_bytes(model, trainer, loss_cfg)
+    for rank, counted in measured.items():
+        assert abs(planned[0].total - counted) <= 0.05 * counted, (rank, planned[0], counted)
+    assert (planned[0].critic is not None) == (loss == {"advantage_estimator": "gae"})
+    assert (planned[0].reference > 0) == ("kl_loss_coef" in loss)
+
+
+def qwen3_30b_a3b(tmp_path) -> str:
+    """A plan-only directory: Qwen3-30B-A3B's config.json and nothing else."""
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 151936,
+              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "torch_dtype": "bfloat16", "attention_bias": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+# the recipe (examples/configs/qwen3_30b_a3b.yaml): two nodes of 8, engines 2 x TP4, trainer TP4 x DP2 x EP8, ETP1
+RECIPE = ["cluster.gpus_per_node=8", "cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
+          "run.ray_address=auto", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+          "--expert-tensor-parallel-size", "1", "trainer.data_parallel_size=2"]
+
+
+def test_the_30b_a3b_recipe_holds_70_gb_per_trainer_rank_worked_by_hand(capsys, tmp_path):
+    h, layers, vocab, experts = 2048, 48, 151936, 128
+    attention = h * 128 * (2 * 32 + 2 * 4)  # q, k, v, o: split over TP
+    whole = 2 * 128 + 2 * h + experts * h  # q/k norms, two layer norms, the router: whole on every TP rank
+    expert_mlp = experts * 3 * h * 768  # gate, up, down of every expert: split over EP x ETP = 8
+    dense = layers * attention // 4 + layers * whole + 2 * vocab * h // 4 + h  # + embedding, lm_head, final norm
+    sharded = layers * expert_mlp // 8
+    assert dense + sharded == 4_018_747_392  # the "~4.0 B per rank" of slime's recipe
+    # bf16 weights + fp32 gradients; fp32 main weights and moments sharded over DP=2 (dense), expert-DP=1 (experts)
+    total = 2 * (dense + sharded) + 4 * (dense + sharded) + 12 * (dense // 2 + sharded)
+    assert total == 69_968_240_640
+    assert main(["--dry-run", "--config", DEMO, f"model.path={qwen3_30b_a3b(tmp_path)}", *RECIPE,
+                 "--expert-model-parallel-size", "8"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    memory = shown["plan"]["memory"]
+    assert memory["trainer"] == [
+        "every rank: 4,018,747,392 parameters (TP4 x PP1 x DP2, EP8 x ETP1): weights 8.037 GB (bf16) + gradients "
+        "16.07 GB (fp32) + main weights 15.29 GB + Adam moments 30.57 GB (fp32, sharded over DP x CP = 2 and "
+        "expert-DP = 1) = 69.97 GB of 80 GB"]
+    # trainer.max_tokens_per_micro_batch auto: per 1k tokens, and what the trainer's own sizing would pick
+    assert memory["activations"].startswith("about 1.381 GB per 1k tokens of a micro-batch (no recompute")
+    assert "auto: sized at start from the memory left: about 3,584 tokens in the 10.03 GB" in memory["activations"]
+    assert "memory: a trainer rank holds 69.97 GB of training state of 80 GB per GPU" in " ".join(shown["checked"])
+
+
+def test_a_layout_whose_training_state_exceeds_the_gpu_is_refused_with_one_that_fits(capsys, tmp_path):
+    model = f"model.path={qwen3_30b_a3b(tmp_path)}"
+    # EP=4 at DP=2: each rank holds twice the experts, whose state expert-DP = 2 then shards
+    assert main(["--dry-run", "--config", DEMO, model, *RECIPE, "--expert-model-parallel-size", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "sluice: config error: a trainer rank (TP4 x PP1 x DP2, EP4 x ETP1) would hold 91.71 GB of training state "
+        "for its 7,642,626,048 parameters (weights 15.29 GB + gradients 30.57 GB + main weights 15.29 GB + Adam "
+        "moments 30.57 GB), more than cluster.gpu_memory_gb=80 before any activations; --expert-model-parallel-size 8 "
+        "would fit (TP4 x PP1 x DP2, EP8 x ETP1 on 8 GPUs: 69.97 GB per rank)")
+    # the recipe's layout on 40 GB GPUs: more GPUs are needed, the fewest that hold it are named
+    assert main(["--dry-run", "--config", DEMO, model, *RECIPE, "--expert-model-parallel-size", "8",
+                 "cluster.gpu_memory_gb=40"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "would hold 69.97 GB of training state" in line and "more than cluster.gpu_memory_gb=40" in line
+    assert line.endswith("--pipeline-model-parallel-size 2 would fit (TP4 x PP2 x DP2, EP8 x ETP1 on 16 GPUs: 34.98 GB "
+                         "per rank)"), line
+    # a CPU run is not checked: there is no GPU to exceed
+    assert main(["--dry-run", "--config", DEMO, model]) == 0
+    assert "(a CPU run: not checked)" in " ".join(yaml.safe_load(capsys.readouterr().out)["checked"])
+
+
+def test_each_engine_holds_its_weights_over_engine_tp_and_the_kv_pool_the_fraction_leaves(capsys, tmp_path):
+    model = f"model.path={qwen3_30b_a3b(tmp_path)}"
+    argv = ["--dry-run", "--config", DEMO, model, *RECIPE, "--expert-model-parallel-size", "8"]
+    assert main([*argv, "--sglang-mem-fraction-static", "0.8"]) == 0
+    weights = 30_532_122_624 * 2 // 4  # every parameter at bf16, over engine TP 4: 15.27 GB
+    assert round(0.8 * 80e9 - weights) == 48_733_938_688  # 0.8 x the GPU - the weights
+    assert yaml.safe_load(capsys.readouterr().out)["plan"]["memory"]["engines"] == (
+        "each of 2 engines, on each of its 4 GPUs: weights 15.27 GB (30,532,122,624 parameters / TP 4) + KV pool "
+        "48.73 GB (mem_fraction_static x 80 GB - weights; sglang.mem_fraction_static 0.8)")
+    # unset, SGLang sizes it at start and keeps at least 10 GiB of a GPU over 60 GiB back: the pool's ceiling
+    assert main(argv) == 0
+    engines = yaml.safe_load(capsys.readouterr().out)["plan"]["memory"]["engines"]
+    assert "KV pool 54 GB" in engines and "keeping at least 10.74 GB back, so at most 0.866" in engines
+    # engine TP 1: the 61 GB of weights leave 0.8 x 80 GB - 61 GB = 2.9 GB; at a fraction of 0.7 nothing: refused
+    assert main([*argv, "cluster.engine_tensor_parallel_size=1", "rollout.num_engines=8",
+                 "--sglang-mem-fraction-static", "0.7"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sluice: config error: an engine's weights take 61.06 GB per GPU (engine TP 1), which leaves no KV pool "
+        "(sglang.mem_fraction_static 0.7, x cluster.gpu_memory_gb=80); raise cluster.engine_tensor_parallel_size "
+        "or sglang.mem_fraction_static")
