@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from glue.trainer.pipeline import planned_stage_layers
-from glue.trainer.weight_stream import SOURCE_RANK, Coords, SourcePart, weight_sources
 from glue.embedded_engine.checkpoint_names import checkpoint_tensors
 from glue.trainer.optim import resolve_precision
+from glue.trainer.pipeline import planned_stage_layers
+from glue.trainer.weight_stream import SOURCE_RANK, Coords, SourcePart, weight_sources
 from launch.config import ConfigError, SluiceConfig
 from launch.model_check import format_bytes, model_config
 from launch.plan import RunPlan, rank_coords
@@ -103,15 +103,15 @@ def check_devices(cfg: SluiceConfig, plan: RunPlan, groups: list[PlannedGroup]) 
         return (f"weight groups: {len(groups)} ({cfg.sync.backend}), no two members on one device" if groups else
                 f"weight groups: none ({cfg.sync.transport} transport)" if plan.engines else "weight groups: none")
     group, (a, b) = clashes[0]
-    where = (f"weight group {group.prefix} puts rank {a.rank} ({a.who}) and rank {b.rank} ({b.who}) on one device, "
+    where = (f"rank {a.rank} ({a.who}) and rank {b.rank} ({b.who}) of weight group {group.prefix} share one device, "
              f"{plan.device_of(a.bundle)}")
     if cfg.sync.backend == "nccl":
         raise ConfigError(f"{where}: NCCL refuses a communicator with two ranks on one device (\"Duplicate GPU "
                           f"detected\"); {_way_out(cfg)}")
     if plan.models_devices:
-        return (f"weight groups: {where}: gloo allows it, but the strict engines stand for SGLang over NCCL and "
+        return (f"weight groups: {where}, which gloo allows, but the strict engines stand for SGLang over NCCL and "
                 "refuse the group when it forms, as NCCL would (start-up fails there); " + _way_out(cfg))
-    return f"weight groups: {len(groups)} (gloo, which lets {where.removeprefix('weight group ')})"
+    return f"weight groups: {len(groups)} (gloo); {where}, which gloo allows"
 
 
 def _way_out(cfg: SluiceConfig) -> str:

@@ -28,7 +28,7 @@ def refusal(capsys, argv: list[str], *, dry_run: bool = True) -> str:
 
 def test_a_colocated_sglang_run_over_nccl_is_refused_naming_the_ranks_the_gpu_and_disk_as_the_way_out(capsys):
     line = refusal(capsys, COLOCATED_GPUS)  # SGLang servers: the default engines on GPU
-    assert ("weight group sluice_weights puts rank 0 (trainer rank 0) and rank 1 (engine 0 TP rank 0) on one device, "
+    assert ("rank 0 (trainer rank 0) and rank 1 (engine 0 TP rank 0) of weight group sluice_weights share one device, "
             "node 0 gpu 0: NCCL refuses a communicator with two ranks on one device") in line
     assert "sync.transport=disk" in line and "does not reach SGLang engines yet" in line
     assert "cluster.placement=disaggregated" in line
@@ -50,8 +50,8 @@ def test_disaggregated_nccl_disk_and_gloo_layouts_pass_and_say_so(capsys):
         capsys, ["cluster.gpus_per_node=4", "sync.backend=nccl"])
     assert "weight groups: none (disk transport)" in checked(capsys, [*COLOCATED_GPUS, "sync.transport=disk"])
     lenient = checked(capsys, ["cluster.placement=colocated"])  # embedded engines on CPU over gloo: allowed
-    assert ("weight groups: 1 (gloo, which lets sluice_weights puts rank 0 (trainer rank 0) and rank 1 (engine 0 TP "
-            "rank 0) on one device, cpu bundle 0)") in lenient
+    assert ("weight groups: 1 (gloo); rank 0 (trainer rank 0) and rank 1 (engine 0 TP rank 0) of weight group "
+            "sluice_weights share one device, cpu bundle 0, which gloo allows") in lenient
 
 
 def test_strict_engines_on_cpu_model_the_devices_and_the_dry_run_says_the_group_will_be_refused(capsys):
@@ -73,7 +73,7 @@ def test_strict_engines_on_cpu_model_the_devices_and_the_dry_run_says_the_group_
         {PLANNED_DEVICES: "cpu bundle 0"}, {PLANNED_DEVICES: "cpu bundle 1"}]
     line = next(c for c in checked(capsys, ["cluster.placement=colocated", "cluster.engine=sglang_strict"])
                 if c.startswith("weight groups"))
-    assert "on one device, cpu bundle 0: gloo allows it, but the strict engines" in line
+    assert "share one device, cpu bundle 0, which gloo allows, but the strict engines" in line
     cfg, plan = resolve(load_config(DEMO, ["cluster.placement=colocated"]))  # lenient engines: nothing modeled
     assert not plan.models_devices and "runtime_env" not in trainer_actor_options(cfg, plan, Placement())[0]
 
