@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sluice: config error: {err}", file=sys.stderr)
             return 2
         from launch.memory_plan import memory_plan  # lazy: --dry-run only; pulls glue.trainer.model (torch)
-        from launch.model_check import weight_sync_plan  # lazy: --dry-run only; pulls glue.trainer.model (torch)
+        from launch.weight_groups import weight_sync_plan  # lazy: --dry-run only; pulls glue.trainer (torch)
 
-        sync = weight_sync_plan(cfg) if plan.engines else "none: no engines (run.mode sft)"
+        sync = weight_sync_plan(cfg, plan) if plan.engines else "none: no engines (run.mode sft)"
         shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": sync, "memory": memory_plan(cfg)},
                  "checked": checked}
         print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")

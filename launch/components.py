@@ -23,6 +23,7 @@ from launch.reward_models import start_model_rewards
 from launch.tasks import task_args_for
 from launch.teacher import start_teacher
 import weight_sync
+from weight_sync.process_group import PLANNED_DEVICES
 
 
 def make_phases(cfg: SluiceConfig, plan: RunPlan, *, trainer, bridge, fleet):
@@ -35,10 +36,28 @@ def make_phases(cfg: SluiceConfig, plan: RunPlan, *, trainer, bridge, fleet):
 
 
 def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[dict]:
-    """Each trainer rank pinned to its bundle: a whole GPU on GPU, `trainer.num_cpus_per_worker` CPUs on CPU."""
+    """Each trainer rank pinned to its bundle: a whole GPU on GPU, `trainer.num_cpus_per_worker` CPUs on CPU; with
+    modeled devices, the device its bundle stands for (`planned_devices_env`)."""
     gpu = 1 if plan.device == "gpu" else 0
-    return [placement.actor_options(r.bundle, num_cpus=0 if gpu else cfg.trainer.num_cpus_per_worker, num_gpus=gpu)
-            for r in plan.trainer]
+    options = [placement.actor_options(r.bundle, num_cpus=0 if gpu else cfg.trainer.num_cpus_per_worker, num_gpus=gpu)
+               for r in plan.trainer]
+    if plan.models_devices:
+        for rank, option in zip(plan.trainer, options):
+            option["runtime_env"] = {"env_vars": planned_devices_env(plan, [rank.bundle])}
+    return options
+
+
+def planned_devices_env(plan: RunPlan, bundles: list[int]) -> dict[str, str]:
+    """Where the plan models devices (strict engines on CPU bundles that stand for GPUs), the environment that tells
+    a trainer rank or an engine the devices of its weight-group members (weight_sync.process_group); {} elsewhere."""
+    if not plan.models_devices:
+        return {}
+    return {PLANNED_DEVICES: ",".join(plan.device_of(b) for b in bundles)}
+
+
+def engine_env(plan: RunPlan, placement, engine) -> dict[str, str]:
+    """An engine's environment: the GPUs of its bundles, or the devices its bundles stand for."""
+    return {**placement.engine_env(engine), **planned_devices_env(plan, engine.bundles)}
 
 
 def engine_host_options(placement, engine) -> dict:
@@ -81,7 +100,8 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
                          router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s, log_dir=run_dir / "logs",
                          engine_command=plan.engine_command, engine_args=plan.engine_args, seed=plan.engine_seed,
-                         router_args=plan.router_args, engine_env=[placement.engine_env(e) for e in plan.engines],
+                         router_args=plan.router_args,
+                         engine_env=[engine_env(plan, placement, e) for e in plan.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
                          api_key=api_key, admin_api_key=admin_api_key,
                          engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only

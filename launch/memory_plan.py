@@ -12,7 +12,7 @@ from glue.trainer.token_budget import activation_bytes_per_token, budget_from_me
 from launch.config import ConfigError, SluiceConfig
 from launch.memory import (Layout, RankMemory, Settings, fitting_layout, layout_change, model_params, rank_memory,
                            stage_layers)
-from launch.model_check import model_config, num_experts, size_text
+from launch.model_check import model_config, num_experts, format_bytes
 
 GiB = 2**30
 # SGLang 0.5.23 with --mem-fraction-static unset keeps back at least this much of a GPU over 60 GiB for activations
@@ -50,17 +50,17 @@ def rank_line(r: RankMemory, layout: Layout, s: Settings, limit: float | None) -
     if s.distributed_optimizer:
         experts = f" and expert-DP = {layout.expert_dp}" if layout.ep > 1 or layout.etp != layout.tp else ""
         sharded = f", sharded over DP x CP = {layout.dp * layout.cp}{experts}"
-    parts = [f"weights {size_text(p.weights)} ({'bf16' if s.bf16 else 'fp32'})",
-             f"gradients {size_text(p.gradients)} ({'fp32' if s.grads_fp32 or not s.bf16 else 'bf16'})"]
+    parts = [f"weights {format_bytes(p.weights)} ({'bf16' if s.bf16 else 'fp32'})",
+             f"gradients {format_bytes(p.gradients)} ({'fp32' if s.grads_fp32 or not s.bf16 else 'bf16'})"]
     if s.bf16:
-        parts.append(f"main weights {size_text(p.main_weights)}")
-    parts.append(f"Adam moments {size_text(p.adam_moments)} (fp32{sharded})")
+        parts.append(f"main weights {format_bytes(p.main_weights)}")
+    parts.append(f"Adam moments {format_bytes(p.adam_moments)} (fp32{sharded})")
     if r.critic is not None:
-        parts.append(f"critic {size_text(r.critic.total)} (its own weights, gradients and optimizer state)")
+        parts.append(f"critic {format_bytes(r.critic.total)} (its own weights, gradients and optimizer state)")
     if r.reference:
-        parts.append(f"reference model {size_text(r.reference)}")
-    of = f" of {size_text(limit)}" if limit else ""
-    return f"{who}: {r.parameters:,} parameters ({layout.describe()}): {' + '.join(parts)} = {size_text(r.total)}{of}"
+        parts.append(f"reference model {format_bytes(r.reference)}")
+    of = f" of {format_bytes(limit)}" if limit else ""
+    return f"{who}: {r.parameters:,} parameters ({layout.describe()}): {' + '.join(parts)} = {format_bytes(r.total)}{of}"
 
 
 def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settings, free: float) -> str:
@@ -85,10 +85,10 @@ def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settin
     tokens, source = micro_batch_tokens(cfg)
     if tokens is None:
         budget = budget_from_memory(int(max(free, 0)), plain)
-        return (f"about {size_text(per_token * 1000)} per 1k tokens of a micro-batch ({how}); {source}: about "
-                f"{budget:,} tokens in the {size_text(max(free, 0))} the training state leaves")
-    return (f"about {size_text(per_token * tokens * layout.pp)} for a micro-batch of {tokens:,} tokens ({source}; "
-            f"{size_text(per_token * 1000)} per 1k tokens, {how})")
+        return (f"about {format_bytes(per_token * 1000)} per 1k tokens of a micro-batch ({how}); {source}: about "
+                f"{budget:,} tokens in the {format_bytes(max(free, 0))} the training state leaves")
+    return (f"about {format_bytes(per_token * tokens * layout.pp)} for a micro-batch of {tokens:,} tokens ({source}; "
+            f"{format_bytes(per_token * 1000)} per 1k tokens, {how})")
 
 
 def micro_batch_tokens(cfg: SluiceConfig) -> tuple[int | None, str]:
@@ -118,7 +118,7 @@ def engine_memory(cfg: SluiceConfig, count: int) -> tuple[int, float, str]:
     if given is not None:
         return weights, float(given) * gpu - weights, f"sglang.mem_fraction_static {float(given):g}"
     fraction = 1 - SGLANG_RESERVE[gpu > 60 * GiB] / gpu
-    reserve = size_text(SGLANG_RESERVE[gpu > 60 * GiB])
+    reserve = format_bytes(SGLANG_RESERVE[gpu > 60 * GiB])
     return weights, fraction * gpu - weights, (f"sglang.mem_fraction_static unset: SGLang sizes it at start, keeping "
                                                f"at least {reserve} back, so at most {fraction:.3f}")
 
@@ -130,8 +130,8 @@ def engine_line(cfg: SluiceConfig, count: int) -> str:
     weights, kv, how = engine_memory(cfg, count)
     colocated = "; colocated: the trainer's state is offloaded while they run" if c.placement == "colocated" else ""
     return (f"each of {cfg.rollout.num_engines} engines, on each of its {c.engine_tensor_parallel_size} GPUs: weights "
-            f"{size_text(weights)} ({count:,} parameters / TP {c.engine_tensor_parallel_size}) + KV pool "
-            f"{size_text(max(kv, 0))} (mem_fraction_static x {c.gpu_memory_gb:g} GB - weights; {how}){colocated}")
+            f"{format_bytes(weights)} ({count:,} parameters / TP {c.engine_tensor_parallel_size}) + KV pool "
+            f"{format_bytes(max(kv, 0))} (mem_fraction_static x {c.gpu_memory_gb:g} GB - weights; {how}){colocated}")
 
 
 def check_memory(cfg: SluiceConfig) -> str:
@@ -141,18 +141,18 @@ def check_memory(cfg: SluiceConfig) -> str:
     params, layout, settings = model_params(hf_config), Layout.of(cfg.trainer), Settings.of(cfg, hf_config)
     peak = max(rank_memory(params, layout, settings), key=lambda r: r.total)
     if not cfg.cluster.uses_gpus:
-        return f"memory: a trainer rank holds {size_text(peak.total)} of training state (a CPU run: not checked)"
+        return f"memory: a trainer rank holds {format_bytes(peak.total)} of training state (a CPU run: not checked)"
     limit = gpu_bytes(cfg)
     if peak.total > limit:
         raise ConfigError(too_large(cfg, hf_config, params, layout, settings, peak, limit))
     if cfg.run.mode != "sft" and cfg.cluster.engine_server == "sglang":
         weights, kv, how = engine_memory(cfg, params.total)
         if kv <= 0:
-            raise ConfigError(f"an engine's weights take {size_text(weights)} per GPU (engine TP "
+            raise ConfigError(f"an engine's weights take {format_bytes(weights)} per GPU (engine TP "
                               f"{cfg.cluster.engine_tensor_parallel_size}), which leaves no KV pool ({how}, x "
                               f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); raise "
                               "cluster.engine_tensor_parallel_size or sglang.mem_fraction_static")
-    return (f"memory: a trainer rank holds {size_text(peak.total)} of training state of "
+    return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state of "
             f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb), activations on top (plan.memory)")
 
 
@@ -167,11 +167,11 @@ def too_large(cfg: SluiceConfig, hf_config: Any, params: Any, layout: Layout, se
             return False
 
     p = peak.policy
-    parts = f"weights {size_text(p.weights)} + gradients {size_text(p.gradients)}" + (
-        f" + main weights {size_text(p.main_weights)}" if settings.bf16 else "") + \
-        f" + Adam moments {size_text(p.adam_moments)}" + (
-        f" + critic {size_text(peak.critic.total)}" if peak.critic else "") + (
-        f" + reference model {size_text(peak.reference)}" if peak.reference else "")
+    parts = f"weights {format_bytes(p.weights)} + gradients {format_bytes(p.gradients)}" + (
+        f" + main weights {format_bytes(p.main_weights)}" if settings.bf16 else "") + \
+        f" + Adam moments {format_bytes(p.adam_moments)}" + (
+        f" + critic {format_bytes(peak.critic.total)}" if peak.critic else "") + (
+        f" + reference model {format_bytes(peak.reference)}" if peak.reference else "")
     where = "a trainer rank" if layout.pp == 1 else f"a trainer rank of pipeline stage {peak.stage}"
     found = fitting_layout(params, layout, settings, limit, tp_ok=tp_ok, experts=num_experts(hf_config))
     if found is None:
@@ -180,7 +180,7 @@ def too_large(cfg: SluiceConfig, hf_config: Any, params: Any, layout: Layout, se
         new, new_settings, bytes_ = found
         needs_sp = bool(num_experts(hf_config)) and not cfg.trainer.megatron.get("sequence_parallel")
         fits = (f"{layout_change(layout, new, settings, new_settings, needs_sp=needs_sp)} would fit "
-                f"({new.describe()} on {new.world} GPUs: {size_text(bytes_)} per rank)")
-    return (f"{where} ({layout.describe()}) would hold {size_text(peak.total)} of training state for its "
+                f"({new.describe()} on {new.world} GPUs: {format_bytes(bytes_)} per rank)")
+    return (f"{where} ({layout.describe()}) would hold {format_bytes(peak.total)} of training state for its "
             f"{peak.parameters:,} parameters ({parts}), more than cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g} "
             f"before any activations; {fits}")

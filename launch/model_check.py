@@ -1,20 +1,18 @@
 """What a run reads from `model.path`, checked before anything starts (by launch.preflight, for every run and for
 `--dry-run`), and what the plan learns from config.json alone: the checkpoint's files, the rules megatron-core sets
-for the model the trainer builds from it, the layer spec it is built with, and how many bytes a weight sync moves."""
+for the model the trainer builds from it and the layer spec it is built with (what a weight sync moves, and through
+which groups: launch.weight_groups)."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer.model import check_tensor_parallel, read_hf_config
-from glue.trainer.optim import resolve_precision
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
-from weight_sync.buckets import pipeline_bucket_bytes
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -61,7 +59,7 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
                           "checkpoint's weights there (a directory with config.json alone serves --dry-run only)")
     check_weight_files(cfg.model.path, weights)
     size = sum(p.stat().st_size for p in weights)
-    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {size_text(size)})"
+    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {format_bytes(size)})"
 
 
 def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:
@@ -188,8 +186,8 @@ def weight_files(directory: str) -> list[Path]:
 
 
 def hf_parameters(hf_config: Any) -> dict[str, int]:
-    """Every parameter of the HF model `hf_config` describes (the tensors a sync sends), name -> elements, counted on
-    the meta device: no memory, no weights. A tied lm_head is the embedding, listed once."""
+    """Every parameter of the HF model `hf_config` describes, name -> elements, counted on the meta device: no
+    memory, no weights. A tied lm_head is the embedding, listed once."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -198,45 +196,8 @@ def hf_parameters(hf_config: Any) -> dict[str, int]:
     return {name: p.numel() for name, p in model.named_parameters()}
 
 
-def parameter_count(hf_config: Any) -> int:
-    """Every parameter of the HF model `hf_config` describes."""
-    return sum(hf_parameters(hf_config).values())
-
-
-def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
-    """What every weight sync moves, from config.json alone: the weight group's ranks (broadcast: rank 0 is trainer
-    rank 0, then each engine's TP ranks from rank_offset 1 + i x engine TP, as SGLang joins them), the bytes
-    (every parameter in the dtype the trainer's weights have, `trainer.precision` resolved against the checkpoint as
-    the trainer resolves it, which is what the sources send) and the bucket size."""
-    import torch
-
-    s, hf_config = cfg.sync, model_config(cfg)
-    count = parameter_count(hf_config)
-    wire = "bfloat16" if resolve_precision(cfg.trainer, hf_config) == "bf16" else "float32"
-    total = count * getattr(torch, wire).itemsize
-    stored = getattr(hf_config, "dtype", None)  # config.json's torch_dtype: a torch.dtype, a name, "auto" or None
-    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    as_stored = (f"; {size_text(count * stored.itemsize)} at the checkpoint's {str(stored).removeprefix('torch.')}"
-                 if isinstance(stored, torch.dtype) else "")
-    pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
-    bucket = pipeline_bucket_bytes(total, s.bucket_bytes) if pipeline else s.bucket_bytes
-    plan = {"transport": f"{s.transport} ({s.backend})" if s.transport != "disk" else "disk",
-            "parameters": f"{count:,} ({hf_config.model_type}, counted from "
-                          f"{'config.json' if cfg.model.path else 'model.tiny'})",
-            "bytes_per_sync": f"{total:,} = {size_text(total)} ({getattr(torch, wire).itemsize} bytes per parameter: "
-                              f"{wire}, the trainer's weights{as_stored})",
-            "buckets": f"at least {math.ceil(total / bucket)} of at most {bucket / 2**20:.4g} MiB"
-                       + (" (pipelined)" if pipeline and s.transport != "disk" else "")}
-    if s.transport == "broadcast":
-        engines, tp = cfg.rollout.num_engines, cfg.cluster.engine_tensor_parallel_size
-        plan["group"] = f"world_size {1 + engines * tp}: rank 0 is trainer rank 0 (the source)"
-        plan["engines"] = [f"engine {i}: " + (f"ranks {1 + i * tp}-{(i + 1) * tp}" if tp > 1 else f"rank {1 + i}")
-                           + f" (rank_offset {1 + i * tp})" for i in range(engines)]
-    return plan
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes in decimal units: 1.5 GB."""
+def format_bytes(nbytes: float) -> str:
+    """`470.2 GB`: four significant digits, decimal units."""
     for unit in ("B", "KB", "MB", "GB"):
         if nbytes < 1000:
             return f"{nbytes:.4g} {unit}"

@@ -55,6 +55,14 @@ class RunPlan:
     router_command: list[str]  # full router command line, with placeholders
     router_args: list[str]  # the --router-* pass-through
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
+    models_devices: bool = False  # CPU bundles stand for an SGLang run's GPUs (strict engines): see `device_of`
+
+    def device_of(self, bundle: int) -> str:
+        """The device bundle `bundle` is (`node 0 gpu 3`) or, on CPU, stands for (`cpu bundle 3`: one bundle per
+        device). With `models_devices` every weight-group member carries it and a group refuses two members on one,
+        as NCCL does on GPU (weight_sync.process_group)."""
+        node, gpu = self.bundle_slots[bundle]
+        return f"node {node} gpu {gpu}" if gpu is not None else f"cpu bundle {bundle}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +74,8 @@ class RunPlan:
                          "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command)}
                         for e in self.engines],
             "router": shlex.join(self.router_command),
+            **({"devices": "modeled: each weight-group member carries its bundle's device and a group refuses two "
+                           "members on one, as NCCL does on GPU"} if self.models_devices else {}),
             "notes": self.notes,
         }
 
@@ -324,14 +334,26 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     return RunPlan(placement=c.placement, device="gpu" if c.uses_gpus else "cpu", num_nodes=c.num_nodes,
                    bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
                    engines=engines, engine_command=engine_command, engine_args=engine_args, engine_seed=seed,
-                   router_command=router_command, router_args=router_argv, notes=notes)
+                   router_command=router_command, router_args=router_argv, notes=notes,
+                   models_devices=c.engine == "sglang_strict" and not c.uses_gpus)
 
 
 def _coords(cfg: SluiceConfig, rank: int) -> dict[str, int]:
-    """Megatron's default rank order is tp-cp-ep-dp-pp: TP varies fastest, PP slowest."""
-    t = cfg.trainer
-    coords = {}
+    """The rank's coordinates as `--dry-run` shows them: the expert ones only with expert parallelism."""
+    coords = rank_coords(cfg.trainer, rank)
+    return coords if cfg.trainer.expert_model_parallel_size > 1 else {k: coords[k] for k in ("tp", "cp", "dp", "pp")}
+
+
+def rank_coords(trainer: Any, rank: int) -> dict[str, int]:
+    """Where megatron-core puts trainer rank `rank` (a glue.trainer.config.TrainerConfig's layout), in its default
+    order tp-cp-ep-dp-pp (TP fastest, PP slowest): tp / cp / dp / pp of the dense layout and, folded into the same
+    ranks, ep / etp / edp of the expert layout (expert TP fastest, then EP, then expert DP, within each stage)."""
+    t, coords, left = trainer, {}, rank
     for name, size in (("tp", t.tensor_model_parallel_size), ("cp", t.context_parallel_size),
                        ("dp", t.data_parallel_size), ("pp", t.pipeline_model_parallel_size)):
-        coords[name], rank = rank % size, rank // size
+        coords[name], left = left % size, left // size
+    etp = t.expert_tensor_parallel_size or t.tensor_model_parallel_size
+    local = rank % (t.tensor_model_parallel_size * t.context_parallel_size * t.data_parallel_size)
+    coords.update(ep=local // etp % t.expert_model_parallel_size, etp=local % etp,
+                  edp=local // (etp * t.expert_model_parallel_size))
     return coords

@@ -1,8 +1,9 @@
 """What is checked before anything starts, by `sluice --dry-run` and by every run: the rollout function, task and
 eval task import; the model directory is a checkpoint the trainer can build under its layout, with whole weight
 files, and the layer spec is one this machine builds (launch.model_check); a trainer rank's training state fits
-cluster.gpu_memory_gb (launch.memory_plan); the data files and the tokenizer the
-tasks read are there; the ports the config fixes are free here; the placement group fits the local Ray cluster.
+cluster.gpu_memory_gb (launch.memory_plan); no weight group puts two ranks on one device where NCCL would refuse it
+(launch.weight_groups); the data files and the tokenizer the tasks read are there; the ports the config fixes are
+free here; the placement group fits the local Ray cluster.
 Each problem is one `ConfigError` line naming the key and the fix, so a typo costs a second, not a Ray start-up and
 a stack of tracebacks."""
 from __future__ import annotations
@@ -21,6 +22,7 @@ from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, 
 from launch.memory_plan import check_memory
 from launch.plan import RunPlan
 from launch.tasks import eval_task
+from launch.weight_groups import check_weight_groups
 from launch.teacher import check_teacher
 
 
@@ -30,8 +32,8 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
     config.json alone (reported as plan-only; a real start needs the weights)."""
     return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
             check_layer_spec(cfg.trainer), describe_attention(cfg.trainer, cfg.cluster.uses_gpus), check_memory(cfg),
-            check_data(cfg),
-            check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan), check_placement(cfg, plan, here=here),
+            check_data(cfg), check_weight_groups(cfg, plan), check_tokenizer(cfg, plan_only=not here),
+            check_ports(cfg, plan), check_placement(cfg, plan, here=here),
             *([check_teacher(cfg)] if cfg.teacher is not None else [])]
 
 

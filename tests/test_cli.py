@@ -70,7 +70,8 @@ def test_dry_run_lists_what_it_checked(capsys):
     assert main(["--dry-run", "--config", DEMO]) == 0
     checked = yaml.safe_load(capsys.readouterr().out)["checked"]
     assert [line.split(":")[0] for line in checked] == ["plugins", "eval", "model", "layer spec", "attention (auto)",
-                                                        "memory", "data", "tokenizer", "ports", "placement"]
+                                                        "memory", "data", "weight groups", "tokenizer", "ports",
+                                                        "placement"]
 
 
 def _attention_line(capsys, args: list[str]) -> str:

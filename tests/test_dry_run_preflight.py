@@ -191,8 +191,23 @@ def test_a_directory_with_config_json_alone_plans_a_235b_run_with_bytes_per_sync
     # a bf16 checkpoint trains in bf16 (trainer.precision: auto), so the bridge sends bf16
     assert sync["bytes_per_sync"].startswith(f"{count * 2:,} = 470.2 GB (2 bytes per parameter: bfloat16")
     assert "470.2 GB at the checkpoint's bfloat16" in sync["bytes_per_sync"]
-    assert sync["group"].startswith("world_size 17: rank 0 is trainer rank 0")
-    assert sync["engines"] == ["engine 0: ranks 1-8 (rank_offset 1)", "engine 1: ranks 9-16 (rank_offset 9)"]
+    # TP 4 x DP 16, EP 64 with expert TP 1: expert-parallel rank e is trainer rank e, so the dense TP group {0-3}
+    # holds the leaders of EP ranks 0-3 (one source) and EP ranks 4-63 are sources of their own
+    assert sync["sources"].startswith("parallel: 61 sources")
+    groups = sync["groups"]
+    assert [g["source"] for g in groups] == [f"trainer rank {r}" for r in (0, *range(4, 64))]
+    assert [g["group"] for g in groups] == [f"sluice_w_s{k}_<pid>_<n>" for k in range(61)]
+    assert [g["producers"] for g in groups] == ["trainer ranks 0-3"] + [f"trainer rank {r}" for r in range(4, 64)]
+    # per layer 9 dense tensors (q, k, v, o, q/k norms, router, two norms) and 128 x 3 expert tensors, 2 experts
+    # per EP rank; embedding, final norm and output layer once
+    dense, per_ep_rank = 94 * 9 + 3, 94 * 2 * 3
+    assert [g["tensors"].split(" ")[0] for g in groups] == [f"{dense + 4 * per_ep_rank:,}"] + [f"{per_ep_rank:,}"] * 60
+    # engines fill nodes 0-1 first, the trainer nodes 2-9; every engine TP rank is in every group
+    assert all(g["world_size"] == 17 for g in groups)
+    assert groups[1]["members"] == ["rank 0: trainer rank 4 (node 2 gpu 4)",
+                                    "ranks 1-8: engine 0, rank_offset 1 (node 0 gpus 0-7)",
+                                    "ranks 9-16: engine 1, rank_offset 9 (node 1 gpus 0-7)"]
+    assert "weight groups: 61 (gloo), no two members on one device" in shown["checked"]
     assert len(shown["plan"]["trainer"]) == 64 and len(shown["plan"]["engines"]) == 2
     assert any(line.startswith(f"model: {tmp_path} holds config.json and no weight files: a plan-only directory")
                for line in shown["checked"])

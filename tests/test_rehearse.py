@@ -165,6 +165,19 @@ def test_the_moe_script_rehearses_two_steps_against_strict_engines(tmp_path):
     assert row["shrunk"]["engine"] == ENGINE
 
 
+@pytest.mark.slow
+def test_a_colocated_recipe_over_broadcast_fails_in_rehearsal_as_nccl_makes_it_fail_on_a_cluster(tmp_path):
+    """Colocated, trainer rank 0 and engine 0 share bundle 0: on GPUs over NCCL the weight group is refused ("Duplicate
+    GPU detected"); on CPU gloo would allow it, but strict engines model the devices, so the rehearsal fails too."""
+    from launch.rehearse import Recipe
+
+    recipe = Recipe(name="colocated demo", argv=["--config", "examples/configs/demo.yaml",
+                                                 "cluster.placement=colocated"], env={}, notes=[])
+    row = rehearse(recipe, tmp_path, engine=ENGINE, timeout_s=300)
+    assert not row["passed"] and row["steps"] == 0
+    assert "Duplicate GPU detected: rank 0 and rank 1 both on cpu bundle 0" in "\n".join(row["log_tail"]), row
+
+
 @pytest.mark.bench
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_shipped_recipe_rehearses_two_steps_against_strict_engines(name, tmp_path):

@@ -1,7 +1,8 @@
 """Parallel weight sources (issue 25 item 2), for real: a megatron-core trainer on Ray actors at PP=2 and at EP=2
 syncs embedded engines (and SGLang-strict ones) over gloo, from trainer rank 0 alone and from one source per pipeline
 stage / expert group, each through its own weight group; the engines end with bit-identical weights. An engine's
-refusal inside a parallel transfer surfaces at once, every source leaves its broadcast, and the next sync works."""
+refusal inside a parallel transfer surfaces at once, every source leaves its broadcast, and the next sync works. The
+groups `--dry-run` plans from config.json are the ones the bridge builds (issue 38 item 6)."""
 from __future__ import annotations
 
 import os
@@ -82,6 +83,26 @@ def bridges(trainer, one_urls, parallel_urls, **cfg):
     return one, parallel
 
 
+def assert_the_plan_lists_the_bridges_groups(model: str, overrides: list[str], trainer, bridge) -> None:
+    """`--dry-run`'s weight groups for this layout, planned from config.json alone, are the ones the bridge built
+    from the running trainer: the same sources, each with the ranks producing its tensors, its tensors in the order
+    they are sent, its group's name and its members' ranks."""
+    from glue.trainer.model import read_hf_config
+    from launch.config import load_config
+    from launch.plan import resolve
+    from launch.weight_groups import plan_weight_groups
+
+    cfg, plan = resolve(load_config(None, [f"model.path={model}", "rollout.num_engines=1", "run.ray_num_cpus=8",
+                                           *overrides]))
+    groups = plan_weight_groups(cfg, plan, read_hf_config(model))
+    assert [g.source.rank for g in groups] == bridge.transport.ranks == [0, 1]
+    for group, part in zip(groups, bridge.transport.parts):
+        assert group.source.members == trainer._members[group.source.rank]
+        assert list(group.source.names) == [name for layout in part.layouts for name in layout.names]
+        assert all(name.startswith(f"{group.prefix}_") for name in part.groups.values())
+        assert [m.rank for m in group.members] == list(range(1 + part.ranks_per_engine))  # the source, one engine
+
+
 @pytest.mark.slow
 def test_pp2_parallel_sources_give_embedded_engines_the_one_source_weights_and_a_refusal_surfaces_at_once(
         tmp_path, ray_session, engine_processes):
@@ -95,6 +116,8 @@ def test_pp2_parallel_sources_give_embedded_engines_the_one_source_weights_and_a
         # verify full: every engine tensor equals the trainer's, by HF name
         one, parallel = bridges(trainer, [one_url], [parallel_url], verify="full")
         try:
+            assert_the_plan_lists_the_bridges_groups(str(tmp_path / "qwen3"), [
+                "model.tiny.family=qwen3", "trainer.pipeline_model_parallel_size=2"], trainer, parallel)
             one.sync(1)
             parallel.sync(1)
             after = weight_checksums(parallel_url, 30)
@@ -136,6 +159,9 @@ def test_ep2_parallel_sources_give_sglang_strict_engines_the_one_source_weights(
         before = post(parallel_url, "/weights_checker", {"action": "checksum"})["per_engine_checksum"]
         one, parallel = bridges(trainer, [one_url], [parallel_url], verify="auto")  # strict: versions only
         try:
+            assert_the_plan_lists_the_bridges_groups(str(tmp_path / "qwen3_moe"), [
+                "cluster.engine=sglang_strict", "trainer.data_parallel_size=2",
+                "trainer.expert_model_parallel_size=2"], trainer, parallel)
             one.sync(1)
             parallel.sync(1)
             sums = [post(url, "/weights_checker", {"action": "checksum"}) for url in (one_url, parallel_url)]
@@ -150,13 +176,12 @@ def test_ep2_parallel_sources_give_sglang_strict_engines_the_one_source_weights(
 
 
 def plan_of(coords: list, producers: list) -> list:
-    """`WeightStream.source_plan` over hand-written coordinates and producers (one rule, one HF name each)."""
-    from glue.trainer.weight_stream import WeightStream
+    """The sources (`group_sources`, what `WeightStream.source_plan` answers) over hand-written coordinates and
+    producers (one rule, one HF name each)."""
+    from glue.trainer.weight_stream import group_sources
 
-    stream = WeightStream.__new__(WeightStream)  # the plan reads only these; no parallel state needed
-    stream.coords, stream.producers = coords, producers
-    stream.rule_of = {f"w{i}": i for i in range(len(producers))}
-    return stream.source_plan([f"w{i}" for i in range(len(producers))])
+    names = [f"w{i}" for i in range(len(producers))]
+    return group_sources(names, {name: i for i, name in enumerate(names)}, producers, coords)
 
 
 def test_each_stage_and_expert_group_is_a_source_unless_their_ranks_overlap():

@@ -12,7 +12,7 @@ from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, pipeline_buc
 from weight_sync.config import BridgeConfig
 from weight_sync.engine_calls import (WeightSyncError, admin_key, begin_update_session, end_update_session,
                                      engine_capabilities, post_json, run_together)
-from weight_sync.parallel import ParallelBroadcastTransport
+from weight_sync.parallel import ParallelBroadcastTransport, parallel_sources
 from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
                                     free_port)
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
@@ -104,8 +104,7 @@ class WeightBridge:
                 raise ValueError("sync.sources: parallel needs a source with one rank per pipeline stage / expert "
                                  "group (the megatron-core trainer); this one has a single rank: use one")
             return None
-        plan = plan_of()
-        return plan if len(plan) > 1 else None
+        return parallel_sources(self.sources, plan_of())
 
     def _settle_verify(self, urls: Sequence[str]) -> str:
         """The verification to run with these engines, from what they say they offer (`engine_capabilities`),

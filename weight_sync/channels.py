@@ -17,7 +17,7 @@ from weight_sync.buckets import (BucketLayout, check_bucket_tensors, checksum, c
 from weight_sync.delta import DELTA_LOAD_FORMAT, delta_layout, delta_nbytes, delta_tensors, diff_bucket, slot_view
 from weight_sync.disk import CheckpointWriter
 from weight_sync.ipc import SharedSegment, encode_cuda_handle, encode_shm_handle
-from weight_sync.process_group import create_process_group, destroy_process_group
+from weight_sync.process_group import create_process_group, destroy_process_group, planned_device
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -94,7 +94,8 @@ class BroadcastChannel:
         depth = 1 if spec.get("streamed", False) else buffer_count(spec, self.layouts)
         self.group = create_process_group(master_address=spec["master_address"], master_port=spec["master_port"],
                                           rank=0, world_size=spec["world_size"], group_name=spec["group_name"],
-                                          backend=spec["backend"], timeout_s=spec.get("timeout_s", 300.0))
+                                          backend=spec["backend"], timeout_s=spec.get("timeout_s", 300.0),
+                                          device=planned_device())
         size = biggest_bucket(self.layouts)
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in range(depth)]
         self.ahead: dict[int, Future] = {}  # bucket index -> its packing (and checksum) on the packing thread

@@ -7,7 +7,7 @@ gather and pack concurrently, an engine receives one bucket at a time, and no tw
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from weight_sync.buckets import BucketLayout
 from weight_sync.engine_calls import call_update, run_together
@@ -37,6 +37,20 @@ class RankView:
         self.source.close_weight_channel(name)
 
 
+Part = TypeVar("Part")
+
+
+def parallel_sources(mode: str | None, parts: Sequence[Part]) -> Sequence[Part] | None:
+    """The sources the bridge sends from side by side, or None for one source (trainer rank 0 sends everything):
+    `sync.sources` one, or a layout with a single source. `parts`: the layout's sources, in rank order."""
+    return parts if mode != "one" and len(parts) > 1 else None
+
+
+def source_group_prefix(k: int) -> str:
+    """The name prefix of the `k`-th parallel source's weight groups (<prefix>_<driver pid>_<n>)."""
+    return f"sluice_w_s{k}"
+
+
 def interleave(counts: Sequence[int]) -> list[tuple[int, int]]:
     """(source, bucket) pairs, round robin over the sources: the order every engine receives buckets in."""
     return [(k, i) for i in range(max(counts, default=0)) for k, n in enumerate(counts) if i < n]
@@ -48,8 +62,8 @@ class ParallelBroadcastTransport:
     bucket layouts) per source. `layouts`: every bucket in the order engines receive them (`interleave`)."""
 
     def __init__(self, source: WeightSource, parts: Sequence[tuple[int, list[BucketLayout]]], **broadcast: Any):
-        self.parts = [BroadcastTransport(RankView(source, rank), layouts, group_prefix=f"sluice_w_s{k}", **broadcast)
-                      for k, (rank, layouts) in enumerate(parts)]
+        self.parts = [BroadcastTransport(RankView(source, rank), layouts, group_prefix=source_group_prefix(k),
+                                         **broadcast) for k, (rank, layouts) in enumerate(parts)]
         self.ranks = [rank for rank, _ in parts]
         self.order = interleave([len(layouts) for _, layouts in parts])
         self.layouts = [self.parts[k].layouts[i] for k, i in self.order]

@@ -6,6 +6,8 @@ already has one for Megatron) and several groups can live in one process.
 from __future__ import annotations
 
 import datetime
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +20,19 @@ Backend = Literal["gloo", "nccl"]
 # under "<device>/" inside "<group_name>/" inside SGLang's own "<group_name>" prefix. Using the same layout lets a
 # real SGLang engine and this module meet in one store.
 _DEVICE_OF_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
+# Set by the launcher where CPU bundles stand for the GPUs of an SGLang run (strict engines, `make rehearse`): the
+# device each of this process's weight-group members stands on, comma-separated (an engine: one per TP rank).
+PLANNED_DEVICES = "SLUICE_PLANNED_DEVICES"
+
+
+def planned_device(index: int = 0) -> str | None:
+    """The device this process's `index`-th weight-group member stands on (`PLANNED_DEVICES`; an engine's TP rank
+    `index`), or None where devices are not modeled."""
+    devices = [d for d in os.environ.get(PLANNED_DEVICES, "").split(",") if d]
+    if not devices:
+        return None
+    assert index < len(devices), f"{PLANNED_DEVICES}={os.environ[PLANNED_DEVICES]!r} names no device {index}"
+    return devices[index]
 
 
 @dataclass(eq=False)
@@ -46,11 +61,14 @@ def create_process_group(
     group_name: str,
     backend: Backend = "gloo",
     timeout_s: float = 120.0,
+    device: str | None = None,
 ) -> WeightGroup:
     """Join (rank > 0) or host (rank 0) the weight group; blocks until all `world_size` ranks have joined.
 
     The layout of keys in the store is the one SGLang's `/init_weights_update_group` uses, so a trainer can create
     rank 0 with this function while real SGLang engines (or the embedded engine) join as ranks 1..world_size-1.
+    `device`: the device this member stands on where devices are modeled (`planned_device`); the group is then
+    refused, on every member that models its device, when two members stand on one (`_check_devices`).
     """
     if backend not in _DEVICE_OF_BACKEND:
         raise ValueError(f"weight group backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -77,7 +95,39 @@ def create_process_group(
     )
     pg = _make_backend(backend, backend_store, rank, world_size, timeout)
     pg._set_sequence_number_for_group()  # torch's helper does this too; the other side waits for the key
+    try:
+        _check_devices(store, group_name, rank, world_size, device, timeout)
+    except BaseException:
+        getattr(pg, "shutdown", lambda: None)()
+        raise
     return WeightGroup(name=group_name, rank=rank, world_size=world_size, backend_name=backend, backend=pg, store=store)
+
+
+def _check_devices(store: Any, group_name: str, rank: int, world_size: int, device: str | None,
+                   timeout: datetime.timedelta) -> None:
+    """NCCL's device rule, modeled where devices are planned rather than real (gloo lets ranks share a device; NCCL
+    refuses the communicator, "Duplicate GPU detected", on every rank). Every member posts the device it stands on
+    ('' when it models none, so no member waits on one that does not post); a member that models its device reads
+    every member's and refuses the group when two ranks share one, naming both."""
+    prefix = f"sluice_device/{group_name}/"
+    store.set(prefix + str(rank), device or "")
+    if device is None:
+        return
+    keys = [prefix + str(r) for r in range(world_size)]
+    store.wait(keys, timeout)
+    devices = [store.get(key).decode() for key in keys]
+    store.add(prefix + "read", 1)
+    first_on: dict[str, int] = {}
+    for other, where in enumerate(devices):
+        if where and where in first_on:
+            if rank == 0:  # the host's store goes with it: let every modeling member read the devices first
+                deadline = time.monotonic() + min(timeout.total_seconds(), 10.0)
+                while store.add(prefix + "read", 0) < sum(map(bool, devices)) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            raise RuntimeError(f"weight group {group_name!r}: Duplicate GPU detected: rank {first_on[where]} and rank "
+                               f"{other} both on {where} (NCCL refuses a communicator with two ranks on one device; "
+                               "modeled from the devices the plan gave each rank)")
+        first_on.setdefault(where, other)
 
 
 def _make_backend(backend: Backend, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:

@@ -75,6 +75,15 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+GROUP_PREFIX = "sluice_weights"  # one source's weight groups are named <prefix>_<driver pid>_<n>
+
+
+def engine_rank_offset(engine: int, ranks_per_engine: int) -> int:
+    """Where engine `engine` (in list order) joins a weight group: rank 0 is the source, then each engine's TP
+    ranks, as SGLang joins them (rank_offset + tp_rank). `engine_rank_offset(n, ...)` is the world size of n."""
+    return 1 + engine * ranks_per_engine
+
+
 LEAVE_TIMEOUT_S = 10.0  # how long an engine gets to leave a weight group; one that does not answer is left behind
 
 
@@ -142,7 +151,7 @@ class BroadcastTransport(_Base):
 
     def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, backend: str, master_address: str | None,
                  with_checksum: bool, timeout_s: float, ranks_per_engine: int = 1, key: str | None = None,
-                 pipeline: bool = True, group_prefix: str = "sluice_weights"):
+                 pipeline: bool = True, group_prefix: str = GROUP_PREFIX):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
                          pipeline=pipeline)
         self.backend, self.master_address = backend, master_address
@@ -157,13 +166,14 @@ class BroadcastTransport(_Base):
         if key in self.groups:
             return
         name, (host, port) = next(self._names), self._group_address()
-        world_size = 1 + len(urls) * self.ranks_per_engine
+        world_size = engine_rank_offset(len(urls), self.ranks_per_engine)
         spec = self._spec("broadcast", master_address=host, master_port=port,
                           world_size=world_size, group_name=name, backend=self.backend, timeout_s=self.timeout_s)
         engine_calls = [
-            lambda url=url, rank=1 + i * self.ranks_per_engine: call_update(url, "/init_weights_update_group", {
-                "master_address": host, "master_port": port, "rank_offset": rank,
-                "world_size": world_size, "group_name": name, "backend": self.backend}, self.timeout_s, self.key)
+            lambda url=url, rank=engine_rank_offset(i, self.ranks_per_engine): call_update(
+                url, "/init_weights_update_group", {
+                    "master_address": host, "master_port": port, "rank_offset": rank,
+                    "world_size": world_size, "group_name": name, "backend": self.backend}, self.timeout_s, self.key)
             for i, url in enumerate(urls)]
         self._together([lambda: self.source.open_weight_channel(name, spec), *engine_calls])
         self.groups[key] = name

@@ -21,7 +21,8 @@ from weight_sync.buckets import BucketLayout, checksum, checksum_tensors, dtype_
 from weight_sync.delta import DELTA_LOAD_FORMAT, apply_delta
 from weight_sync.disk import read_checkpoint
 from weight_sync.ipc import MappedSegments, decode_shm_handle
-from weight_sync.process_group import WeightGroup, create_process_group, destroy_process_group
+from weight_sync.process_group import (WeightGroup, create_process_group, destroy_process_group,
+                                       planned_device)
 
 # SGLang request structs (io_struct.py) and the fields of each that the weight routes read, for the schema test.
 WEIGHT_REQUEST_FIELDS = {
@@ -132,7 +133,8 @@ class WeightReceiver:
             def join(tp_rank: int) -> WeightGroup:
                 return create_process_group(master_address=master_address, master_port=master_port,
                                             rank=rank_offset + tp_rank, world_size=world_size, group_name=group_name,
-                                            backend=backend, timeout_s=self.timeout_s)
+                                            backend=backend, timeout_s=self.timeout_s,
+                                            device=planned_device(tp_rank))
 
             with ThreadPoolExecutor(max_workers=self.tp_size, thread_name_prefix="tp-join") as pool:
                 pending = [pool.submit(join, r) for r in range(self.tp_size)]

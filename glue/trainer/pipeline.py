@@ -43,6 +43,23 @@ def describe_stages(model: torch.nn.Module) -> tuple[Stage, ...]:
     return tuple(stages)
 
 
+def planned_stage_layers(hf_config: Any, trainer: Any) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of every pipeline stage of the model the trainer builds for `hf_config`
+    under `trainer` (a glue.trainer.config.TrainerConfig), before any rank starts: megatron-core's own split
+    (even, or its uneven first / last stage options) on the TransformerConfig `build_model` makes."""
+    pp = trainer.pipeline_model_parallel_size
+    if pp == 1:
+        return [(0, hf_config.num_hidden_layers)]
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build  # lazy: megatron
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = trainer_model.with_passthrough(
+        trainer_model.transformer_config(hf_config, tp_size=trainer.tensor_model_parallel_size),
+        trainer.megatron_values())
+    return [(get_transformer_layer_offset(config, pp_rank=s), get_num_layers_to_build(config, pp_rank=s))
+            for s in range(pp)]
+
+
 def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], tokens: torch.Tensor,
                       head: Head, *, forward_only: bool, replay: Any = None,
                       routed_experts: torch.Tensor | None = None) -> list[Any]:

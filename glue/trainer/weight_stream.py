@@ -3,12 +3,14 @@ hold their shards just before it is packed (each shard sent to rank 0 of the own
 into the HF tensors as it arrives, then a point-to-point send to the source rank from other pipeline stages and
 expert-parallel ranks) and dropped once it is sent. No rank holds more than its own shard plus about a bucket, and
 nothing of the model is copied to host memory.
-With parallel sources (`source_plan`) each pipeline stage and expert group sends its own tensors from its own rank.
+With parallel sources (`weight_sources`) each pipeline stage and expert group sends its own tensors from its own rank;
+the launcher's plan calls the same functions on the layout it computes, so `--dry-run` lists the groups the bridge
+builds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,6 +55,74 @@ class Producer:
     leader: int  # global rank
 
 
+StageLayout = Callable[[int, int], Any]  # (stage, ep_rank) -> the converter's ParallelLayout of a rank there
+
+
+def find_producer(rule: Any, coords: list[Coords], stage_layout: StageLayout, n_experts: int) -> Producer:
+    """Where `rule`'s tensor lives: the first stage whose layout (`stage_layout(stage, ep_rank)`, over the layout's
+    pp_size stages) holds it and, for a routed expert, the EP rank holding that expert; its leader is TP rank 0 of the
+    first data-parallel replica there (expert-TP rank 0 of the first expert-data-parallel replica for an expert)."""
+    first = stage_layout(0, 0)
+    stages = range(first.pp_size)
+    if rule.expert is None:
+        stage = next(s for s in stages if local_name(rule, stage_layout(s, 0), n_experts))
+        return Producer(stage=stage, ep_rank=None, leader=_rank_where(coords, pp=stage, tp=0, dp=0))
+    ep_rank = rule.expert // (n_experts // first.ep_size)
+    stage = next(s for s in stages if local_name(rule, stage_layout(s, ep_rank), n_experts))
+    return Producer(stage=stage, ep_rank=ep_rank, leader=_rank_where(coords, pp=stage, ep=ep_rank, etp=0, edp=0))
+
+
+def _rank_where(coords: list[Coords], **where: int) -> int:
+    matches = [r for r, c in enumerate(coords) if all(getattr(c, k) == v for k, v in where.items())]
+    assert matches, f"no trainer rank at {where}"
+    return matches[0]
+
+
+def holds(producer: Producer, me: Coords) -> bool:
+    """Is the rank at `me` in the group that assembles the producer's tensor (the first replica's TP or expert-TP
+    group of its stage)?"""
+    if me.pp != producer.stage:
+        return False
+    if producer.ep_rank is None:
+        return me.dp == 0
+    return me.ep == producer.ep_rank and me.edp == 0
+
+
+def group_sources(hf_names: list[str], rule_of: dict[str, int], producers: list[Producer], coords: list[Coords]
+                  ) -> list[SourcePart]:
+    """The parallel sources: each rule is sent by its producer's leader (one per pipeline stage, and one per stage
+    and expert-parallel rank for routed experts), leaders whose producing ranks overlap merged into one source (the
+    lowest leader, the others' tensors sent to it point to point), so no rank takes part in two sources' collectives
+    at once. Sources in order of their rank; names in `hf_names` order. `rule_of`: HF name -> index of its rule in
+    `producers`."""
+    members: dict[int, set[int]] = {}
+    for producer in producers:
+        holders = {r for r, c in enumerate(coords) if holds(producer, c)}
+        members.setdefault(producer.leader, {producer.leader}).update(holders)
+    merged: list[tuple[set[int], set[int]]] = []  # (leaders, members)
+    for leader, ranks in sorted(members.items()):
+        joined = [m for m in merged if m[1] & ranks]
+        merged = [m for m in merged if not m[1] & ranks]
+        merged.append(({leader, *(l for m in joined for l in m[0])}, ranks.union(*(m[1] for m in joined))))
+    source_of = {leader: min(leaders) for leaders, _ in merged for leader in leaders}
+    parts = []
+    for leaders, ranks in sorted(merged, key=lambda m: min(m[0])):
+        rank = min(leaders)
+        names = tuple(n for n in hf_names if source_of[producers[rule_of[n]].leader] == rank)
+        parts.append(SourcePart(rank=rank, members=tuple(sorted(ranks)), names=names))
+    return parts
+
+
+def weight_sources(hf_config: Any, coords: list[Coords], stage_layout: StageLayout) -> list[SourcePart]:
+    """The parallel sources of the model `hf_config` describes, trained at `coords` (every rank's, by global rank)
+    with stages and expert groups as `stage_layout` places them; names in the order the bridge sends them (the
+    converter's rule order). What `WeightStream.source_plan` answers on a running trainer, from the layout alone."""
+    table, n_experts = rules(hf_config), num_experts(hf_config)
+    producers = [find_producer(rule, coords, stage_layout, n_experts) for rule in table]
+    rule_of = {name: i for i, rule in enumerate(table) for name in rule.hf}
+    return group_sources([name for rule in table for name in rule.hf], rule_of, producers, coords)
+
+
 class WeightStream:
     """Per-bucket HF tensors of a megatron-core model on the source rank. Every trainer rank calls `bucket(names)`
     with the same names in the same (bucket) order; `reset()` starts a new sync."""
@@ -74,33 +144,16 @@ class WeightStream:
         self.me = mine
         self.rules = rules(hf_config)
         self.rule_of = {name: i for i, rule in enumerate(self.rules) for name in rule.hf}
-        self.producers = [self._producer(rule) for rule in self.rules]
+        stage_layout = lambda stage, ep_rank: place.layout(tp_rank=0, member=(ep_rank, 0), stage=stage)  # noqa: E731
+        self.producers = [find_producer(rule, self.coords, stage_layout, self.n_experts) for rule in self.rules]
         self.groups = {"dense": ps.get_tensor_model_parallel_group(), "expert": ps.get_expert_tensor_parallel_group()}
         self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._made: set[int] = set()  # rules produced in this sync (their HF names may span two buckets)
         self._ready: dict[str, torch.Tensor] = {}  # source rank: produced HF tensors not yet in a bucket
 
     def source_plan(self, hf_names: list[str]) -> list[SourcePart]:
-        """The parallel sources: each rule is sent by its producer's leader (one per pipeline stage, and one per
-        stage and expert-parallel rank for routed experts), leaders whose producing ranks overlap merged into one
-        source (the lowest leader, the others' tensors sent to it point to point), so no rank takes part in two
-        sources' collectives at once. Sources in order of their rank; names in `hf_names` order."""
-        members: dict[int, set[int]] = {}
-        for producer in self.producers:
-            holders = {r for r, c in enumerate(self.coords) if self._holds(producer, c)}
-            members.setdefault(producer.leader, {producer.leader}).update(holders)
-        merged: list[tuple[set[int], set[int]]] = []  # (leaders, members)
-        for leader, ranks in sorted(members.items()):
-            joined = [m for m in merged if m[1] & ranks]
-            merged = [m for m in merged if not m[1] & ranks]
-            merged.append(({leader, *(l for m in joined for l in m[0])}, ranks.union(*(m[1] for m in joined))))
-        source_of = {leader: min(leaders) for leaders, _ in merged for leader in leaders}
-        parts = []
-        for leaders, ranks in sorted(merged, key=lambda m: min(m[0])):
-            rank = min(leaders)
-            names = tuple(n for n in hf_names if source_of[self.producers[self.rule_of[n]].leader] == rank)
-            parts.append(SourcePart(rank=rank, members=tuple(sorted(ranks)), names=names))
-        return parts
+        """The parallel sources of this layout (`group_sources`); names in `hf_names` order."""
+        return group_sources(hf_names, self.rule_of, self.producers, self.coords)
 
     def reset(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         """A new sync: nothing produced yet. `specs`: (HF name, dtype, shape) of every tensor, for the source's
@@ -124,36 +177,9 @@ class WeightStream:
         return {name: self._ready.pop(name) for name in names} if self.rank == source else {}
 
     # ---- one rule
-    def _producer(self, rule: Any) -> Producer:
-        p = self.place
-        stages = range(p.pp_size)
-        if rule.expert is None:
-            stage = next(s for s in stages if local_name(rule, p.layout(tp_rank=0, stage=s), self.n_experts))
-            leader = self._rank_where(pp=stage, tp=0, dp=0)
-            return Producer(stage=stage, ep_rank=None, leader=leader)
-        ep_rank = rule.expert // (self.n_experts // p.ep_size)
-        stage = next(s for s in stages
-                     if local_name(rule, p.layout(member=(ep_rank, 0), stage=s), self.n_experts))
-        return Producer(stage=stage, ep_rank=ep_rank, leader=self._rank_where(pp=stage, ep=ep_rank, etp=0, edp=0))
-
-    def _rank_where(self, **coords: int) -> int:
-        matches = [r for r, c in enumerate(self.coords) if all(getattr(c, k) == v for k, v in coords.items())]
-        assert matches, f"no trainer rank at {coords}"
-        return matches[0]
-
-    def _holds(self, producer: Producer, me: Coords | None = None) -> bool:
-        """Is this rank (or the rank at `me`) in the group that assembles the rule (the first replica's TP or
-        expert-TP group)?"""
-        me = self.me if me is None else me
-        if me.pp != producer.stage:
-            return False
-        if producer.ep_rank is None:
-            return me.dp == 0
-        return me.ep == producer.ep_rank and me.edp == 0
-
     def _produce(self, index: int, sends: list, source: int) -> dict[str, torch.Tensor]:
         rule, producer = self.rules[index], self.producers[index]
-        if self._holds(producer):
+        if holds(producer, self.me):
             layout = self.place.layout()
             shard = self.params[local_name(rule, layout, self.n_experts)].data
             rank, size = shard_rank(rule, layout)
