@@ -79,3 +79,14 @@ def test_moe_with_tensor_and_expert_parallelism_and_untensored_experts_trains_li
     two = run_trainer_ranks(model, 2, batch, **ADAM, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
                             megatron={"sequence_parallel": True})
     assert_same_step(one, two, "TP=2 x EP=2 (ETP=1) with sequence parallelism")
+
+
+def test_packed_rows_under_sequence_parallelism_go_as_thd_and_train_like_one_padded_rank(tmp_path_factory):
+    # rows of three 11-token samples (33 tokens, padded to 34 for TP=2 with a trailing padding span of its own) go
+    # to the core attention as THD while each TP rank holds half of the row's hidden states
+    batch = make_batch(response_len=6)
+    model = save_tiny_model(str(tmp_path_factory.mktemp("qwen3_sp_thd")), family="qwen3", seed=3)
+    one = run_trainer_ranks(model, 1, batch, **ADAM)
+    two = run_trainer_ranks(model, 2, batch, **ADAM, max_tokens_per_micro_batch=40,
+                            megatron={"sequence_parallel": True})
+    assert_same_step(one, two, "packed rows, TP=2 with sequence parallelism")
