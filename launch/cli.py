@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -12,14 +13,14 @@ from typing import Any, NoReturn
 from glue.fleet.fleet import ProcessDied
 from glue.loop.stream import RolloutFailed
 from glue.metrics.plots import write_plots
+from launch import sglang_args
 from launch.cluster import ClusterError
 from launch.config import ConfigError, load_config, merge, to_dict
 from launch.help import config_reference
 from launch.megatron_args import add_megatron_flags, route
-from launch.options import add_options
+from launch.options import add_options, likely_takes
 from launch.plan import resolve
 from launch.router_args import router_options
-from launch.sglang_args import sglang_options
 
 USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
          "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
@@ -60,7 +61,7 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
     if "megatron" in backends:
         add_megatron_flags(parser)
     if "sglang" in backends:
-        sglang = sglang_options()
+        sglang = sglang_args.sglang_options()
         group = parser.add_argument_group(
             "sglang (generated from the installed sglang's ServerArgs; forwarded to every engine)",
             "Any SGLang server option as --sglang-<option>; YAML: sglang.<option>." if sglang is not None else
@@ -95,7 +96,7 @@ def help_text(topic: str) -> str:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections."""
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(_overrides_first(argv, parser))
     if args.help is not None:
         if args.help not in ("config", *BACKENDS):
             parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}")
@@ -120,22 +121,51 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _unparsed_sglang(rest: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """`--sglang-x [value]` the parser did not know (sglang not installed, or a misspelling): keep it as given (a
-    bare flag is true); `plan.resolve` checks it against sglang's options (with a did-you-mean) or, without
-    sglang, forwards it verbatim with a warning."""
+    """`--sglang-x [values]` the parser did not know (sglang not installed, a misspelling, a renamed option): kept
+    as given (a bare flag is true, several values a list), with as many values as the option meant in its place
+    takes (launch.options.likely_takes), or without sglang every value up to the next option or override;
+    `plan.resolve` then names the option in its place, or forwards it verbatim with a warning without sglang."""
+    specs = sglang_args.sglang_options() or {}
     out, verbatim, i = [], {}, 0
     while i < len(rest):
         item = rest[i]
-        if item.startswith("--sglang-"):
-            name, eq, value = item[len("--sglang-"):].partition("=")
-            if not eq and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-                value, eq = rest[i + 1], "="
-                i += 1
-            verbatim[name.replace("-", "_")] = value if eq else True
-        else:
-            out.append(item)
         i += 1
+        if not item.startswith("--sglang-"):
+            out.append(item)
+            continue
+        name, eq, value = item[len("--sglang-"):].partition("=")
+        key = name.replace("-", "_")
+        most = MOST_VALUES[likely_takes(key, specs)]
+        values = [value] if eq else []
+        while not eq and len(values) < most and i < len(rest) and _is_value(rest[i]):
+            values.append(rest[i])
+            i += 1
+        verbatim[key] = values[0] if len(values) == 1 else values or True
     return out, verbatim
+
+
+def _overrides_first(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` with every section.key=value override that follows the values of a several-valued option
+    (`--sglang-cuda-graph-bs-decode 1 2 4 run.num_steps=3`) moved in front, so that the option's values end where
+    the override begins (argparse, like SGLang's own parser, would take it as one more value)."""
+    several = {s for a in parser._actions if a.nargs in ("+", "*") for s in a.option_strings}  # no public list
+    moved, kept, in_values = [], [], False
+    for item in argv:
+        if in_values and OVERRIDE.match(item):
+            moved.append(item)
+            continue
+        in_values = item in several or (in_values and _is_value(item))
+        kept.append(item)
+    return moved + kept
+
+
+MOST_VALUES = {"none": 0, "one": 1, "optional": 1, "many": sys.maxsize, "any": sys.maxsize, None: sys.maxsize}
+OVERRIDE = re.compile(r"[A-Za-z_]\w*\.[\w.]+=")  # section.key=value
+
+
+def _is_value(item: str) -> bool:
+    """Whether a token after an option is one of its values: not an option, not a section.key=value override."""
+    return not item.startswith("--") and not OVERRIDE.match(item)
 
 
 def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from glue.trainer.config import TrainerConfig
 from glue.trainer.megatron_fields import MegatronField, check_value, megatron_fields
+from glue.trainer.te_spec import TE_OPTIONS
 
 # Megatron spellings of TrainerConfig fields whose name differs.
 TRAINER_ALIASES = {"clip_grad": "grad_clip"}
@@ -63,7 +64,9 @@ def _help(spec: MegatronField) -> str:
     where = trainer_field_of(spec.name)
     target = f"trainer.{where}" if where else f"trainer.megatron.{spec.name}"
     default = "" if spec.default is None else f"; default {spec.default}"
-    return f"{text} [{'/'.join(spec.owners)} -> {target}{default}]"
+    runs = ("; not run by sluice" if spec.name in NOT_RUN else
+            "; needs transformer-engine on the trainer nodes" if spec.name in TE_OPTIONS else "")
+    return f"{text} [{'/'.join(spec.owners)} -> {target}{default}{runs}]"
 
 
 def route(values: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +85,8 @@ def route(values: dict[str, Any]) -> dict[str, Any]:
 
 def check_megatron(values: dict[str, Any]) -> dict[str, Any]:
     """Validate `trainer.megatron` against megatron-core's fields: unknown names (with a did-you-mean), fields sluice
-    owns, value kinds. Raises ValueError naming the key and the fix; returns the checked values."""
+    owns, value kinds, fields the trainer never runs (NOT_RUN). Raises ValueError naming the key and the fix; returns
+    the checked values."""
     fields = megatron_fields()
     out = {}
     for name, value in values.items():
@@ -98,10 +102,14 @@ def check_megatron(values: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{where} (--{name.replace('_', '-')}) comes from the checkpoint's config.json "
                              f"({CHECKPOINT_FIELDS[name]}); change model.path (or model.tiny) instead")
         out[name] = check_value(fields[name], value, where)
+        if not_run(name, out[name]):
+            raise ValueError(f"{where} (--{name.replace('_', '-')}) is not run by this trainer: {NOT_RUN[name]}; "
+                             "drop it")
     return out
 
 
-# megatron optimizer / DDP fields this trainer does not run yet, and why (every other one reaches megatron's configs).
+# megatron-core fields this trainer never runs, and why: refused wherever the run is planned (those that need
+# Transformer Engine on the trainer nodes are glue.trainer.te_spec.TE_OPTIONS; every other one reaches megatron).
 NOT_RUN = {
     "optimizer": "the trainer runs Adam (set the Adam fields: trainer.lr, adam_beta1/2, adam_eps, weight_decay)",
     "overlap_param_gather": "the trainer's forward-only passes (old logprobs, snapshots) run the bare model, which "
@@ -109,14 +117,14 @@ NOT_RUN = {
     "overlap_grad_reduce": "the trainer finalises gradients after the schedule (megatron's finalize_model_grads); "
                            "overlapped reduction is not wired into its schedules yet",
     "optimizer_cpu_offload": "colocated placement offloads the whole training state itself (glue.trainer.offload)",
-    "use_precision_aware_optimizer": "main weights and Adam moments stay fp32 (trainer.precision)",
     "use_megatron_fsdp": "the trainer uses megatron's DistributedDataParallel with the distributed optimizer",
+    "moe_use_legacy_grouped_gemm": "megatron's legacy GroupedMLP holds every expert in one transposed tensor, which "
+                                   "the HF converter does not read (--moe-grouped-gemm alone builds TE's grouped "
+                                   "experts, which it does)",
 }
 
 
-def unused_by_trainer(values: dict[str, Any]) -> list[str]:
-    """Passed-through megatron fields this trainer does not run (NOT_RUN), one line each; `--optimizer adam` is
-    what it runs anyway."""
-    return [f"trainer.megatron.{name} (--{name.replace('_', '-')}): {NOT_RUN[name]}; drop it"
-            for name, value in values.items()
-            if name in NOT_RUN and value not in (False, None) and not (name == "optimizer" and value == "adam")]
+def not_run(name: str, value: Any) -> bool:
+    """Whether megatron field `name` set to `value` asks for something this trainer never runs (NOT_RUN);
+    `--optimizer adam` is what it runs anyway."""
+    return name in NOT_RUN and value not in (False, None) and not (name == "optimizer" and value == "adam")

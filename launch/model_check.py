@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from glue.embedded_engine.tiny_model import tiny_config
+from glue.trainer import te_spec
 from glue.trainer.model import check_tensor_parallel, read_hf_config
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
@@ -94,9 +95,12 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
                           "TP > 1: add --sequence-parallel (trainer.megatron.sequence_parallel: true)")
 
 
-def check_layer_spec(trainer: Any) -> str:
+def check_layer_spec(trainer: Any, *, elsewhere: bool = False) -> str:
     """`trainer.layer_spec` as this machine resolves it (a glue.trainer.config.TrainerConfig): te is refused where
-    transformer_engine does not import; auto is reported, each trainer rank resolving it where it runs."""
+    transformer_engine does not import, unless the plan is for other nodes (`elsewhere`: check_transformer_engine
+    names what they need); auto is reported, each trainer rank resolving it where it runs."""
+    if elsewhere and trainer.layer_spec == "te":
+        return "layer spec: te (built on the trainer nodes)"
     try:
         spec = resolve_layer_spec(trainer.layer_spec)
     except ValueError as err:
@@ -105,6 +109,23 @@ def check_layer_spec(trainer: Any) -> str:
         return f"layer spec: {spec}"
     imports = "imports" if spec == "te" else "does not import"
     return f"layer spec: auto, {spec} here (transformer_engine {imports}; each trainer node resolves it for itself)"
+
+
+def check_transformer_engine(trainer: Any, *, elsewhere: bool) -> str | None:
+    """What the trainer's config runs on Transformer Engine (trainer.layer_spec te, glue.trainer.te_spec.TE_OPTIONS).
+    For a plan for other nodes (`elsewhere`) a `requires:` line names it; a run on this machine is refused in one
+    line where TE does not import. None when nothing needs TE."""
+    needs = (["trainer.layer_spec=te"] if trainer.layer_spec == "te" else []) + te_spec.te_options(trainer.megatron)
+    if not needs:
+        return None
+    here = "imports" if te_spec.te_available() else "does not import"
+    if elsewhere:
+        return f"requires: transformer-engine on the trainer nodes, for {', '.join(needs)} (it {here} here)"
+    try:
+        te_spec.check_te_options(trainer.megatron)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return f"transformer-engine: imports here, for {', '.join(needs)}"
 
 
 REFERENCE_ATTENTION = "megatron DotProductAttention, unfused ([T, T] scores and mask per layer: the reference)"
@@ -124,7 +145,7 @@ def describe_attention(trainer: Any, on_gpus: bool) -> str:
     backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
     if backend not in ("auto", "flash", "fused", "local", "unfused"):
         raise ConfigError(f"--attention-backend {backend!r} is not one of auto, flash, fused, local, unfused")
-    if resolve_layer_spec(trainer.layer_spec) == "te":
+    if trainer.layer_spec == "te" or resolve_layer_spec(trainer.layer_spec) == "te":
         return "attention: transformer-engine DotProductAttention (packed rows as THD), every trainer rank"
     kernel = REFERENCE_ATTENTION if backend in ("local", "unfused") else FAST_ATTENTION[on_gpus]
     return f"attention ({backend}): {kernel}, every trainer rank"

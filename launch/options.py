@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 Takes = Literal["none", "one", "optional", "many", "any"]  # argparse nargs 0, None, "?", "+", "*"
+FLAG_START = re.compile(r"(?<!\S)--")  # where a flag begins in a backend's text
 
 
 @dataclass(frozen=True)
@@ -25,10 +27,26 @@ class OptionSpec:
     help: str = ""
     aliases: tuple[str, ...] = ()  # other spellings the backend accepts, e.g. "--tensor-parallel-size"
     negatable: bool = False  # a boolean that also has --no-<flag>
+    successor: str | None = None  # the backend's replacement for a deprecated spelling, in its own words
 
 
 def key_of(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
+
+
+def successors_of(key: str, specs: dict[str, OptionSpec]) -> list[str]:
+    """The options that stand in the place of `key`, one the backend does not have, when it was renamed by a
+    suffix naming the variant (SGLang 0.5.23: cuda_graph_bs -> cuda_graph_bs_decode, cuda_graph_bs_prefill): keys
+    of `key` + one more word, at most three of them (more is a prefix of a family, not a rename)."""
+    found = sorted(k for k in specs if k.startswith(key + "_") and "_" not in k[len(key) + 1:])
+    return found if len(found) <= 3 else []
+
+
+def likely_takes(key: str, specs: dict[str, OptionSpec]) -> Takes | None:
+    """How many values an option the backend does not have would take, as the option meant in its place takes
+    them (its successor, else the closest spelling); None when there is none."""
+    meant = successors_of(key, specs) or difflib.get_close_matches(key, specs, n=1)
+    return specs[meant[0]].takes if meant else None
 
 
 def add_options(group: Any, specs: dict[str, OptionSpec], *, prefix: str, section: str) -> None:
@@ -72,11 +90,23 @@ def check_values(values: dict[str, Any], specs: dict[str, OptionSpec], *, sectio
                              f"use {owned[key]} instead")
         spec = specs.get(key)
         if spec is None:
-            guess = difflib.get_close_matches(key, specs, n=1)
-            hint = f"; did you mean --{prefix}-{guess[0].replace('_', '-')}?" if guess else ""
-            raise ValueError(f"unknown {prefix} option {section}.{key} (--{prefix}-{key.replace('_', '-')}){hint}")
+            raise ValueError(f"unknown {prefix} option {section}.{key} (--{prefix}-{key.replace('_', '-')})"
+                             + _meant(key, specs, prefix))
+        if spec.successor:
+            successor = FLAG_START.sub(f"--{prefix}-", spec.successor)  # the backend's words in pass-through flags
+            raise ValueError(f"--{prefix}-{spec.flag[2:]} ({section}.{key}) is deprecated by the installed {prefix}: "
+                             f"use {successor} instead")
         out[key] = _check_one(spec, value, f"{section}.{key}")
     return out
+
+
+def _meant(key: str, specs: dict[str, OptionSpec], prefix: str) -> str:
+    """What an unknown option's message suggests: the options in its place, else the closest spelling."""
+    flags = [f"--{prefix}-{k.replace('_', '-')}" for k in successors_of(key, specs)]
+    if flags:
+        return f": the installed {prefix} has {' / '.join(flags)} in its place (a renamed option); use those"
+    guess = difflib.get_close_matches(key, specs, n=1)
+    return f"; did you mean --{prefix}-{guess[0].replace('_', '-')}?" if guess else ""
 
 
 def _check_one(spec: OptionSpec, value: Any, where: str) -> Any:

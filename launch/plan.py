@@ -16,7 +16,7 @@ from glue.embedded_engine.__main__ import parse_args
 from glue.fleet.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
 from launch import router_args, sglang_args
 from launch.config import ConfigError, SluiceConfig
-from launch.megatron_args import check_megatron, unused_by_trainer
+from launch.megatron_args import check_megatron
 from launch.options import check_values, to_argv
 
 HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
@@ -327,7 +327,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
         cfg.router, router_args.router_options())
     router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
                       "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_argv] if engines else []
-    notes = cfg.trainer.unsupported() + unused_by_trainer(cfg.trainer.megatron)
+    notes = cfg.trainer.unsupported()
     if cfg.loss.kl_reward_coef > 0:
         notes.append("loss.kl_reward_coef > 0: the trainer has no reference logprobs before the advantages are "
                      "computed yet; use loss.kl_loss_coef (KL as a loss term)")

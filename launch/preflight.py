@@ -17,24 +17,41 @@ from typing import Any
 from glue.plugins import check_signature, load_object
 from glue.rewards.judge import load_parser
 from launch.config import ConfigError, SluiceConfig
-from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, describe_attention, has_tokenizer,
-                                weight_files)
 from launch.memory_plan import check_memory
+from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, check_transformer_engine,
+                                describe_attention, has_tokenizer, weight_files)
 from launch.plan import RunPlan
 from launch.tasks import eval_task
-from launch.weight_groups import check_weight_groups
 from launch.teacher import check_teacher
+from launch.weight_groups import check_weight_groups
 
 
 def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[str]:
     """Run every check; returns one line per check (the dry run prints them). `here=False` is a dry run, which may
     plan a GPU run on a login node (too few local GPUs is reported, not refused) from a model directory holding
-    config.json alone (reported as plan-only; a real start needs the weights)."""
-    return [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
-            check_layer_spec(cfg.trainer), describe_attention(cfg.trainer, cfg.cluster.uses_gpus), check_memory(cfg),
-            check_data(cfg), check_weight_groups(cfg, plan), check_tokenizer(cfg, plan_only=not here),
-            check_ports(cfg, plan), check_placement(cfg, plan, here=here),
-            *([check_teacher(cfg)] if cfg.teacher is not None else [])]
+    config.json alone (reported as plan-only; a real start needs the weights); what such a plan for other nodes
+    needs there (transformer-engine) is a `requires:` line instead of a check of this machine."""
+    elsewhere, trainer = plans_elsewhere(cfg, plan, here=here), cfg.trainer
+    checks = [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
+              check_layer_spec(trainer, elsewhere=elsewhere), check_transformer_engine(trainer, elsewhere=elsewhere),
+              describe_attention(trainer, cfg.cluster.uses_gpus), check_memory(cfg), check_data(cfg),
+              check_weight_groups(cfg, plan), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
+              check_placement(cfg, plan, here=here),
+              *([check_teacher(cfg)] if cfg.teacher is not None else [])]
+    return [line for line in checks if line is not None]
+
+
+def plans_elsewhere(cfg: SluiceConfig, plan: RunPlan, *, here: bool) -> bool:
+    """Whether a dry run plans for other machines than this one: it attaches to a Ray cluster (run.ray_address),
+    reads a plan-only model directory (config.json, no weights), or asks for more GPUs than this machine has. A
+    real start (`here`) runs from this machine, whose venv every node shares."""
+    if here:
+        return False
+    path = cfg.model.path
+    if cfg.run.ray_address is not None or (path is not None and Path(path).is_dir() and not weight_files(path)):
+        return True
+    gpus = sum(b.get("GPU", 0) for b in plan.bundles)
+    return gpus > 0 and gpus > local_gpu_count()
 
 
 def check_plugins(cfg: SluiceConfig) -> str:

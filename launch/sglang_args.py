@@ -3,8 +3,8 @@ to every engine's command line. Options sluice sets itself (model path, host, po
 
 `ServerArgs` cannot be imported on a CPU machine (it pulls GPU-only packages), so its definition is read with `ast`
 from the installed source: the field namespaces listed in `_INPUT_NAMESPACES` (`A[type, "help" | Arg(...)]`
-fields) plus the options `ServerArgs.add_cli_args` registers by hand. Without sglang, `--sglang-*` is forwarded
-verbatim with a warning.
+fields) plus the options `ServerArgs.add_cli_args` registers by hand (its deprecated spellings with the successor
+it names). Without sglang, `--sglang-*` is forwarded verbatim with a warning.
 """
 from __future__ import annotations
 
@@ -106,7 +106,9 @@ def _spec(field: str, type_node: ast.AST, meta: dict[str, Any], default: Any) ->
     inner, literal_choices = _unwrap(type_node)
     action = meta.get("action")
     choices = meta.get("choices") if isinstance(meta.get("choices"), list) else literal_choices
-    scalar = _SCALARS.get(inner, str) if not meta.get("type_parser") else str
+    # SGLang's parser types a List[X] field's values as X (arg_utils.add_cli_args_from_dataclass)
+    one = _list_element(type_node) if inner == "list" else inner
+    scalar = _SCALARS.get(one, str) if not meta.get("type_parser") else str
     nargs = meta.get("nargs")
     if isinstance(action, str) and action.endswith("BooleanOptionalAction"):
         takes, negatable = "none", True
@@ -149,6 +151,13 @@ def _unwrap(node: ast.AST) -> tuple[str, list | None]:
     return _name(node) or "?", None
 
 
+def _list_element(node: ast.AST) -> str:
+    """The element type name of `Optional[List[X]]` / `List[X]` ('int', 'str', ...)."""
+    while isinstance(node, ast.Subscript) and _name(node.value) == "Optional":
+        node = node.slice
+    return _name(node.slice) or "?" if isinstance(node, ast.Subscript) else "?"
+
+
 def _manual_options(tree: ast.Module) -> list[OptionSpec]:
     """The `parser.add_argument(...)` calls in `ServerArgs.add_cli_args` (dynamic choices, deprecated spellings)."""
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
@@ -171,9 +180,11 @@ def _manual_options(tree: ast.Module) -> list[OptionSpec]:
         scalar = _SCALARS.get(_name(kw.get("type", ast.Name("str"))) or "str", str)
         choices = _literal(kw["choices"]) if "choices" in kw else None
         help_ = _literal(kw["help"]) if "help" in kw else ""
+        successor = _literal(kw["new_flag"]) if "new_flag" in kw else None  # SGLang's Deprecated*Action spellings
         out.append(OptionSpec(key=key_of(flags[0]), flag=flags[0], takes=takes, scalar=bool if takes == "none" else scalar,
                               choices=tuple(choices) if isinstance(choices, list) else None,
-                              help=help_ if isinstance(help_, str) else "", aliases=tuple(flags[1:])))
+                              help=help_ if isinstance(help_, str) else "", aliases=tuple(flags[1:]),
+                              successor=successor if isinstance(successor, str) else None))
     return out
 
 

@@ -139,6 +139,58 @@ def test_a_state_holding_a_norm_under_both_names_is_refused():
                        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": norm})
 
 
+# megatron-core 0.16's TEGroupedMLP (--moe-grouped-gemm, TE spec): one GroupedLinear per projection, expert i's
+# weight named weight{i} (experts.py TEGroupedMLP, extensions/transformer_engine.py TEGroupedLinear)
+TE_GROUPED_MOE_MLP = ["pre_mlp_layernorm.weight", "mlp.router.weight",
+                      *[f"mlp.experts.linear_fc{k}.weight{e}" for k in (1, 2) for e in range(4)]]
+
+
+def te_grouped_parameter_names() -> set[str]:
+    layers = [TE_ATTENTION + QK_NORMS + TE_DENSE_MLP] + [TE_ATTENTION + QK_NORMS + TE_GROUPED_MOE_MLP] * 3
+    return set(WHOLE_MODEL) | {f"decoder.layers.{i}.{name}" for i, layer in enumerate(layers) for name in layer}
+
+
+def test_hf_weights_converted_for_te_grouped_experts_carry_exactly_their_parameter_names():
+    local = hf_to_megatron(hf_state(QWEN3_MOE), QWEN3_MOE)
+    te = in_names_of(local, te_grouped_parameter_names())
+    assert set(te) == te_grouped_parameter_names()
+    assert te["decoder.layers.1.mlp.experts.linear_fc1.weight3"] is \
+        local["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert te["decoder.layers.3.mlp.experts.linear_fc2.weight0"] is \
+        local["decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight"]
+    back = from_te_names(te)
+    assert list(back) == list(local) and all(back[name] is local[name] for name in local)
+
+
+def test_te_grouped_experts_convert_to_the_same_hf_tensors_as_sequential_ones():
+    hf = hf_state(QWEN3_MOE)
+    grouped = with_extra_states(to_te_names(hf_to_megatron(hf, QWEN3_MOE), grouped_experts=True))
+    assert "decoder.layers.2.mlp.experts.linear_fc2.weight1" in grouped
+    assert "decoder.layers.2.mlp.experts.linear_fc1._extra_state" in grouped  # one per grouped linear, as TE has
+    assert not any(".local_experts." in name for name in grouped)
+    back = megatron_to_hf(grouped, QWEN3_MOE)
+    assert list(back) == list(hf) and all(torch.equal(back[name], tensor) for name, tensor in hf.items())
+
+
+def test_grouped_experts_are_numbered_per_ep_rank_and_gather_back_from_a_tp2_ep2_layout():
+    hf = hf_state(QWEN3_MOE)
+    ranks = [ParallelLayout.even(4, tp_rank=t, tp_size=2, ep_rank=e, ep_size=2) for e in range(2) for t in range(2)]
+    states = [with_extra_states(to_te_names(hf_to_megatron_local(hf, QWEN3_MOE, rank), grouped_experts=True))
+              for rank in ranks]
+    second_ep = states[2]  # ep_rank 1, tp_rank 0: the model's experts 2 and 3 as its weight0 and weight1
+    assert {n.rsplit(".", 1)[1] for n in second_ep if ".mlp.experts.linear_fc1.weight" in n} == {"weight0", "weight1"}
+    down = hf["model.layers.1.mlp.experts.2.down_proj.weight"]  # ROW kind: TP splits the input dimension
+    assert torch.equal(second_ep["decoder.layers.1.mlp.experts.linear_fc2.weight0"], down.chunk(2, dim=1)[0])
+    back = megatron_to_hf(states, QWEN3_MOE, ranks)
+    assert set(back) == set(hf) and all(torch.equal(back[name], tensor) for name, tensor in hf.items())
+
+
+def test_the_legacy_grouped_mlps_fused_expert_weights_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"'decoder.layers.1.mlp.experts.weight1' is a weight of megatron's legacy "
+                                         r"GroupedMLP .* drop --moe-use-legacy-grouped-gemm"):
+        from_te_names({"decoder.layers.1.mlp.experts.weight1": torch.ones(16, 32)})
+
+
 @pytest.fixture
 def without_te(monkeypatch):
     """This machine as one without Transformer Engine, whatever is installed: its import fails."""

@@ -153,11 +153,51 @@ def test_without_sglang_the_sglang_options_are_forwarded_verbatim_with_a_warning
     import launch.sglang_args
 
     monkeypatch.setattr(launch.sglang_args, "sglang_options", lambda: None)
-    plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-some-new-option", "3", "--sglang-some-switch")
+    plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-some-new-option", "3", "--sglang-some-switch",
+                   "--sglang-some-list", "1", "2", "run.num_steps=4")
     assert plan["plan"]["engines"][0]["command"].split(" --random-seed=")[0].endswith(
-        "--tp-size 1 --some-new-option 3 --some-switch")
+        "--tp-size 1 --some-new-option 3 --some-switch --some-list 1 2")
+    assert plan["run"]["num_steps"] == 4
     assert main(["--dry-run", "--config", DEMO, *GPU_NODE, "--sglang-port", "1"]) == 2
     assert "use the placement plan" in capsys.readouterr().err
+
+
+def test_several_values_of_an_sglang_option_are_parsed_with_sglangs_nargs_and_value_type(capsys):
+    shown = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-cuda-graph-bs-decode", "1", "2", "4",
+                    "run.num_steps=3", "--sglang-lora-target-modules", "q_proj", "v_proj", "run.seed=5")
+    assert shown["sglang"] == {"cuda_graph_bs_decode": [1, 2, 4], "lora_target_modules": ["q_proj", "v_proj"]}
+    assert (shown["run"]["num_steps"], shown["run"]["seed"]) == (3, 5)  # the overrides end the values
+    command = shown["plan"]["engines"][0]["command"]
+    assert "--cuda-graph-bs-decode 1 2 4 --lora-target-modules q_proj v_proj --random-seed=" in command
+    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, "--sglang-cuda-graph-bs-decode", "1", "x"]) == 2
+    assert "argument --sglang-cuda-graph-bs-decode: invalid int value: 'x'" in capsys.readouterr().err
+
+
+RENAMED = ("sluice: config error: unknown sglang option sglang.cuda_graph_bs (--sglang-cuda-graph-bs): the installed "
+           "sglang has --sglang-cuda-graph-bs-decode / --sglang-cuda-graph-bs-prefill in its place (a renamed "
+           "option); use those")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--sglang-cuda-graph-bs", "4"], ["--sglang-cuda-graph-bs", "1", "2", "4"], ["--sglang-cuda-graph-bs=4"],
+    ["--sglang-cuda-graph-bs", "1", "2", "run.num_steps=3", "--sglang-enable-memory-saver"],
+    ["sglang.cuda_graph_bs=[1,2,4]"],
+], ids=["one value", "three values", "with =", "then an override and a switch", "as a config key"])
+def test_a_renamed_sglang_option_is_named_with_its_successors_whatever_its_number_of_values(capsys, argv):
+    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, *argv]) == 2
+    assert capsys.readouterr().err.strip() == RENAMED
+
+
+@pytest.mark.parametrize("argv, successor", [
+    (["--sglang-disable-cuda-graph"], "--sglang-cuda-graph-backend-{decode,prefill}=disabled"),
+    (["--sglang-enable-dp-attention"], "--sglang-attn-dp-size <dp-size>"),
+    (["--sglang-monokernel-backend", "amd"], "--sglang-enable-amd-monokernel"),
+])
+def test_a_spelling_sglang_deprecates_is_refused_naming_the_successor_sglang_gives(capsys, argv, successor):
+    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, *argv]) == 2
+    key = argv[0][len("--sglang-"):].replace("-", "_")
+    assert capsys.readouterr().err.strip() == (f"sluice: config error: {argv[0]} (sglang.{key}) is deprecated by the "
+                                               f"installed sglang: use {successor} instead")
 
 
 def test_the_sglang_options_read_from_source_are_sglangs_server_arguments():
@@ -170,6 +210,10 @@ def test_the_sglang_options_read_from_source_are_sglangs_server_arguments():
     assert options["enable_memory_saver"].takes == "none"
     assert options["dcp_replicate_q_proj"].negatable  # argparse.BooleanOptionalAction
     assert options["reasoning_parser"].takes == "one"  # registered by hand in add_cli_args
+    # List[int] fields: nargs "+", each value an int, as SGLang's arg_utils registers them
+    assert (options["cuda_graph_bs_decode"].takes, options["cuda_graph_bs_decode"].scalar) == ("many", int)
+    assert options["lora_paths"].takes == "any"  # action_kwargs={"nargs": "*"}
+    assert options["disable_cuda_graph"].successor == "--cuda-graph-backend-{decode,prefill}=disabled"
 
 
 def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):

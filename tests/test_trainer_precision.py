@@ -56,13 +56,16 @@ def test_auto_precision_follows_the_checkpoints_dtype():
     assert "the weights are the optimizer's main weights" in precision_line("fp32", TrainerConfig(), fp32_ckpt, 1)
 
 
-def test_megatron_optimizer_flags_reach_the_trainer_and_unsupported_ones_are_named():
-    from launch.megatron_args import route, unused_by_trainer
+def test_megatron_optimizer_flags_reach_the_trainer_and_unsupported_ones_are_refused():
+    from launch.megatron_args import check_megatron, route
 
     assert route({"use_distributed_optimizer": False}) == {"trainer": {"use_distributed_optimizer": False}}
     assert route({"min_lr": 1e-7}) == {"trainer": {"min_lr": 1e-7}}
-    notes = unused_by_trainer({"overlap_param_gather": True, "optimizer": "adam", "bucket_size": 1 << 20})
-    assert len(notes) == 1 and "overlap_param_gather" in notes[0]
+    runs = {"optimizer": "adam", "bucket_size": 1 << 20}
+    assert check_megatron(runs) == runs
+    with pytest.raises(ValueError, match=r"trainer.megatron.overlap_param_gather \(--overlap-param-gather\) is not "
+                                         "run by this trainer"):
+        check_megatron({"overlap_param_gather": True, "optimizer": "adam"})
 
 
 # ---- training, in spawned ranks ----

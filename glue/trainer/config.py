@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from glue.trainer.te_spec import GROUPED_GEMM_LOCAL
+
 # The parallel sizes the glue itself reads (placement, world size); every other megatron-core field travels in
 # `megatron` untouched. The launcher routes `--tensor-model-parallel-size` etc. here by their megatron names.
 CONTEXT_PARALLEL_NEEDS = (
@@ -90,6 +92,7 @@ class TrainerConfig:
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"trainer.master_port must be a TCP port or 0, got {self.master_port}")
         self._check_parallel_layout()
+        self._check_te_options()
 
     def _check_precision_and_schedule(self) -> None:
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -139,6 +142,23 @@ class TrainerConfig:
         if self.megatron.get("sequence_parallel") and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (megatron-core refuses it "
                              "at TP=1); drop it or raise TP")
+
+    def _check_te_options(self) -> None:
+        """What the options that run on Transformer Engine (glue.trainer.te_spec.TE_OPTIONS) cannot be combined
+        with, wherever TE imports."""
+        m = self.megatron
+        if m.get("moe_grouped_gemm") and self.layer_spec == "local":
+            raise ValueError(GROUPED_GEMM_LOCAL)
+        if m.get("use_precision_aware_optimizer") and not self.use_distributed_optimizer:
+            raise ValueError("--use-precision-aware-optimizer runs in megatron's distributed optimizer only: set "
+                             "trainer.use_distributed_optimizer: true or drop the flag")
+        if m.get("use_precision_aware_optimizer") and self.bf16_rounding == "dithered":
+            raise ValueError("--use-precision-aware-optimizer with trainer.bf16_rounding: dithered: TE's FusedAdam "
+                             "holds the main weights, so there are no fp32 main-weight shards to round with a dither; "
+                             "use trainer.bf16_rounding: nearest or drop the flag")
+        if m.get("moe_router_fusion") and self.routing_replay:
+            raise ValueError("--moe-router-fusion with trainer.routing_replay: megatron's fused top-k routing skips "
+                             "the router replay, so the engines' routing would not be replayed; drop one of them")
 
     @property
     def world_size(self) -> int:

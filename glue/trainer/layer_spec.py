@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from glue.trainer import rope
-from glue.trainer.te_spec import resolve_layer_spec, te_layer_spec
+from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_layer_spec
 
 
 class RMSNorm(torch.nn.Module):
@@ -37,12 +37,14 @@ def layer_spec(config: Any, choice: str = "auto") -> Any:
     (glue.trainer.te_spec). Else the local one: MoE models get megatron's per-layer block spec (dense or MoE by
     `moe_layer_freq`, SequentialMLP experts), dense ones the local layer spec on every layer; then every apex-less
     megatron norm is replaced by `RMSNorm` and the core attention is the one `config.attention_backend` names
-    (glue.trainer.attention)."""
+    (glue.trainer.attention). Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
     if resolve_layer_spec(choice) == "te":
         rope.install()
         return te_layer_spec(config)
+    if config.moe_grouped_gemm:
+        raise ValueError(GROUPED_GEMM_LOCAL)
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build

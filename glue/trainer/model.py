@@ -20,6 +20,7 @@ from glue.trainer.layer_spec import layer_spec
 from glue.trainer.logprobs import token_logprobs_and_entropy
 from glue.trainer.megatron_fields import to_megatron
 from glue.trainer.optim import unwrap
+from glue.trainer.te_spec import check_te_options
 from weight_sync.convert import hf_to_megatron_local, in_names_of, is_moe_layer, is_tied, num_experts
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
@@ -98,7 +99,8 @@ def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
         # softmaxes the top-k logits, which is exactly the renormalised form.
         moe_router_pre_softmax=not hf_config.norm_topk_prob, moe_router_score_function="softmax",
         moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        # SequentialMLP (local spec); the all-to-all dispatcher needs CUDA streams
+        # SequentialMLP unless --moe-grouped-gemm (TE's grouped experts) is passed through; the all-to-all
+        # dispatcher needs CUDA streams
         moe_grouped_gemm=False, moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall",
     )
     return kwargs
@@ -117,10 +119,12 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
     """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard of its pipeline stage
     (the embedding on the first, the output layer on the last), random weights, bf16 or fp32 per `precision`
     (glue.trainer.optim). `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig
-    fields; `layer_spec_choice` is trainer.layer_spec (auto / local / te)."""
+    fields; `layer_spec_choice` is trainer.layer_spec (auto / local / te). Options that need Transformer Engine
+    are refused in one line where it does not import (glue.trainer.te_spec)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    check_te_options(megatron_args or {})
     dtype = "bfloat16" if precision == "bf16" else "float32"
     megatron_args = {**(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
                      "pipeline_dtype": dtype}

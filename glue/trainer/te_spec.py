@@ -1,5 +1,6 @@
 """`trainer.layer_spec`: which megatron-core layer spec the trainer builds, and Transformer Engine's when it is the
-one (the local spec is glue.trainer.layer_spec). Light module: TE and megatron import inside the functions only.
+one (the local spec is glue.trainer.layer_spec); the megatron options that run on TE's kernels. Light module: TE
+and megatron import inside the functions only.
 """
 from __future__ import annotations
 
@@ -8,6 +9,17 @@ from typing import Any
 
 TE_NEEDED = "trainer.layer_spec=te needs transformer_engine importable on the trainer nodes; use auto or local"
 LAYER_SPECS = ("auto", "local", "te")
+# megatron-core fields whose megatron code runs on Transformer Engine: set, each needs TE on every trainer node.
+TE_OPTIONS = {
+    "use_precision_aware_optimizer": "TE's FusedAdam holds the main weights and Adam moments (megatron's "
+                                     "OptimizerConfig imports it)",
+    "moe_grouped_gemm": "TE's grouped-GEMM experts (TEGroupedMLP, built by the te layer spec)",
+    "moe_permute_fusion": "TE's fused token permutation (megatron's fused_permute)",
+    "moe_router_fusion": "TE's fused top-k routing (megatron's fused_topk_with_score_function)",
+}
+GROUPED_GEMM_LOCAL = ("--moe-grouped-gemm with trainer.layer_spec local: the local spec builds megatron's legacy "
+                      "GroupedMLP (every expert in one transposed tensor, which the HF converter does not read); use "
+                      "trainer.layer_spec auto or te (TE's grouped experts) or drop the flag")
 
 
 @functools.cache
@@ -19,6 +31,22 @@ def te_available() -> bool:
     except ImportError:  # no TE on this machine (CPU-only, no CUDA toolchain): the local spec serves
         return False
     return True
+
+
+def te_options(megatron: dict[str, Any]) -> list[str]:
+    """The flags set in `megatron` (trainer.megatron) that need Transformer Engine, as `--flag-name`s."""
+    return ["--" + name.replace("_", "-") for name in TE_OPTIONS if megatron.get(name)]
+
+
+def check_te_options(megatron: dict[str, Any]) -> None:
+    """ValueError (one line naming the flags and the fix) when `megatron` sets TE options and TE does not import
+    on this machine."""
+    needs = te_options(megatron)
+    if needs and not te_available():
+        which = "it" if len(needs) == 1 else "them"
+        raise ValueError(f"{', '.join(needs)} {'needs' if len(needs) == 1 else 'need'} transformer-engine, which does "
+                         f"not import on this machine (the trainer nodes share its venv): install transformer-engine"
+                         f"[pytorch] there or drop {which}")
 
 
 def resolve_layer_spec(choice: str) -> str:
@@ -35,13 +63,11 @@ def resolve_layer_spec(choice: str) -> str:
 
 def te_layer_spec(config: Any) -> Any:
     """Block submodules for GPTModel from megatron's TE spec, dense or MoE per layer by `moe_layer_freq`: TE linears
-    and norms, each input norm fused into linear_qkv and a dense MLP's pre-MLP norm into linear_fc1 (the names
-    weight_sync.convert.te_names maps), SequentialMLP experts. Needs TE, so a GPU machine: not run on CPU."""
+    and norms, each input norm fused into linear_qkv and a dense MLP's pre-MLP norm into linear_fc1, routed experts
+    as SequentialMLP or, with `moe_grouped_gemm`, TE's grouped experts (the names weight_sync.convert.te_names maps).
+    Needs TE, so a GPU machine: not run on CPU."""
     if not te_available():
         raise ValueError(TE_NEEDED)
-    if config.moe_grouped_gemm:
-        raise ValueError("--moe-grouped-gemm with trainer.layer_spec te builds TE's grouped experts, whose weights "
-                         "(linear_fc1.weight0, ...) the HF converter does not name; drop the flag")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     # one call for dense and MoE: with no experts every layer gets the dense TE layer spec
