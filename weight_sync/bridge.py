@@ -291,8 +291,8 @@ def _broadcast_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size:
 
 def _ipc_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size: int, disk_dir: str | None) -> Any:
     def make(src, layouts, with_checksum, pipeline):
-        return IpcTransport(src, layouts, device="cuda" if cfg.backend == "nccl" else "cpu",
-                            with_checksum=with_checksum, pipeline=pipeline, ranks_per_engine=engine_tp_size, **options)
+        return IpcTransport(src, layouts, with_checksum=with_checksum, pipeline=pipeline,
+                            ranks_per_engine=engine_tp_size, **options)
     return make
 
 
