@@ -220,7 +220,8 @@ def weight_sync_plan(cfg: SluiceConfig) -> dict[str, Any]:
                  if isinstance(stored, torch.dtype) else "")
     pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
     bucket = pipeline_bucket_bytes(total, s.bucket_bytes) if pipeline else s.bucket_bytes
-    plan = {"transport": f"{s.transport} ({s.backend})" if s.transport != "disk" else "disk",
+    plan = {"transport": {"broadcast": f"broadcast ({s.backend})", "disk": "disk"}.get(
+                s.transport, "ipc (/update_weights_from_tensor: CUDA IPC handles on GPU, shared memory on CPU)"),
             "parameters": f"{count:,} ({hf_config.model_type}, counted from "
                           f"{'config.json' if cfg.model.path else 'model.tiny'})",
             "bytes_per_sync": f"{total:,} = {size_text(total)} ({getattr(torch, wire).itemsize} bytes per parameter: "

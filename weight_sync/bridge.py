@@ -270,10 +270,11 @@ def make_bridge(cfg: BridgeConfig, *, source: WeightSource, engine_urls: Sequenc
         pipeline = cfg.backend == "nccl" if cfg.pipeline is None else cfg.pipeline
     pipeline = pipeline and not cfg.delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
     options = dict(timeout_s=cfg.timeout_s, key=admin_key(api_key, admin_api_key))  # every weight route is admin
-    make = TRANSPORT_MAKERS[cfg.transport](cfg, options, engine_tp_size, disk_dir)
+    transport = cfg.chosen_transport(colocated_sglang=False)  # launch.plan has chosen it for a run
+    make = TRANSPORT_MAKERS[transport](cfg, options, engine_tp_size, disk_dir)
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=cfg.bucket_bytes, verify=cfg.verify,
                           timeout_s=cfg.timeout_s, api_key=api_key, admin_api_key=admin_api_key, pipeline=pipeline,
-                          sources=cfg.sources if cfg.transport == "broadcast" else "one", delta=cfg.delta)
+                          sources=cfg.sources if transport == "broadcast" else "one", delta=cfg.delta)
     bridge.connect()
     return bridge
 
