@@ -93,8 +93,10 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
     Raises ConfigError with the key and the fix."""
     try:
         cfg = _checked_passthrough(cfg)
-        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, max_staleness=max_staleness(cfg),
-                                                                pause_mode=pause_mode(cfg)))
+        colocated_sglang = cfg.cluster.placement == "colocated" and cfg.cluster.engine_kind == "sglang"
+        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(
+            cfg.sync, max_staleness=max_staleness(cfg), pause_mode=pause_mode(cfg),
+            transport=cfg.sync.chosen_transport(colocated_sglang)))
         _check_layout(cfg)
         return cfg, _plan(cfg)
     except ValueError as err:
@@ -166,7 +168,7 @@ def _check_staleness(cfg: SluiceConfig) -> None:
 def _check_sglang_engines(cfg: SluiceConfig) -> None:
     """What cannot work against SGLang 0.5.23 servers, refused before anything starts (the rest is chosen for them
     by default: sync.verify auto checks versions only, sync.pause_mode abort, the weight group's ranks counted
-    per engine TP rank)."""
+    per engine TP rank, sync.transport ipc when colocated)."""
     s = cfg.sync
     if s.verify in ("checksum", "full"):
         raise ValueError(f"sync.verify={s.verify} with SGLang engines: per-bucket checksums and the HF-named weights "
@@ -182,10 +184,16 @@ def _check_sglang_engines(cfg: SluiceConfig) -> None:
         raise ValueError("sync.pause_mode=in_place with SGLang engines: the sync's last bucket flushes the prefix "
                          "cache, which SGLang refuses while requests run (and in-place requests keep running across "
                          "the new weights under one reported version); use sync.pause_mode=abort")
-    if s.transport == "ipc":
-        raise ValueError("sync.transport=ipc with SGLang engines: SGLang reads its own serialized tensor buckets "
-                         "(one pickled FlattenedTensorBucket per TP rank, CUDA IPC handles by device UUID), which "
-                         "sluice does not write yet; use sync.transport=broadcast (NCCL) or disk")
+    c = cfg.cluster
+    if s.transport == "ipc" and c.uses_gpus and c.placement != "colocated":
+        raise ValueError("sync.transport=ipc with disaggregated SGLang engines: a CUDA IPC handle opens only on a GPU "
+                         "the engine sees, and these engines do not share the trainer's; use sync.transport=broadcast")
+    if s.transport == "ipc" and c.uses_gpus and num_engines(cfg) > 1:
+        raise ValueError(f"sync.transport=ipc (the default with colocated SGLang engines) with {num_engines(cfg)} "
+                         "engines: the ipc source, trainer rank 0, shares its GPU with engine 0 alone, and the others "
+                         "cannot open its CUDA IPC handles (one source per engine is not built); use "
+                         "rollout.num_engines=1 (a larger cluster.engine_tensor_parallel_size for more GPUs) or "
+                         "sync.transport=disk")
 
 
 def _check_layout(cfg: SluiceConfig) -> None:

@@ -117,11 +117,8 @@ def check_devices(cfg: SluiceConfig, plan: RunPlan, groups: list[PlannedGroup]) 
 def _way_out(cfg: SluiceConfig) -> str:
     if cfg.cluster.placement != "colocated":
         return "give the trainer ranks and the engines devices of their own"
-    if cfg.cluster.engine_kind == "sglang":
-        return ("colocated SGLang engines take their weights through sync.transport=disk (sync.transport=ipc, the "
-                "colocated path, does not reach SGLang engines yet), or use cluster.placement=disaggregated")
-    return ("use sync.transport=ipc (colocated engines map the trainer's buffers) or disk, or "
-            "cluster.placement=disaggregated")
+    return ("use sync.transport=ipc (colocated engines map the trainer's buffers; the default with SGLang "
+            "engines) or disk, or cluster.placement=disaggregated")
 
 
 def check_weight_groups(cfg: SluiceConfig, plan: RunPlan) -> str:
@@ -158,7 +155,8 @@ def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
                  f"{str(stored).removeprefix('torch.')}" if isinstance(stored, torch.dtype) else "")
     pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
     bucket = pipeline_bucket_bytes(total, s.bucket_bytes) if pipeline else s.bucket_bytes
-    shown = {"transport": f"{s.transport} ({s.backend})" if s.transport != "disk" else "disk",
+    shown = {"transport": {"broadcast": f"broadcast ({s.backend})", "disk": "disk"}.get(
+                 s.transport, "ipc (/update_weights_from_tensor: CUDA IPC handles on GPU, shared memory on CPU)"),
              "parameters": f"{count:,} ({hf_config.model_type}, counted from "
                            f"{'config.json' if cfg.model.path else 'model.tiny'})",
              "bytes_per_sync": f"{total:,} = {format_bytes(total)} ({itemsize} bytes per parameter: {wire}, the "

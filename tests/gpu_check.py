@@ -28,6 +28,11 @@ CHECKS = {
     "core_attention_cuda": ("tests/test_gpu_one_device.py::test_sluices_core_attention_on_cuda_runs_flash_kernels_"
                             "and_equals_the_unfused_reference", "sluice's core attention on CUDA: packed THD rows "
                             "through torch's varlen FlashAttention, equal to the unfused reference in bf16"),
+    "colocated_ipc_sync": ("tests/test_gpu_one_device.py::test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_"
+                           "engine_on_the_same_gpu_by_cuda_ipc_bit_identically", "a colocated sync, megatron-core "
+                           "trainer on CUDA to embedded engines on the same GPU through /update_weights_from_tensor "
+                           "(SGLang's flattened-bucket entries, CUDA IPC handles): every tensor bit-identical, a strict "
+                           "engine takes the same payload; seconds and GB/s"),
     "nccl_two_ranks": ("tests/test_weight_gpu.py::test_nccl_broadcast_moves_a_bucket_bit_exactly_between_two_processes",
                        "NCCL broadcast of a bucket between two ranks"),
 }

@@ -420,23 +420,34 @@ def test_memory_routes_without_memory_saver_release_nothing_and_busy_release_kil
     assert "should be called only when server is idle" in engine_processes.log_of(url)
 
 
-def test_a_tp2_tensor_update_takes_one_handle_per_rank_and_the_checker_sees_the_new_weights(strict_url):
+def test_a_tp2_tensor_update_takes_one_entry_per_rank_and_the_checker_sees_the_new_weights(strict_url):
     import uuid
 
     from weight_sync.buckets import pack_bucket, plan_buckets
-    from weight_sync.ipc import SharedSegment, encode_shm_handle
+    from weight_sync.ipc import SharedSegment, encode_shm_entries
 
     norm = torch.full((64,), 0.5)
     [layout] = plan_buckets([("model.norm.weight", "float32", [64])], 1 << 20)
     segment = SharedSegment(f"sluice-strict-test-{uuid.uuid4().hex}", layout.nbytes)
     try:
         pack_bucket(layout, {"model.norm.weight": norm}, segment.buffer)
-        handle = encode_shm_handle(segment, layout)
+        entries = encode_shm_entries(segment, layout, 2)
         assert call(strict_url, "/begin_weight_update", {})[0] == 200
         try:
+            # anything but exactly SGLang's payload, one entry per rank, is refused before a weight moves
+            for bad, says in [([entries[0]], "has 1 entries; this engine has 2 TP rank(s)"),
+                              ([entries[0], entries[0]], "serialized_named_tensors[1] repeats an earlier entry"),
+                              (entries[::-1], "serialized_named_tensors[0] was made for TP rank 1"),
+                              (entries + entries[:1], "has 3 entries")]:
+                status, answer = call(strict_url, "/update_weights_from_tensor", {
+                    "serialized_named_tensors": bad, "load_format": "flattened_bucket", "weight_version": "bad"})
+                assert status == 400 and says in answer["message"] and set(answer) == {"success", "message"}, answer
             status, answer = call(strict_url, "/update_weights_from_tensor", {
-                "serialized_named_tensors": [handle, handle], "load_format": "flattened_bucket",
-                "weight_version": "t1"})
+                "serialized_named_tensors": entries, "load_format": None})
+            assert status == 400 and "load_format None is not supported" in answer["message"]
+            assert call(strict_url, "/model_info")[1]["weight_version"] != "bad"
+            status, answer = call(strict_url, "/update_weights_from_tensor", {
+                "serialized_named_tensors": entries, "load_format": "flattened_bucket", "weight_version": "t1"})
         finally:
             assert call(strict_url, "/end_weight_update", {})[0] == 200
     finally:

@@ -1,13 +1,15 @@
 """What one CUDA GPU holds besides the transports (tests/test_weight_gpu.py): the megatron-core trainer at TP=1 on
-CUDA (NCCL world of one, no Ray: a spawned process) and the embedded engine on CUDA. Run by `make gpu-check`
-(tests/gpu_check.py), which reads the figures they record into bench-results/gpu.json. Skipped cleanly without
-CUDA, and with a one-line reason without megatron-core or transformers."""
+CUDA (NCCL world of one, no Ray: a spawned process), the embedded engine on CUDA, and a colocated sync between them
+by CUDA IPC. Run by `make gpu-check` (tests/gpu_check.py), which reads the figures they record into
+bench-results/gpu.json. Skipped cleanly without CUDA, and with a one-line reason without megatron-core or
+transformers."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
 import queue
 import socket
+import threading
 import time
 
 import pytest
@@ -183,3 +185,148 @@ def test_sluices_core_attention_on_cuda_runs_flash_kernels_and_equals_the_unfuse
     record_property("thd_relative_grad_gap", grad_gap)
     assert kernel == "varlen_attn", f"torch {torch.__version__} has no usable varlen_attn: {kernel}"
     assert gap < 2e-2 and grad_gap < 5e-2
+
+
+def _advantage_batch():
+    """BATCH random samples, advantages rising with the index."""
+    from glue.types import Sample, TrainBatch
+
+    gen = torch.Generator().manual_seed(11)
+    samples = []
+    for i in range(BATCH):
+        tokens = torch.randint(2, 32, (PROMPT_LEN + RESPONSE_LEN,), generator=gen).tolist()
+        sample = Sample(prompt_tokens=tokens[:PROMPT_LEN], reward=float(i), index=i)
+        sample.append_response(tokens[PROMPT_LEN:], [-1.0] * RESPONSE_LEN, version=0)
+        samples.append(sample)
+    return TrainBatch.from_samples(samples, [float(i) - (BATCH - 1) / 2 for i in range(BATCH)])
+
+
+def _trainer_serving(port: int, model_path: str, calls, answers) -> None:
+    """The one trainer rank in a process of its own (a CUDA IPC handle opens only in another process than its
+    source's): one train step, then it serves the bridge's and the colocation's calls from `calls` until None."""
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.worker import TrainerWorker
+    from loss import LossConfig
+
+    cfg = TrainerConfig(tensor_model_parallel_size=1, micro_batch_size=4, lr=1e-2, num_cpus_per_worker=1)
+    worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(), rank=0, world_size=1)
+    worker.initialize("127.0.0.1", port)
+    worker.train_step(_advantage_batch())  # built here: a batch passed to a spawned process lands in shared memory
+    answers.put(("ok", worker.version))
+    for method, args in iter(calls.get, None):
+        try:
+            answers.put(("ok", getattr(worker, method)(*args)))
+        except Exception as err:  # handed to the caller, which raises it
+            answers.put(("error", f"{type(err).__name__}: {err}"))
+    worker.shutdown()
+
+
+class TrainerProcess:
+    """The trainer as the bridge (weight_sync.transports.WeightSource) and the colocation see it: every call
+    forwarded to the rank's process, one at a time."""
+
+    def __init__(self, calls, answers, version: int):
+        self.calls, self.answers, self.version = calls, answers, version
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, *args):
+        with self._lock:
+            self.calls.put((method, args))
+            status, value = self.answers.get(timeout=300)
+        if status == "error":
+            raise RuntimeError(f"trainer {method}: {value}")
+        return value
+
+    def hf_weight_specs(self):
+        return self._call("hf_weight_specs")
+
+    def open_weight_channel(self, name, spec):
+        return self._call("open_weight_channel", name, spec)
+
+    def stage_weights(self, with_tensor_checksums=False):
+        return self._call("stage_weights", with_tensor_checksums)
+
+    def send_weight_bucket(self, channel, index):
+        return self._call("send_weight_bucket", channel, index)
+
+    def close_weight_channel(self, name):
+        return self._call("close_weight_channel", name)
+
+    def offload(self):
+        return self._call("offload")
+
+    def onload(self):
+        return self._call("onload")
+
+
+def test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_engine_on_the_same_gpu_by_cuda_ipc_bit_identically(
+        tmp_path, engine_processes, record_property):
+    """The production colocated path on one GPU: the megatron-core trainer (after a step) and embedded engines on
+    the same device; the engines release their memory for training and take it back, then the bridge sends every
+    bucket through /update_weights_from_tensor as SGLang reads it (CUDA IPC handles, one per engine TP rank) inside
+    the weight-update session. verify: full compares every tensor's SHA-256, trainer against engine; a strict
+    engine (SGLang's payload checks) takes the same payload and then generates what the verified engine does."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from glue.loop.colocation import Colocated
+    from glue.loop.config import SyncConfig
+    from helpers.engines import call, generate
+    from weight_sync.bridge import make_bridge
+
+    model_path = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3, vocab_size=16000,
+                                 hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
+                                 intermediate_size=2816)  # 79 M parameters, 316 MB in float32
+    lenient = engine_processes.start(model_path, "--device", "cuda", timeout_s=180)
+    strict = engine_processes.start(model_path, "--device", "cuda", "--sglang-strict", timeout_s=180)
+
+    ctx = mp.get_context("spawn")
+    calls, answers = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_trainer_serving, args=(_free_port(), model_path, calls, answers))
+    proc.start()
+    try:
+        status, version = answers.get(timeout=300)
+        assert status == "ok", version
+        trainer = TrainerProcess(calls, answers, version)
+        cfg = SyncConfig(transport="ipc", verify="full", pipeline=True, bucket_bytes=128 * 2**20)
+        bridge = make_bridge(cfg, source=trainer, engine_urls=[lenient])
+        try:
+            colocation = Colocated(trainer=trainer, bridge=bridge, engine_urls=[lenient])
+            figures = []
+            for _ in range(3):  # train phase (engines release, trainer onloads), then rollout (resume, sync, offload)
+                colocation.before_train()
+                colocation.sync(version)
+                colocation.before_rollout()
+                figures.append(colocation.metrics())
+        finally:
+            bridge.close()
+        bridge = make_bridge(SyncConfig(transport="ipc", pipeline=True, bucket_bytes=128 * 2**20), source=trainer,
+                             engine_urls=[strict])
+        try:
+            trainer.onload()
+            bridge.sync(version)
+        finally:
+            bridge.close()
+        calls.put(None)
+        proc.join(timeout=120)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    first, warm = figures[0], min(figures[1:], key=lambda f: f["sync/total_s"])
+    for name, value in {"bytes": first["sync/bytes"], "buckets": first["sync/buckets"],
+                        "first_sync_s": first["sync/total_s"], "sync_s": warm["sync/total_s"],
+                        "sync_gb_per_s": warm["sync/gb_per_s"], "transfer_s": warm["sync/transfer_s"],
+                        "transfer_gb_per_s": warm["sync/bytes"] / warm["sync/transfer_s"] / 1e9,
+                        "verify_full_s": warm["sync/verify_s"], "pack_s": warm["sync/pack_s"],
+                        "copy_in_s": warm["sync/copy_in_s"]}.items():
+        record_property(name, value)
+    print(f"colocated CUDA IPC sync of {first['sync/bytes'] / 1e6:.0f} MB in {int(first['sync/buckets'])} buckets: "
+          f"{warm['sync/total_s']:.3f} s with verify full ({warm['sync/gb_per_s']:.2f} GB/s), transfer "
+          f"{warm['sync/transfer_s']:.3f} s; first sync {first['sync/total_s']:.3f} s")
+    assert call(lenient, "/model_info")[1]["weight_version"] == str(version)
+    assert call(strict, "/model_info")[1]["weight_version"] == str(version)
+    prompt = {"input_ids": [3, 4, 5], "return_logprob": True,
+              "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
+    ours, theirs = generate(lenient, prompt), generate(strict, prompt)
+    assert ours["output_ids"] == theirs["output_ids"]
+    assert [t[0] for t in ours["meta_info"]["output_token_logprobs"]] == \
+        [t[0] for t in theirs["meta_info"]["output_token_logprobs"]]

@@ -15,7 +15,6 @@ STRICT = ["cluster.engine=sglang_strict"]
     ("sync.verify=checksum", "sync.verify=checksum with SGLang engines"),
     ("sync.verify=full", "sync.verify=full with SGLang engines"),
     ("sync.pause_mode=in_place", "sync.pause_mode=in_place with SGLang engines"),
-    ("sync.transport=ipc", "sync.transport=ipc with SGLang engines"),
     ("sync.delta=true", "sync.delta=true with SGLang engines"),
     ("sglang.pp_size=2", "--sglang-pp-size (sglang.pp_size) is set by sluice itself"),
 ])
@@ -29,6 +28,30 @@ def test_dry_run_refuses_what_sglang_cannot_do_in_one_line(capsys, setting, says
                                      "sync.transport=ipc", "sync.delta=true"])
 def test_the_same_settings_stay_allowed_with_the_embedded_engine(setting):
     resolve(load_config(None, [setting] + (["cluster.placement=colocated"] if "ipc" in setting else [])))
+
+
+GPUS = ["cluster.gpus_per_node=2", "rollout.num_engines=1"]  # SGLang servers (engine auto on a GPU cluster)
+
+
+def test_colocated_sglang_engines_sync_by_ipc_unless_told_otherwise_and_others_by_broadcast():
+    def transport(*overrides):
+        return resolve(load_config(None, list(overrides)))[0].sync.transport
+
+    assert transport(*GPUS, "cluster.placement=colocated") == "ipc"
+    assert transport(*STRICT, "cluster.placement=colocated", "rollout.num_engines=3") == "ipc"  # shared memory on CPU
+    assert transport(*GPUS, "cluster.placement=colocated", "sync.transport=disk") == "disk"
+    assert transport(*GPUS) == transport(*STRICT) == transport("cluster.placement=colocated") == "broadcast"
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (GPUS + ["sync.transport=ipc"], "sync.transport=ipc with disaggregated SGLang engines"),
+    (["cluster.gpus_per_node=2", "rollout.num_engines=2", "cluster.placement=colocated"],
+     "sync.transport=ipc (the default with colocated SGLang engines) with 2 engines"),
+])
+def test_ipc_is_refused_where_an_sglang_engine_could_not_open_the_sources_cuda_handles(capsys, overrides, says):
+    assert main(["--dry-run", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
 
 
 def test_sglang_defaults_are_auto_verification_and_abort_pauses():

@@ -122,7 +122,8 @@ def test_dtype_names_resolve_like_sglangs():
 def test_the_cuda_ipc_encoder_imports_on_this_torch_and_refuses_a_bucket_outside_cuda():
     # torch 2.11 dropped torch.multiprocessing.reductions.ForkingPickler; the encoder must still import its pickler
     # (here, with no CUDA, it reaches the device check and names the device)
-    from weight_sync.ipc import encode_cuda_handle
+    from weight_sync.ipc import encode_cuda_entries, serialize_entry
 
     with pytest.raises(ValueError, match="this bucket is on cpu"):
-        encode_cuda_handle(torch.zeros(8, dtype=torch.uint8), BucketLayout(index=0, slots=()))
+        encode_cuda_entries(torch.zeros(8, dtype=torch.uint8), BucketLayout(index=0, slots=()), 1)
+    assert serialize_entry({"flattened_tensor": None, "metadata": []})  # the pickler imports on this torch

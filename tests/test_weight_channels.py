@@ -38,17 +38,19 @@ def test_the_factory_has_one_class_per_transport_and_refuses_any_other_kind():
         open_channel({"kind": "pigeon", "layouts": []})
 
 
-def test_an_ipc_channel_shares_each_bucket_bit_identical_with_its_checksum():
-    from weight_sync.ipc import open_shm_handle
+def test_an_ipc_channel_shares_each_bucket_bit_identical_with_its_checksum_one_entry_per_tp_rank():
+    from weight_sync.ipc import read_entries
 
     tensors, layouts = tensors_and_layouts()
-    channel = open_channel(spec_of("ipc", layouts))
+    channel = open_channel(spec_of("ipc", layouts, tp_size=2))
     try:
-        assert isinstance(channel, IpcChannel) and len(channel.buffers) == 2  # pipelined by default
+        assert isinstance(channel, IpcChannel) and channel.buffers == []  # allocated where the first bucket's tensors are
         for layout in layouts:
             out = channel.send(layout.index, tensors)
             assert out["checksum"] == checksum_tensors([tensors[n] for n in layout.names])
-            read, flat = open_shm_handle(out["handle"], layout.index)
+            assert out["device"] == "cpu" and len(out["handles"]) == 2 and len(channel.buffers) == 2  # pipelined
+            read, stand_in = read_entries(out["handles"], 2)
+            flat = torch.from_file(stand_in.sluice_shm, shared=True, size=read.nbytes, dtype=torch.uint8)
             for name, tensor in unpack_bucket(read, flat):
                 assert torch.equal(tensor, tensors[name]), name
         with pytest.raises(ValueError, match="delta sync runs on the broadcast transport; this channel is 'ipc'"):

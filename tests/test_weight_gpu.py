@@ -71,29 +71,24 @@ def test_nccl_broadcast_moves_a_bucket_bit_exactly_between_two_processes():
             proc.kill()
 
 
-def _ipc_receiver(handle: str, queue) -> None:
-    from weight_sync.buckets import BucketLayout, checksum
-    from weight_sync.ipc import open_cuda_handle
+def _ipc_receiver(entry: str, queue) -> None:
+    from weight_sync.buckets import checksum
+    from weight_sync.ipc import read_entry
 
-    payload = open_cuda_handle(handle)
-    flat = payload["flattened_tensor"]
-    meta = payload["metadata"]
-    get = (lambda m, k: m[k]) if isinstance(meta[0], dict) else getattr
-    names = [get(m, "name") for m in meta]
-    layout = BucketLayout.from_json(0, {"names": names, "dtypes": [str(get(m, "dtype")).removeprefix("torch.") for m in meta],
-                                        "shapes": [list(get(m, "shape")) for m in meta]})
+    read = read_entry(entry)  # SGLang's envelope, the device found by its UUID
+    flat = read.flattened[: read.layout.nbytes]
     t0 = time.perf_counter()
     copy = flat.clone()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    queue.put((checksum(flat), flat.device.type, layout.nbytes, seconds, checksum(copy),
+    queue.put((checksum(flat), flat.device.type, read.layout.nbytes, seconds, checksum(copy),
                torch.cuda.max_memory_allocated()))
-    del flat, payload
+    del flat, read
 
 
 def test_cuda_ipc_handle_shares_a_bucket_with_another_process_without_a_copy_on_the_source(record_property):
     from weight_sync.buckets import checksum, pack_bucket
-    from weight_sync.ipc import encode_cuda_handle
+    from weight_sync.ipc import encode_cuda_entries
 
     layout = _layout()
     tensors = {"w": torch.randn(NUMEL // 2, device="cuda"), "b": torch.randn(NUMEL, device="cuda").bfloat16()}
@@ -104,7 +99,7 @@ def test_cuda_ipc_handle_shares_a_bucket_with_another_process_without_a_copy_on_
     t_sync = time.perf_counter()
     flat = pack_bucket(layout, tensors, buffer)
     torch.cuda.synchronize()
-    handle = encode_cuda_handle(buffer, layout)
+    [handle] = encode_cuda_entries(buffer, layout, 1)
     assert len(handle) < 10_000  # a handle, not the bytes
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

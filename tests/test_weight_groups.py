@@ -26,18 +26,20 @@ def refusal(capsys, argv: list[str], *, dry_run: bool = True) -> str:
     return err
 
 
-def test_a_colocated_sglang_run_over_nccl_is_refused_naming_the_ranks_the_gpu_and_disk_as_the_way_out(capsys):
-    line = refusal(capsys, COLOCATED_GPUS)  # SGLang servers: the default engines on GPU
+def test_a_colocated_sglang_run_over_nccl_is_refused_naming_the_ranks_the_gpu_and_ipc_as_the_way_out(capsys):
+    # SGLang servers (the default engines on GPU) sync colocated by ipc unless broadcast is asked for
+    line = refusal(capsys, [*COLOCATED_GPUS, "sync.transport=broadcast"])
     assert ("rank 0 (trainer rank 0) and rank 1 (engine 0 TP rank 0) of weight group sluice_weights share one device, "
             "node 0 gpu 0: NCCL refuses a communicator with two ranks on one device") in line
-    assert "sync.transport=disk" in line and "does not reach SGLang engines yet" in line
+    assert "sync.transport=ipc" in line and "or disk" in line
     assert "cluster.placement=disaggregated" in line
-    assert refusal(capsys, COLOCATED_GPUS, dry_run=False) == line  # a real start refuses it before starting anything
+    # a real start refuses it before starting anything
+    assert refusal(capsys, [*COLOCATED_GPUS, "sync.transport=broadcast"], dry_run=False) == line
 
 
 def test_colocated_embedded_engines_over_nccl_are_pointed_at_the_ipc_transport(capsys):
     line = refusal(capsys, [*COLOCATED_GPUS, "cluster.engine=embedded"])
-    assert "node 0 gpu 0" in line and "use sync.transport=ipc (colocated engines map the trainer's buffers)" in line
+    assert "node 0 gpu 0" in line and "use sync.transport=ipc (colocated engines map the trainer's buffers" in line
 
 
 def checked(capsys, argv: list[str]) -> list[str]:

@@ -30,13 +30,16 @@ def sglang_checksums(model, tp_size: int) -> list[dict[str, str]]:
     return [rank["checksums"] for rank in checker_ranks(model, tp_size)]
 
 
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_sync_into_strict_engines_lands_every_weight_on_every_tp_rank(strict_engines, tmp_path_factory, tp):
+def test_a_sync_into_strict_engines_lands_every_weight_on_every_tp_rank(strict_engines, tmp_path_factory, tp,
+                                                                       transport):
+    # ipc: SGLang's /update_weights_from_tensor payload, one entry per TP rank (shared-memory stand-ins on CPU)
     engine = strict_engines[f"tp{tp}"]
     status, info = call(engine, "/get_server_info", method="GET")
     assert status == 200 and "sluice_capabilities" not in info  # the strict face offers no extras
     model, _ = hf_model(tmp_path_factory, seed=10 + tp)
-    cfg = SyncConfig(transport="broadcast", bucket_bytes=40_000)  # verify: auto
+    cfg = SyncConfig(transport=transport, bucket_bytes=40_000)  # verify: auto
     bridge = make_bridge(cfg, source=source_of(model), engine_urls=[engine], engine_tp_size=tp)
     try:
         assert bridge.verify == "off"  # no bucket checksums to compare: versions are checked after the sync

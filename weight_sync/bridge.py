@@ -269,10 +269,11 @@ def make_bridge(cfg: BridgeConfig, *, source: WeightSource, engine_urls: Sequenc
         pipeline = cfg.backend == "nccl" if cfg.pipeline is None else cfg.pipeline
     pipeline = pipeline and not cfg.delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
     options = dict(timeout_s=cfg.timeout_s, key=admin_key(api_key, admin_api_key))  # every weight route is admin
-    make = TRANSPORT_MAKERS[cfg.transport](cfg, options, engine_tp_size, disk_dir)
+    transport = cfg.chosen_transport(colocated_sglang=False)  # launch.plan has chosen it for a run
+    make = TRANSPORT_MAKERS[transport](cfg, options, engine_tp_size, disk_dir)
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=cfg.bucket_bytes, verify=cfg.verify,
                           timeout_s=cfg.timeout_s, api_key=api_key, admin_api_key=admin_api_key, pipeline=pipeline,
-                          sources=cfg.sources if cfg.transport == "broadcast" else "one", delta=cfg.delta)
+                          sources=cfg.sources if transport == "broadcast" else "one", delta=cfg.delta)
     bridge.connect()
     return bridge
 
@@ -290,8 +291,8 @@ def _broadcast_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size:
 
 def _ipc_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size: int, disk_dir: str | None) -> Any:
     def make(src, layouts, with_checksum, pipeline):
-        return IpcTransport(src, layouts, device="cuda" if cfg.backend == "nccl" else "cpu",
-                            with_checksum=with_checksum, pipeline=pipeline, ranks_per_engine=engine_tp_size, **options)
+        return IpcTransport(src, layouts, with_checksum=with_checksum, pipeline=pipeline,
+                            ranks_per_engine=engine_tp_size, **options)
     return make
 
 

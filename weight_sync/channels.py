@@ -16,7 +16,7 @@ from weight_sync.buckets import (BucketLayout, check_bucket_tensors, checksum, c
                                 str_to_dtype)
 from weight_sync.delta import DELTA_LOAD_FORMAT, delta_layout, delta_nbytes, delta_tensors, diff_bucket, slot_view
 from weight_sync.disk import CheckpointWriter
-from weight_sync.ipc import SharedSegment, encode_cuda_handle, encode_shm_handle
+from weight_sync.ipc import SharedSegment, encode_cuda_entries, encode_shm_entries
 from weight_sync.process_group import create_process_group, destroy_process_group, planned_device
 
 Tensors = Mapping[str, torch.Tensor]
@@ -213,35 +213,47 @@ class BroadcastChannel:
 
 
 class IpcChannel:
-    """Buffers an engine maps instead of receiving a copy: POSIX shared segments (CPU) or CUDA buffers (`device`
-    cuda), reused every sync. Pipelined there are two: the driver asks for bucket k+1 while the engines copy
-    bucket k out of the other one."""
+    """Buffers engines map instead of receiving a copy, reused every sync, on the device of the source's weights
+    (allocated with the first bucket sent): CUDA buffers shared by CUDA IPC handle, or POSIX shared segments on
+    CPU. Pipelined there are two: the driver asks for bucket k+1 while the engines copy bucket k out of the other
+    one. Each send answers `handles`, SGLang's `serialized_named_tensors` for one engine: one entry per engine TP
+    rank (`tp_size`, weight_sync.ipc)."""
 
     def __init__(self, spec: Mapping[str, Any]):
         self.layouts = layouts_of(spec)
         self.with_checksum = bool(spec.get("with_checksum", True))
-        count, size = buffer_count(spec, self.layouts), biggest_bucket(self.layouts)
-        self.segments: list[SharedSegment] = []  # CPU only: the files the handles name
-        if spec.get("device", "cpu") == "cuda":
-            self.buffers = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(count)]
-        else:
-            self.segments = [SharedSegment(f"sluice-{os.getpid()}-{spec['name']}-{i}", size) for i in range(count)]
-            self.buffers = [s.buffer for s in self.segments]
+        self.tp_size = int(spec.get("tp_size", 1))
+        self.name = spec["name"]
+        self.count, self.size = buffer_count(spec, self.layouts), biggest_bucket(self.layouts)
+        self.buffers: list[torch.Tensor] = []
+        self.segments: list[SharedSegment] = []  # CPU only: the files the stand-ins name
 
     def check_staged(self, tensors: Tensors) -> None:
         check_layouts(self.layouts, tensors)
 
     def send(self, index: int, tensors: Tensors, ahead: bool = True) -> dict[str, Any]:
-        """Pack and checksum bucket `index` into its buffer; the `handle` an engine reads it through."""
-        slot, layout = index % len(self.buffers), self.layouts[index]
+        """Pack and checksum bucket `index` into its buffer; the `handles` engines read it through and the
+        `device` type it is shared from."""
+        layout = self.layouts[index]
+        if not self.buffers:
+            self._allocate(tensors[layout.names[0]].device if layout.slots else torch.device("cpu"))
+        slot = index % len(self.buffers)
         flat, out = timed_pack(layout, tensors, self.buffers[slot])
         out.update(timed_checksum(flat, self.with_checksum))
         if self.segments:
-            out["handle"] = encode_shm_handle(self.segments[slot], layout)
+            return {**out, "device": "cpu", "handles": encode_shm_entries(self.segments[slot], layout, self.tp_size)}
+        torch.cuda.current_stream(flat.device).synchronize()  # the engine reads the bucket from another process
+        return {**out, "device": "cuda", "handles": encode_cuda_entries(self.buffers[slot], layout, self.tp_size)}
+
+    def _allocate(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.buffers = [torch.empty(self.size, dtype=torch.uint8, device=device) for _ in range(self.count)]
+        elif device.type == "cpu":
+            self.segments = [SharedSegment(f"sluice-{os.getpid()}-{self.name}-{i}", self.size)
+                             for i in range(self.count)]
+            self.buffers = [s.buffer for s in self.segments]
         else:
-            torch.cuda.current_stream().synchronize()  # the engine reads the bucket from another process
-            out["handle"] = encode_cuda_handle(self.buffers[slot], layout)
-        return out
+            raise ValueError(f"the ipc transport shares CUDA or CPU buffers; the source's weights are on {device}")
 
     def prepare(self, index: int, tensors: Tensors, delta: bool) -> dict[str, Any]:
         refuse_delta("ipc")

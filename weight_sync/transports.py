@@ -303,30 +303,34 @@ class _PointToPoint(_Base):
 
 
 class IpcTransport(_PointToPoint):
-    """Shared segments (CPU) or CUDA buffers on the source, reused for every bucket of every sync: the source packs
-    a bucket into one, every engine copies it out and unmaps it. Pipelined there are two, and the source packs
-    bucket k+1 into the other one while the engines copy bucket k out; the one it packs into was released by every
-    engine's answer to bucket k-1."""
+    """Colocated engines read each bucket where the source packed it: through `/update_weights_from_tensor`, one
+    SGLang `flattened_bucket` entry per engine TP rank (CUDA IPC handles on GPU, shared-memory stand-ins on CPU;
+    weight_sync.ipc), inside the bridge's weight-update session. The source reuses its buffers every sync:
+    pipelined there are two, and it packs bucket k+1 into the other one while the engines copy bucket k out; the
+    one it packs into was released by every engine's answer to bucket k-1."""
 
     CHANNEL = "ipc"
 
-    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, device: str, with_checksum: bool,
-                 timeout_s: float, key: str | None = None, pipeline: bool = True, ranks_per_engine: int = 1):
+    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float,
+                 key: str | None = None, pipeline: bool = True, ranks_per_engine: int = 1):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
                          pipeline=pipeline)
-        self.device = device
         self.ranks_per_engine = ranks_per_engine  # SGLang reads serialized_named_tensors[tp_rank]: one per rank
 
     def _channel_spec(self) -> dict[str, Any]:
-        return self._spec("ipc", device=self.device)
+        return self._spec("ipc", tp_size=self.ranks_per_engine)
 
     def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
         result = Transfer(engines={url: [] for url in urls})
         sent = self.source.send_weight_bucket(self.CHANNEL, 0) if self.layouts else {}
+        if sent.get("device") == "cuda" and len(urls) > 1:
+            raise WeightSyncError(
+                f"the ipc transport shares the source's CUDA buffers with one engine, not {len(urls)}: each engine's "
+                "TP ranks deserialize their own CUDA IPC handles, and engines on other GPUs cannot map the source's "
+                "(one source per engine is not built); use one colocated engine, or the broadcast transport")
         for layout in self.layouts:
             result.add_source(sent)
-            payload = {"serialized_named_tensors": [sent["handle"]] * self.ranks_per_engine,
-                       "load_format": "flattened_bucket",
+            payload = {"serialized_named_tensors": sent["handles"], "load_format": "flattened_bucket",
                        **self._flags(layout.index, weight_version)}
             reading = [lambda url=url: call_update(url, "/update_weights_from_tensor", payload, self.timeout_s,
                                                    self.key) for url in urls]

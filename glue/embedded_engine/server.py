@@ -300,22 +300,19 @@ class EngineServer:
         return update_response(ok, message, sums, **timings)
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> web.Response:
-        """SGLang's colocated route; here `serialized_named_tensors` holds shared-memory bucket handles."""
-        handles = body["serialized_named_tensors"]
-        if not all(isinstance(h, str) for h in handles):
-            return update_response(False, "serialized_named_tensors must be a list of base64 strings", None)
+        """SGLang's colocated route: `serialized_named_tensors` holds SGLang's flattened-bucket entries
+        (weight_sync.ipc), the tensor a CUDA IPC handle or, on CPU, sluice's shared-memory stand-in."""
         if body.get("load_format") != "flattened_bucket":
             return update_response(False, f"load_format {body.get('load_format')!r} is not supported by the embedded "
-                                          "engine; send shared-memory buckets with load_format 'flattened_bucket'", None)
+                                          "engine; send flattened buckets with load_format 'flattened_bucket'", None)
         if body.get("abort_all_requests"):
             self.runner.abort(abort_all=True)
         try:
-            ok, message, sums, timings = await asyncio.to_thread(self.receiver.update_from_tensor, handles=handles,
+            ok, message, sums, timings = await asyncio.to_thread(self.receiver.update_from_tensor,
+                                                                 handles=body["serialized_named_tensors"],
                                                                  weight_version=body.get("weight_version"))
-        except (ValueError, OSError) as e:  # a bad or stale handle: refused, nothing loaded
+        except (ValueError, OSError) as e:  # a bad or stale entry: refused, nothing loaded
             return update_response(False, str(e), None)
-        except (KeyError, TypeError) as e:  # a handle of the right kind missing or mistyping a field
-            return update_response(False, f"serialized_named_tensors[0] is not a complete handle ({e!r})", None)
         return update_response(ok, message, sums, **timings)
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> web.Response:

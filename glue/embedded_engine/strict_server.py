@@ -292,19 +292,19 @@ class StrictEngineServer(EngineServer):
             return reply(*self._finish_update(body, ok, DISTRIBUTED_OK if ok else message))
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> web.Response:
+        """Exactly SGLang's payload: one flattened-bucket entry per TP rank (weight_sync.ipc.read_entries); anything
+        else is refused before a weight moves (where SGLang's scheduler would raise on it and exit, this says so)."""
         async with self._updating(body):
             if self.session is None:  # refused before the payload is read
                 return reply(False, OUTSIDE_SESSION.format(route="update_weights_from_tensor"))
-            handles = body["serialized_named_tensors"]
-            if not all(isinstance(h, str) for h in handles):
-                return reply(False, "serialized_named_tensors must be a list of base64 strings")
             if body.get("load_format") != "flattened_bucket":
                 return reply(False, f"load_format {body.get('load_format')!r} is not supported by the embedded "
-                                    "engine; send shared-memory buckets with load_format 'flattened_bucket'")
+                                    "engine; send flattened buckets with load_format 'flattened_bucket'")
             try:
-                ok, message, _, _ = await asyncio.to_thread(self.receiver.update_from_tensor, handles=handles,
+                ok, message, _, _ = await asyncio.to_thread(self.receiver.update_from_tensor,
+                                                            handles=body["serialized_named_tensors"],
                                                             weight_version=body.get("weight_version"))
-            except (ValueError, OSError, KeyError, TypeError) as e:  # a bad or stale handle: nothing loaded
+            except (ValueError, OSError) as e:  # a bad or stale entry: nothing loaded
                 return reply(False, str(e))
             return reply(*self._finish_update(body, ok, TENSOR_OK if ok else message))
 

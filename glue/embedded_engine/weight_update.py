@@ -1,6 +1,7 @@
 """The engine's side of SGLang's weight routes: broadcast (join the trainer's group, receive a flat bucket or
-named tensors), tensor handles (a shared-memory bucket, kept mapped, copied in), disk (load a safetensors checkpoint),
-and the weights checker. Each update answers with the checksum of every bucket it received, computed here.
+named tensors), tensor handles (SGLang's flattened-bucket entries: a CUDA IPC bucket, or a shared-memory one kept
+mapped, copied in), disk (load a safetensors checkpoint), and the weights checker. Each update answers with the
+checksum of every bucket it received, computed here.
 
 Blocking calls (they wait on the trainer); the server runs them in worker threads so the HTTP loop keeps serving.
 """
@@ -20,7 +21,7 @@ from weight_sync.broadcast import broadcast_bucket, receive_tensors, str_to_dtyp
 from weight_sync.buckets import BucketLayout, checksum, checksum_tensors, dtype_to_str, tensor_checksum, unpack_bucket
 from weight_sync.delta import DELTA_LOAD_FORMAT, apply_delta
 from weight_sync.disk import read_checkpoint
-from weight_sync.ipc import MappedSegments, decode_shm_handle
+from weight_sync.ipc import MappedSegments, read_entries
 from weight_sync.process_group import (WeightGroup, create_process_group, destroy_process_group,
                                        planned_device)
 
@@ -235,27 +236,30 @@ class WeightReceiver:
 
     def update_from_tensor(self, *, handles: list[str], weight_version: str | None
                            ) -> tuple[bool, str, list[str], dict[str, float]]:
-        """`/update_weights_from_tensor` with `flattened_bucket` handles to shared-memory buckets: copy into the model
-        while another thread checksums, through a mapping kept from earlier buckets (`MappedSegments`); the source
-        may reuse the segment once this answers. A bucket that fits the model is copied in one piece into the
-        parameters' flat home."""
-        if len(handles) != self.tp_size:
-            return False, (f"serialized_named_tensors has {len(handles)} entries; this engine has {self.tp_size} TP "
-                           f"rank(s) and reads entry [tp_rank], send exactly {self.tp_size}"), [], {}
-        for tp_rank, handle in enumerate(handles[1:], start=1):  # the other ranks' copies are checked, not loaded
-            decode_shm_handle(handle, tp_rank)
+        """`/update_weights_from_tensor` with SGLang's `flattened_bucket` entries, one per simulated TP rank, each read
+        as its rank would (weight_sync.ipc.read_entries; a bad payload raises ValueError): rank 0's bucket, a CUDA
+        IPC tensor or a shared-memory segment kept mapped from earlier buckets (`MappedSegments`), is copied into
+        the model while another thread checksums it, and the copy has finished when this answers (the source then
+        reuses its buffer). A bucket that fits the model is copied in one piece into the parameters' flat home."""
+        layout, flattened = read_entries(handles, self.tp_size)
         with self._lock:
             t0 = time.perf_counter()
-            layout, flat = self._segments.open(handles[0])
+            if isinstance(flattened, torch.Tensor):
+                flat = flattened[: layout.nbytes]
+            else:
+                flat = self._segments.open(flattened.sluice_shm, layout.nbytes)
             with self.runner.model_lock:
                 home = None if "weights" in self.runner.released else self._homes.home(layout)
                 if home is not None:
                     pending = self._hasher.submit(_timed_checksum, flat)
                     home.copy_(flat)
+                    _finish_copies(home, flat)
                     if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
                         self.runner.weight_version = weight_version
             if home is None:
-                return self._load_with_checksum(layout, flat, weight_version)
+                answer = self._load_with_checksum(layout, flat, weight_version)
+                _finish_copies(flat)
+                return answer
             value, checksum_s = pending.result()
             return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
                 "copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
@@ -302,6 +306,13 @@ class WeightReceiver:
         for name in list(self.groups):
             self.destroy_group(name)
         self._segments.clear()
+
+
+def _finish_copies(*tensors: torch.Tensor) -> None:
+    """Wait for the device work queued on these tensors' GPUs: a CUDA copy out of the source's bucket is queued,
+    and the source may overwrite the bucket once the engine answers."""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 def _timed_checksum(flat: torch.Tensor) -> tuple[str, float]:
