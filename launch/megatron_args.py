@@ -108,7 +108,6 @@ NOT_RUN = {
                             "would miss the deferred parameter all-gather",
     "overlap_grad_reduce": "the trainer finalises gradients after the schedule (megatron's finalize_model_grads); "
                            "overlapped reduction is not wired into its schedules yet",
-    "optimizer_cpu_offload": "colocated placement offloads the whole training state itself (glue.trainer.offload)",
     "use_precision_aware_optimizer": "main weights and Adam moments stay fp32 (trainer.precision)",
     "use_megatron_fsdp": "the trainer uses megatron's DistributedDataParallel with the distributed optimizer",
 }
