@@ -116,7 +116,6 @@ NOT_RUN = {
                             "would miss the deferred parameter all-gather",
     "overlap_grad_reduce": "the trainer finalises gradients after the schedule (megatron's finalize_model_grads); "
                            "overlapped reduction is not wired into its schedules yet",
-    "optimizer_cpu_offload": "colocated placement offloads the whole training state itself (glue.trainer.offload)",
     "use_megatron_fsdp": "the trainer uses megatron's DistributedDataParallel with the distributed optimizer",
     "moe_use_legacy_grouped_gemm": "megatron's legacy GroupedMLP holds every expert in one transposed tensor, which "
                                    "the HF converter does not read (--moe-grouped-gemm alone builds TE's grouped "

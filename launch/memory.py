@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from glue.trainer.config import TrainerConfig
-from glue.trainer.optim import resolve_precision
+from glue.trainer.optim import OFFLOAD_NEEDS_BF16, resolve_precision
 from launch.config import ConfigError, SluiceConfig
 from launch.model_check import hf_parameters, model_config
 from weight_sync.convert.layout import REPLICATED
@@ -114,15 +114,21 @@ class Settings:
     grads_fp32: bool = True  # megatron DDP's grad_reduce_in_fp32, which the trainer turns on
     critic: bool = False  # loss.advantage_estimator gae: a value model with its own state
     reference: bool = False  # loss.kl_loss_coef > 0: a frozen copy of the weights
+    optimizer_offload: float = 0.0  # share of the main weights and Adam moments in host memory (--optimizer-cpu-offload)
 
     @classmethod
     def of(cls, cfg: SluiceConfig, hf_config: Any) -> "Settings":
         """The run's: trainer.precision resolved as the trainer resolves it; no critic or reference in run.mode sft
-        (its trainer takes the SFT loss, not the `loss:` section)."""
+        (its trainer takes the SFT loss, not the `loss:` section). An offloaded optimizer with fp32 weights is
+        refused here, as the trainer would refuse it at start."""
         t, rl = cfg.trainer, cfg.run.mode != "sft"
-        return cls(bf16=resolve_precision(t, hf_config) == "bf16", distributed_optimizer=t.use_distributed_optimizer,
+        bf16 = resolve_precision(t, hf_config) == "bf16"
+        if t.optimizer_offload_fraction() and not bf16:
+            raise ConfigError(OFFLOAD_NEEDS_BF16)
+        return cls(bf16=bf16, distributed_optimizer=t.use_distributed_optimizer,
                    grads_fp32=bool(t.megatron.get("grad_reduce_in_fp32", True)),
-                   critic=rl and cfg.loss.uses_critic, reference=rl and cfg.loss.kl_loss_coef > 0)
+                   critic=rl and cfg.loss.uses_critic, reference=rl and cfg.loss.kl_loss_coef > 0,
+                   optimizer_offload=t.optimizer_offload_fraction())
 
     @property
     def weight_bytes(self) -> int:
@@ -131,10 +137,13 @@ class Settings:
 
 @dataclass(frozen=True)
 class StateBytes:
+    """On the GPU (`total`), and the offloaded optimizer state in host memory besides."""
+
     weights: int
     gradients: int
     main_weights: int
     adam_moments: int
+    host: int = 0  # main weights and Adam moments megatron's hybrid optimizer keeps in host memory
 
     @property
     def total(self) -> int:
@@ -177,12 +186,16 @@ def stage_params(p: ModelParams, layout: Layout, stage: int, *, value_head: bool
 def state_bytes(dense: int, experts: int, layout: Layout, s: Settings) -> StateBytes:
     """megatron's training state for one rank's parameters: the weights, DDP's gradient buffer (fp32 with
     grad_reduce_in_fp32), fp32 main weights (bf16 only) and two fp32 Adam moments, the last two sharded by the
-    distributed optimizer over the dense DP group (DP x CP) and the expert-DP group."""
+    distributed optimizer over the dense DP group (DP x CP) and the expert-DP group, and the offloaded share of them
+    in host memory (megatron's hybrid optimizer moves whole tensors until it has that share: at least that much)."""
     shares = (layout.dp * layout.cp, layout.expert_dp) if s.distributed_optimizer else (1, 1)
     owned = dense / shares[0] + experts / shares[1]
     n = dense + experts
+    optimizer = (4 * owned if s.bf16 else 0, 8 * owned)
+    device = 1 - s.optimizer_offload
     return StateBytes(weights=n * s.weight_bytes, gradients=n * (4 if s.grads_fp32 else s.weight_bytes),
-                      main_weights=round(4 * owned) if s.bf16 else 0, adam_moments=round(8 * owned))
+                      main_weights=round(optimizer[0] * device), adam_moments=round(optimizer[1] * device),
+                      host=round(sum(optimizer) * s.optimizer_offload))
 
 
 def rank_memory(p: ModelParams, layout: Layout, s: Settings) -> list[RankMemory]:
@@ -204,23 +217,27 @@ def trainer_memory(cfg: SluiceConfig) -> list[RankMemory]:
 
 def fitting_layout(p: ModelParams, layout: Layout, s: Settings, limit: float, *, tp_ok: Callable[[int], bool],
                    experts: int) -> tuple[Layout, Settings, int] | None:
-    """The layout nearest `layout` (and its settings, the distributed optimizer turned on if need be) whose every
-    rank's training state fits `limit` bytes, with that state: on as many GPUs if any does, else on the fewest (up to
-    1024), changing the fewest sizes. `tp_ok(tp)`: the model splits over that TP."""
+    """The layout nearest `layout` (and its settings: the distributed optimizer turned on, or in bf16 the whole
+    optimizer state offloaded to host memory, if need be) whose every rank's training state fits `limit` bytes, with
+    that state: on as many GPUs if any does, else on the fewest (up to 1024); offloading only where no layout fits
+    without it on those GPUs; changing the fewest sizes. `tp_ok(tp)`: the model splits over that TP."""
     found = []
     powers = [2**k for k in range(11)]
-    for tp, pp, dp, ep, distributed in itertools.product(powers[:4], powers[:5], powers, powers,
-                                                         {s.distributed_optimizer, True}):
+    offloads = {s.optimizer_offload, 1.0} if s.bf16 else {s.optimizer_offload}
+    for tp, pp, dp, ep, distributed, offload in itertools.product(powers[:4], powers[:5], powers, powers,
+                                                                  {s.distributed_optimizer, True}, offloads):
         for etp in {1, tp}:
             candidate = Layout(tp=tp, pp=pp, cp=layout.cp, dp=dp, ep=ep, etp=etp)
             if (candidate.world > 1024 or len(p.split) % pp or (experts or 1) % ep
-                    or (tp * layout.cp * dp) % (ep * etp) or (not experts and etp != tp) or not tp_ok(tp)):
+                    or (tp * layout.cp * dp) % (ep * etp) or (not experts and etp != tp) or not tp_ok(tp)
+                    or (offload and not distributed)):  # the hybrid optimizer runs on the distributed one
                 continue
-            settings = replace(s, distributed_optimizer=distributed)
+            settings = replace(s, distributed_optimizer=distributed, optimizer_offload=offload)
             peak = max(r.total for r in rank_memory(p, candidate, settings))
             if peak <= limit:
                 changes = sum(getattr(candidate, f) != getattr(layout, f) for f in ("tp", "pp", "dp", "ep", "etp"))
-                key = (candidate.world != layout.world, candidate.world, changes + (settings != s), peak)
+                key = (candidate.world != layout.world, candidate.world, offload != s.optimizer_offload,
+                       changes + (distributed != s.distributed_optimizer), peak)
                 found.append((key, candidate, settings, peak))
     if not found:
         return None
@@ -239,6 +256,8 @@ def layout_change(old: Layout, new: Layout, s_old: Settings, s_new: Settings, *,
              for f, flag in FLAGS.items() if getattr(new, f) != getattr(old, f)]
     if s_new.distributed_optimizer != s_old.distributed_optimizer:
         flags.append("trainer.use_distributed_optimizer=true")
+    if s_new.optimizer_offload != s_old.optimizer_offload:
+        flags.append("--optimizer-offload-fraction 1" if s_old.optimizer_offload else "--optimizer-cpu-offload")
     if needs_sp and new.tp > 1:
         flags.append("--sequence-parallel")
     return " ".join(flags)

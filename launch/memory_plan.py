@@ -42,7 +42,7 @@ def memory_plan(cfg: SluiceConfig) -> dict[str, Any]:
 
 def rank_line(r: RankMemory, layout: Layout, s: Settings, limit: float | None) -> str:
     """`every rank: N parameters (layout): weights + gradients + main weights + Adam moments [+ critic] [+ reference]
-    = total of the GPU`."""
+    = total of the GPU[; in host memory besides: the offloaded optimizer state]`."""
     n = layout.world // layout.pp  # megatron's rank order puts PP slowest: a stage's ranks are consecutive
     who = "every rank" if layout.pp == 1 else f"stage {r.stage} ranks {r.stage * n}-{(r.stage + 1) * n - 1}"
     p = r.policy
@@ -60,7 +60,10 @@ def rank_line(r: RankMemory, layout: Layout, s: Settings, limit: float | None) -
     if r.reference:
         parts.append(f"reference model {format_bytes(r.reference)}")
     of = f" of {format_bytes(limit)}" if limit else ""
-    return f"{who}: {r.parameters:,} parameters ({layout.describe()}): {' + '.join(parts)} = {format_bytes(r.total)}{of}"
+    host = (f"; in host memory besides: {s.optimizer_offload:.0%} of the main weights and Adam moments, "
+            f"{format_bytes(p.host)} (--optimizer-cpu-offload)") if s.optimizer_offload else ""
+    return (f"{who}: {r.parameters:,} parameters ({layout.describe()}): {' + '.join(parts)} = {format_bytes(r.total)}{of}"
+            f"{host}")
 
 
 def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settings, free: float) -> str:

@@ -15,10 +15,11 @@ from loss import LossConfig
 from helpers.trainer import hf_teacher_forced_logprobs, make_batch
 
 
-def _rank(rank, world, port, model_path, tp, pp, script, results):
+def _rank(rank, world, port, model_path, tp, pp, script, fields, results):
     from glue.trainer.worker import TrainerWorker
 
-    cfg = TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=4, lr=1e-2)
+    cfg = TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=4, lr=1e-2,
+                        **fields)
     worker = TrainerWorker(model_path=model_path, cfg=cfg, loss_cfg=LossConfig(), rank=rank, world_size=world)
     worker.initialize("127.0.0.1", port)
     batch, out = make_batch(), []
@@ -43,11 +44,12 @@ def _rank(rank, world, port, model_path, tp, pp, script, results):
     results.put(pickle.dumps((rank, out)))
 
 
-def run_ranks(model_path, script, tp=1, pp=1):
-    """Run `script` ([("train"|"save"|"load", arg)]) on `tp` x `pp` spawned ranks; rank 0's outputs."""
+def run_ranks(model_path, script, tp=1, pp=1, **fields):
+    """Run `script` ([("train"|"save"|"load", arg)]) on `tp` x `pp` spawned ranks (`fields`: more TrainerConfig
+    fields); rank 0's outputs."""
     ctx = mp.get_context("spawn")
     results, port, world = ctx.Queue(), free_port(), tp * pp
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_path, tp, pp, script, results))
+    procs = [ctx.Process(target=_rank, args=(r, world, port, model_path, tp, pp, script, fields, results))
              for r in range(world)]
     try:
         for p in procs:
@@ -76,6 +78,22 @@ def test_a_resumed_trainer_continues_exactly_like_the_uninterrupted_one(model_di
     assert resumed[0] == 2  # the version the checkpoint was taken at
     assert resumed[1:3] == straight[2:4]  # same losses: weights and Adam moments came back exactly
     assert torch.equal(resumed[3], straight[4])
+
+
+OFFLOADED = {"precision": "bf16", "megatron": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}}
+
+
+def test_a_trainer_with_its_optimizer_offloaded_resumes_exactly_and_the_device_optimizer_reads_its_checkpoint(
+        model_dir, tmp_path):
+    """--optimizer-cpu-offload: megatron's hybrid optimizer, half of the main weights and Adam moments in its host
+    sub-optimizer, half in its device one; the checkpoint is the same sharded form as without offload."""
+    ckpt = str(tmp_path / "step_1")
+    straight = run_ranks(model_dir, [("train", None), ("save", ckpt), ("train", None)], **OFFLOADED)
+    resumed = run_ranks(model_dir, [("load", ckpt), ("train", None)], **OFFLOADED)
+    assert resumed[0] == 1
+    assert torch.equal(resumed[2], straight[2])  # main weights and both sub-optimizers' moments came back exactly
+    on_device = run_ranks(model_dir, [("load", ckpt), ("train", None)], precision="bf16")
+    assert (on_device[2] - straight[2]).abs().max().item() < 1e-5  # the same state on megatron's device optimizer
 
 
 def export_hf(checkpoint, out) -> None:

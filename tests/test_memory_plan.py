@@ -49,7 +49,9 @@ def measured_state_bytes(model: str, cfg: TrainerConfig, loss_cfg: LossConfig) -
     # two ranks, bf16, experts over EP=2: the distributed optimizer shards the dense state over DP=2 and leaves the
     # experts' whole (expert-DP = 1); a reference model for the KL term
     ("qwen3_moe", {"data_parallel_size": 2, "expert_model_parallel_size": 2}, {"kl_loss_coef": 0.1}),
-], ids=["tp1-dp1-critic", "dp2-ep2-reference"])
+    # one rank, bf16, --optimizer-cpu-offload: main weights and moments in host memory, out of the device state
+    ("qwen3", {"data_parallel_size": 1, "megatron": {"optimizer_cpu_offload": True}}, {}),
+], ids=["tp1-dp1-critic", "dp2-ep2-reference", "tp1-dp1-offload"])
 def test_the_planned_training_state_matches_the_trainers_own_count(tmp_path, family, layout, loss):
     from glue.embedded_engine.tiny_model import save_tiny_model
 
@@ -67,6 +69,8 @@ def test_the_planned_training_state_matches_the_trainers_own_count(tmp_path, fam
         assert abs(planned[0].total - counted) <= 0.05 * counted, (rank, planned[0], counted)
     assert (planned[0].critic is not None) == (loss == {"advantage_estimator": "gae"})
     assert (planned[0].reference > 0) == ("kl_loss_coef" in loss)
+    policy = planned[0].policy
+    assert (policy.main_weights + policy.adam_moments == 0) == ("megatron" in layout)
 
 
 def qwen3_30b_a3b(tmp_path) -> str:
@@ -113,6 +117,22 @@ def test_the_30b_a3b_recipe_holds_70_gb_per_trainer_rank_worked_by_hand(capsys, 
     assert "memory: a trainer rank holds 69.97 GB of training state of 80 GB per GPU" in " ".join(shown["checked"])
 
 
+def test_optimizer_offload_puts_the_30b_a3b_recipes_main_weights_and_moments_in_host_memory(capsys, tmp_path):
+    dense, experts = 394_868_736, 3_623_878_656  # a rank's parameters (worked in the test above)
+    owned = dense // 2 + experts  # what its optimizer state covers: dense sharded over DP=2, experts over expert-DP=1
+    # on the GPU bf16 weights + fp32 gradients, in host memory fp32 main weights + two fp32 moments
+    assert 6 * (dense + experts) == 24_112_484_352 and 12 * owned == 45_855_756_288
+    assert main(["--dry-run", "--config", DEMO, f"model.path={qwen3_30b_a3b(tmp_path)}", *RECIPE,
+                 "--expert-model-parallel-size", "8", "--optimizer-cpu-offload"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["plan"]["memory"]["trainer"] == [
+        "every rank: 4,018,747,392 parameters (TP4 x PP1 x DP2, EP8 x ETP1): weights 8.037 GB (bf16) + gradients "
+        "16.07 GB (fp32) + main weights 0 B + Adam moments 0 B (fp32, sharded over DP x CP = 2 and expert-DP = 1) = "
+        "24.11 GB of 80 GB; in host memory besides: 100% of the main weights and Adam moments, 45.86 GB "
+        "(--optimizer-cpu-offload)"]
+    assert "memory: a trainer rank holds 24.11 GB of training state" in " ".join(shown["checked"])
+
+
 def test_a_layout_whose_training_state_exceeds_the_gpu_is_refused_with_one_that_fits(capsys, tmp_path):
     model = f"model.path={qwen3_30b_a3b(tmp_path)}"
     # EP=4 at DP=2: each rank holds twice the experts, whose state expert-DP = 2 then shards
@@ -124,13 +144,27 @@ def test_a_layout_whose_training_state_exceeds_the_gpu_is_refused_with_one_that_
         "for its 7,642,626,048 parameters (weights 15.29 GB + gradients 30.57 GB + main weights 15.29 GB + Adam "
         "moments 30.57 GB), more than cluster.gpu_memory_gb=80 before any activations; --expert-model-parallel-size 8 "
         "would fit (TP4 x PP1 x DP2, EP8 x ETP1 on 8 GPUs: 69.97 GB per rank)")
-    # the recipe's layout on 40 GB GPUs: more GPUs are needed, the fewest that hold it are named
+    # the recipe's layout on 40 GB GPUs: no layout of 8 GPUs holds it on the GPUs, the optimizer state offloaded
+    # to host memory does (weights 2 + gradients 4 bytes per parameter = 24.11 GB)
     assert main(["--dry-run", "--config", DEMO, model, *RECIPE, "--expert-model-parallel-size", "8",
                  "cluster.gpu_memory_gb=40"]) == 2
     line = capsys.readouterr().err.strip()
     assert "would hold 69.97 GB of training state" in line and "more than cluster.gpu_memory_gb=40" in line
-    assert line.endswith("--pipeline-model-parallel-size 2 would fit (TP4 x PP2 x DP2, EP8 x ETP1 on 16 GPUs: 34.98 GB "
+    assert line.endswith("; --optimizer-cpu-offload would fit (TP4 x PP1 x DP2, EP8 x ETP1 on 8 GPUs: 24.11 GB per "
+                         "rank)"), line
+    # half of it offloaded is not enough there; all of it is
+    assert main(["--dry-run", "--config", DEMO, model, *RECIPE, "--expert-model-parallel-size", "8",
+                 "cluster.gpu_memory_gb=40", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "would hold 47.04 GB of training state" in line
+    assert line.endswith("; --optimizer-offload-fraction 1 would fit (TP4 x PP1 x DP2, EP8 x ETP1 on 8 GPUs: 24.11 GB "
                          "per rank)"), line
+    # on 20 GB GPUs more GPUs are needed as well: the fewest that hold it are named
+    assert main(["--dry-run", "--config", DEMO, model, *RECIPE, "--expert-model-parallel-size", "8",
+                 "cluster.gpu_memory_gb=20"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "; --pipeline-model-parallel-size 2 --optimizer-cpu-offload would fit (TP4 x PP2 x DP2, EP8 x ETP1 on 16 GPUs: "
+        "12.06 GB per rank)")
     # a CPU run is not checked: there is no GPU to exceed
     assert main(["--dry-run", "--config", DEMO, model]) == 0
     assert "(a CPU run: not checked)" in " ".join(yaml.safe_load(capsys.readouterr().out)["checked"])

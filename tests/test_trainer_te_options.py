@@ -142,3 +142,11 @@ def test_megatron_help_marks_the_options_sluice_never_runs_and_those_needing_te(
     text = " ".join(help_text("megatron").split())
     assert "-> trainer.megatron.overlap_grad_reduce; default False; not run by sluice]" in text
     assert "-> trainer.megatron.moe_grouped_gemm; default False; needs transformer-engine on the trainer nodes]" in text
+
+
+def test_the_precision_aware_optimizer_needs_transformer_engine_except_under_cpu_offload():
+    from glue.trainer.te_spec import te_options
+
+    assert te_options({"use_precision_aware_optimizer": True}) == ["--use-precision-aware-optimizer"]
+    assert te_options({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True}) == []
+    assert te_options({"moe_permute_fusion": True, "optimizer_cpu_offload": True}) == ["--moe-permute-fusion"]

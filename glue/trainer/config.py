@@ -74,6 +74,7 @@ class TrainerConfig:
         if self.critic_lr is not None and not self.critic_lr > 0:
             raise ValueError(f"trainer.critic_lr must be > 0 (or null to use trainer.lr), got {self.critic_lr}")
         self._check_precision_and_schedule()
+        self._check_optimizer_offload()
         if self.weight_decay < 0:
             raise ValueError(f"trainer.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("adam_beta1", "adam_beta2"):
@@ -122,6 +123,37 @@ class TrainerConfig:
         if self.lr_decay_style != "constant" and (not isinstance(decay, int) or decay <= self.lr_warmup_steps):
             raise ValueError(f"trainer.lr_decay_style {self.lr_decay_style} needs trainer.lr_decay_steps, an integer "
                              f"> lr_warmup_steps={self.lr_warmup_steps} (optimizer steps), got {decay!r}")
+
+    def _check_optimizer_offload(self) -> None:
+        """megatron's hybrid CPU/device optimizer (`--optimizer-cpu-offload`) runs on the distributed optimizer's
+        precision-aware path, where it also copies the updated main weights into the model's weights itself."""
+        fraction = self.megatron.get("optimizer_offload_fraction")
+        if not self.megatron.get("optimizer_cpu_offload"):
+            if fraction:
+                raise ValueError(f"--optimizer-offload-fraction {fraction} needs --optimizer-cpu-offload "
+                                 "(trainer.megatron.optimizer_cpu_offload: true)")
+            return
+        if fraction is not None and not (isinstance(fraction, (int, float)) and 0 <= fraction <= 1):
+            raise ValueError(f"trainer.megatron.optimizer_offload_fraction must be in [0, 1] (the share of the main "
+                             f"weights and Adam state kept in host memory), got {fraction!r}")
+        if self.precision == "fp32":
+            raise ValueError("--optimizer-cpu-offload needs bf16 weights with fp32 main weights (megatron's hybrid "
+                             "optimizer keeps the main weights beside the model's); set trainer.precision: bf16")
+        if not self.use_distributed_optimizer:
+            raise ValueError("--optimizer-cpu-offload runs on megatron's distributed optimizer (its precision-aware "
+                             "path); set trainer.use_distributed_optimizer: true")
+        if self.bf16_rounding == "dithered":
+            raise ValueError("--optimizer-cpu-offload copies the main weights into the bf16 weights inside megatron's "
+                             "hybrid optimizer (round to nearest); set trainer.bf16_rounding: nearest")
+
+    def optimizer_offload_fraction(self) -> float:
+        """The share of the main weights and Adam state megatron's hybrid optimizer keeps (and updates) in host
+        memory: 0 without `--optimizer-cpu-offload`, else `--optimizer-offload-fraction`, 1 when not given (Megatron-LM's
+        default; megatron-core's config field defaults to 0, which would offload nothing)."""
+        if not self.megatron.get("optimizer_cpu_offload"):
+            return 0.0
+        fraction = self.megatron.get("optimizer_offload_fraction")
+        return 1.0 if fraction is None else float(fraction)
 
     def requests_bf16(self) -> bool:
         """True when the megatron pass-through asks for bf16 (`--bf16`, `--params-dtype bfloat16`)."""

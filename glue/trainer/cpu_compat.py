@@ -36,6 +36,7 @@ def apply() -> None:
     _patch_pipeline_schedules()
     _patch_tied_embedding_sync()
     _patch_data_parallel_and_optimizer()
+    _patch_hybrid_device_optimizer()
     _patch_dist_checkpointing()
     _applied = True
 
@@ -134,16 +135,43 @@ def _patch_moe_router() -> None:
     router.Router.gating = gating
 
 
+class _HostStream:
+    """A CUDA stream as the CPU has it: work runs in program order, so waiting on a stream or an event, and recording
+    one, have nothing left to do."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> "_HostStream":
+        return self  # the event: synchronize() and wait(stream) return at once
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _TorchOnCpu(types.ModuleType):
     """`torch` as seen by a patched megatron function: the same module, except that the current device is the CPU
-    (there is nothing to synchronize), and a tensor `zeros` puts on "cuda" is put on the CPU."""
+    (there is nothing to synchronize, its one stream runs in program order), a tensor `zeros` puts on "cuda" is put
+    on the CPU, and host memory asked for pinned is plain host memory (pinning needs CUDA)."""
 
     cuda = types.SimpleNamespace(current_device=lambda: "cpu", synchronize=lambda *args: None,
-                                 empty_cache=lambda: None, is_available=lambda: False)
+                                 empty_cache=lambda: None, is_available=lambda: False,
+                                 current_stream=lambda *args: _HOST_STREAM, Stream=lambda *args, **kwargs: _HOST_STREAM,
+                                 stream=lambda stream: contextlib.nullcontext())
 
     @staticmethod
     def zeros(*args, device=None, **kwargs):
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    @staticmethod
+    def empty(*args, device=None, pin_memory=False, **kwargs):
+        return torch.empty(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -253,6 +281,49 @@ def _patch_data_parallel_and_optimizer() -> None:
     for module in (param_and_grad_buffer, distributed_data_parallel, distrib_optimizer, optimizer, clip_grads):
         _module_on_cpu(module)
     _constants_on_cpu(utils.local_multi_tensor_l2_norm)
+
+
+def _patch_hybrid_device_optimizer() -> None:
+    # Why: megatron's HybridDeviceOptimizer (--optimizer-cpu-offload) tells device from host tensors by `is_cuda`,
+    # pins its host copies, overlaps the copies on CUDA streams and moves loaded state back with `.to("cuda")`. On
+    # the CPU the tensors the distributed optimizer hands it (the model's shards) stand for the device ones and its
+    # host copies for the host: the split by `optimizer_offload_fraction`, the gradient copies to the host, the
+    # CPU sub-optimizer and the copy back to the model all run as on a GPU. Same code, CPU stream and constants.
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    _module_on_cpu(hybrid_optimizer)
+    hybrid_optimizer.HybridDeviceOptimizer._get_sub_optimizer_param_groups = _sub_optimizer_param_groups_on_cpu
+
+
+def _sub_optimizer_param_groups_on_cpu(self, offload_fraction: float):
+    """megatron's `HybridDeviceOptimizer._get_sub_optimizer_param_groups` with every parameter it was given counted
+    as a device tensor and every host copy it makes as a host one (no pinning)."""
+    params = [param for group in self.param_groups for param in group["params"]]
+    offload_threshold = sum(param.numel() for param in params) * offload_fraction
+    offload_params_numel = 0
+    cpu_param_groups, gpu_param_groups = [], []
+    gpu_params_map_cpu_copy, cpu_copys_map_gpu_param, param_to_fp32_param = {}, {}, {}
+    for group in self.param_groups:
+        gpu_group, cpu_group = {**group, "params": []}, {**group, "params": []}
+        for param in group["params"]:
+            orig_param = param
+            cpu_copy = False
+            if offload_params_numel < offload_threshold:
+                param = param.detach().clone()
+                offload_params_numel += param.numel()
+                cpu_copy = True
+            if self.param_update_in_fp32 and param.dtype != torch.float32:
+                param = param.detach().clone().float()
+                param_to_fp32_param[orig_param] = param
+            if cpu_copy:
+                gpu_params_map_cpu_copy[orig_param] = param
+                cpu_copys_map_gpu_param[param] = orig_param
+            (cpu_group if cpu_copy else gpu_group)["params"].append(param)
+        if gpu_group["params"]:
+            gpu_param_groups.append(gpu_group)
+        if cpu_group["params"]:
+            cpu_param_groups.append(cpu_group)
+    return cpu_param_groups, gpu_param_groups, gpu_params_map_cpu_copy, cpu_copys_map_gpu_param, param_to_fp32_param
 
 
 def _patch_dist_checkpointing() -> None:

@@ -22,6 +22,10 @@ from glue.trainer.config import TrainerConfig
 from glue.trainer.megatron_fields import to_megatron
 
 PRECISIONS = ("fp32", "bf16")
+OFFLOAD_NEEDS_BF16 = (
+    "--optimizer-cpu-offload needs bf16 weights (trainer.precision: bf16): megatron's hybrid optimizer keeps fp32 "
+    "main weights beside the model's bf16 weights; with fp32 weights the main weights are the model's own and "
+    "megatron-core 0.16 cannot hand them to it")
 
 
 def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
@@ -92,8 +96,9 @@ class Training:
         if self.clip_grad > 0:
             for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 params = part.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=norm)
+                if params:  # the precision-aware path (optimizer offload) keeps its gradients in decoupled_grad
+                    clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=norm, use_decoupled_grad=
+                                                 part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         self.optimizer.step_with_ready_grads()
         return {"grad_norm": norm, "lr": float(lr)}
 
@@ -103,18 +108,23 @@ class Training:
         and written by that group's rank 0), so dist_checkpointing reshards it to any TP / PP / DP / EP layout."""
         if is_loading:
             self._allocate_adam_state()
-        return self.optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata={
+        state = self.optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata={
             "distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True})
+        _drop_optimizer_classes(state)
+        return state
 
     def _allocate_adam_state(self) -> None:
         """Adam's state as torch creates it at the first step (step, both moments at zero), so a trainer that has not
         stepped yet has the structure a loaded state is copied into (megatron's own init only makes the moments)."""
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for param in _main_params(part):
-                state = part.optimizer.state[param]
-                if not state:
-                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
-                                 exp_avg_sq=torch.zeros_like(param))
+            for inner in _torch_optimizers(part):
+                for param in _main_params(inner):
+                    state = inner.state[param]
+                    if not state:
+                        state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
+                                     exp_avg_sq=torch.zeros_like(param))
+            if _is_hybrid(part):  # its own state maps the model's shards to their sub-optimizer's state
+                part.optimizer._sync_sub_optimizers_state_to_hdo()
 
     def load_sharded_state_dict(self, state: dict[str, Any], scheduler_state: dict[str, Any]) -> None:
         """After `dist_checkpointing.load` of `sharded_state_dict(..., is_loading=True)`: the optimizer state at
@@ -142,16 +152,29 @@ class Training:
         self.scheduler.load_state_dict(scheduler_state)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the training state besides the model's weights: DDP's gradient (and parameter) buffers,
-        the main weights and the Adam moments (glue.trainer.offload moves them)."""
+        """Every tensor of the training state on the device besides the model's weights: DDP's gradient (and
+        parameter) buffers, the main weights and the Adam moments (glue.trainer.offload moves them). The share that
+        `--optimizer-cpu-offload` keeps in host memory is not among them: it stays where it is."""
         buffers = [t for b in self.module.buffers + self.module.expert_parallel_buffers
                    for t in (b.param_data, b.grad_data) if t is not None]
         tensors = []
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            tensors += _main_params(part)
-            tensors += [v for state in part.optimizer.state.values() for v in state.values()
-                        if torch.is_tensor(v) and v.dim() > 0]
+            for inner in _torch_optimizers(part, on_device=True):
+                tensors += _main_params(inner)
+                tensors += [v for state in inner.state.values() for v in state.values()
+                            if torch.is_tensor(v) and v.dim() > 0]
         return buffers + tensors
+
+
+def _drop_optimizer_classes(state: Any) -> None:
+    """Why: megatron's hybrid optimizer (`--optimizer-cpu-offload`) keeps its sub-optimizer classes in its param
+    groups; in a checkpoint's common part they make every weights-only torch.load (a resume, `sluice export-hf`)
+    refuse it. The stored param groups (copies) leave them out; nothing reads them back."""
+    parts = [state] if "optimizer" in state else [v for v in state.values() if isinstance(v, dict)]  # chained: by index
+    for part in parts:
+        for group in part.get("optimizer", {}).get("param_groups", []):
+            for key in [k for k, v in group.items() if isinstance(v, type)]:
+                del group[key]
 
 
 def _keep_steps_on_reshard(part: Any) -> None:
@@ -172,10 +195,27 @@ def _keep_steps_on_reshard(part: Any) -> None:
     part._set_main_param_and_optimizer_states = set_states
 
 
-def _main_params(part: Any) -> list[torch.Tensor]:
-    """The fp32 tensors one of megatron's optimizers updates, in its inner torch optimizer's order: this rank's shard
-    of the main weights (distributed optimizer), fp32 copies of bf16 weights, or the fp32 weights themselves."""
-    return [p for group in part.optimizer.param_groups for p in group["params"]]
+def _main_params(inner: Any) -> list[torch.Tensor]:
+    """The fp32 tensors a torch optimizer of megatron's updates, in its order: this rank's shard of the main weights
+    (distributed optimizer; host copies for the offloaded share), fp32 copies of bf16 weights, or the fp32 weights
+    themselves."""
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def _is_hybrid(part: Any) -> bool:
+    """True when `part` (one of megatron's optimizers) runs megatron's hybrid CPU/device optimizer (offload)."""
+    return hasattr(part.optimizer, "sub_optimizers")
+
+
+def _torch_optimizers(part: Any, *, on_device: bool = False) -> list[Any]:
+    """The torch optimizers that hold `part`'s main weights and Adam state: its inner one, or under
+    `--optimizer-cpu-offload` the hybrid optimizer's sub-optimizers (host ones first, then the device one, none when
+    all is offloaded), whose parameters are the fp32 main weights (host copies for the offloaded fraction).
+    `on_device`: only those whose state is on the device."""
+    if not _is_hybrid(part):
+        return [part.optimizer]
+    hybrid = part.optimizer
+    return [hybrid.gpu_optimizer] * (hybrid.gpu_optimizer is not None) if on_device else list(hybrid.sub_optimizers)
 
 
 def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Training:
@@ -187,6 +227,8 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
 
     passed = cfg.megatron_values()
     bf16 = precision == "bf16"
+    if cfg.megatron.get("optimizer_cpu_offload") and not bf16:
+        raise ValueError(OFFLOAD_NEEDS_BF16)
     inner = Float16Module(model.config, model) if bf16 else model
     ddp_config = DistributedDataParallelConfig(**{
         "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "average_in_collective": False,
@@ -194,7 +236,7 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
         "use_distributed_optimizer": cfg.use_distributed_optimizer})
     module = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=inner)
     opt_config = OptimizerConfig(**{
-        **to_megatron(OptimizerConfig, passed),
+        **to_megatron(OptimizerConfig, passed), **_offload_fields(cfg),
         "optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay,
         "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "adam_eps": cfg.adam_eps,
         "clip_grad": cfg.grad_clip, "bf16": bf16, "fp16": False,
@@ -210,6 +252,32 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
         lr_decay_steps=cfg.lr_decay_steps or warmup + 1, lr_decay_style=cfg.lr_decay_style,
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return Training(module=module, optimizer=optimizer, scheduler=scheduler, clip_grad=cfg.grad_clip)
+
+
+def _offload_fields(cfg: TrainerConfig) -> dict[str, Any]:
+    """megatron's hybrid CPU/device optimizer for `--optimizer-cpu-offload`: it runs on the distributed optimizer's
+    precision-aware path (Megatron-LM requires `--use-precision-aware-optimizer` with it): the distributed optimizer
+    hands it the model's own weight shards, it keeps the fp32 main weights and Adam moments (in host memory for the
+    offloaded fraction), reads `decoupled_grad` and writes the updated weights back into the model's shards."""
+    if not cfg.megatron.get("optimizer_cpu_offload"):
+        return {}
+    _answer_te_version_checks_without_te()
+    return {"optimizer_offload_fraction": cfg.optimizer_offload_fraction(), "use_precision_aware_optimizer": True}
+
+
+def _answer_te_version_checks_without_te() -> None:
+    """Why: megatron-core 0.16's OptimizerConfig asks `is_te_min_version("2.1.0")` on the precision-aware path, which
+    raises TypeError where Transformer Engine is not installed (CPU, and GPU nodes without it): no TE is no recent TE,
+    so the check answers False there and megatron's own one otherwise."""
+    from megatron.core import utils
+    from megatron.core.optimizer import optimizer_config
+
+    check = utils.is_te_min_version
+
+    def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+        return utils.get_te_version() is not None and check(version, check_equality)
+
+    optimizer_config.is_te_min_version = is_te_min_version
 
 
 def dithered_bf16(main: torch.Tensor, start: int, salt: int) -> torch.Tensor:

@@ -34,8 +34,12 @@ def te_available() -> bool:
 
 
 def te_options(megatron: dict[str, Any]) -> list[str]:
-    """The flags set in `megatron` (trainer.megatron) that need Transformer Engine, as `--flag-name`s."""
-    return ["--" + name.replace("_", "-") for name in TE_OPTIONS if megatron.get(name)]
+    """The flags set in `megatron` (trainer.megatron) that need Transformer Engine, as `--flag-name`s. With
+    `--optimizer-cpu-offload` the precision-aware path is megatron's hybrid optimizer, whose Adam is torch's where TE
+    does not import, so `--use-precision-aware-optimizer` needs no TE there (slime's scripts pass both)."""
+    offload = bool(megatron.get("optimizer_cpu_offload"))
+    return ["--" + name.replace("_", "-") for name in TE_OPTIONS
+            if megatron.get(name) and not (offload and name == "use_precision_aware_optimizer")]
 
 
 def check_te_options(megatron: dict[str, Any]) -> None:
