@@ -56,18 +56,9 @@ def test_the_trainer_at_tp1_on_cuda_matches_the_hf_model_and_one_step_moves_towa
                                                 "wheels/megatron_core-*.whl when the tree carries one)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from glue.types import Sample, TrainBatch
 
     model_path = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
-    gen = torch.Generator().manual_seed(11)
-    samples = []
-    for i in range(BATCH):
-        tokens = torch.randint(2, 32, (PROMPT_LEN + RESPONSE_LEN,), generator=gen).tolist()
-        sample = Sample(prompt_tokens=tokens[:PROMPT_LEN], reward=float(i), index=i)
-        sample.append_response(tokens[PROMPT_LEN:], [-1.0] * RESPONSE_LEN, version=0)
-        samples.append(sample)
-    advantages = [float(i) - (BATCH - 1) / 2 for i in range(BATCH)]
-    batch = TrainBatch.from_samples(samples, advantages)
+    batch = _advantage_batch()
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

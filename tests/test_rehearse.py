@@ -165,7 +165,7 @@ def test_the_moe_script_rehearses_two_steps_against_strict_engines(tmp_path):
     assert row["shrunk"]["engine"] == ENGINE
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a whole rehearsal start (~25 s); test_weight_groups keeps the strict engines' refusal in make test
 def test_a_colocated_recipe_over_broadcast_fails_in_rehearsal_as_nccl_makes_it_fail_on_a_cluster(tmp_path):
     """Colocated, trainer rank 0 and engine 0 share bundle 0: on GPUs over NCCL the weight group is refused ("Duplicate
     GPU detected"); on CPU gloo would allow it, but strict engines model the devices, so the rehearsal fails too."""
