@@ -167,10 +167,9 @@ def core_attention_class(attention_backend: Any) -> type:
 
 def attention_kernel(model: torch.nn.Module, *, packed: bool) -> str:
     """What the model's core attention runs for packed or padded rows on its parameters' device and dtype."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
-    if not layers:
+    core = _first_core_attention(model)
+    if core is None:
         return "none (no transformer layer on this stage)"
-    core = layers[0].self_attention.core_attention
     kind = type(core).__name__
     if kind != "SluiceCoreAttention":
         return {"DotProductAttention": "megatron DotProductAttention (unfused, [T, T] scores and mask)",
@@ -184,7 +183,14 @@ def attention_kernel(model: torch.nn.Module, *, packed: bool) -> str:
 def is_mask_free(model: torch.nn.Module) -> bool:
     """True when the model's core attention takes packed rows as THD and padded rows without a mask (sluice's or
     transformer-engine's); False for megatron's DotProductAttention, which needs the [T, T] mask."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
-    if not layers:  # a stage without layers never reads the mask
+    core = _first_core_attention(model)
+    if core is None:  # a stage without layers never reads the mask
         return True
-    return type(layers[0].self_attention.core_attention).__name__ in ("SluiceCoreAttention", "TEDotProductAttention")
+    return type(core).__name__ in ("SluiceCoreAttention", "TEDotProductAttention")
+
+
+def _first_core_attention(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The core attention of the model's first transformer layer on this stage (every layer builds the same kind),
+    or None for a stage without layers."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    return layers[0].self_attention.core_attention if layers else None
