@@ -10,6 +10,7 @@ from typing import Sequence
 
 from glue.fleet.engine_client import EngineClient
 from glue.fleet.fleet import RolloutFleet
+from launch.cluster import check_paths
 from launch.config import SluiceConfig
 from launch.plan import RunPlan
 from weight_sync.process_group import PLANNED_DEVICES
@@ -50,6 +51,7 @@ def start_side_fleet(cfg: SluiceConfig, plan: RunPlan, placement, name: str, *, 
     """Start the fleet of section `name` on its plan bundles (each engine by a host actor on its first bundle, with
     the devices of its own bundles only), behind its own sgl-router; stopped with `stack`, appended to `started`."""
     side = plan.side_fleet(name)
+    check_paths(placement, {f"the {name} model directory": model_path})  # its engines may sit on any node
     fleet = RolloutFleet(model_path=model_path, num_engines=len(side.engines), router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=startup_timeout_s, log_dir=run_dir / "logs" / name,
                          engine_command=plan.engine_command, engine_args=side.engine_args, router_args=router_args,

@@ -108,6 +108,7 @@ def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_se
             return {}
 
     monkeypatch.setattr(launch.fleets, "RolloutFleet", fleet)
+    monkeypatch.setattr(launch.fleets, "check_paths", lambda placement, paths: None)  # no Ray here
     monkeypatch.setattr(launch.reward_models, "checkpoint_dir", lambda *a: str(tmp_path))
     monkeypatch.setattr(launch.teacher, "teacher_model", lambda *a: str(tmp_path))
 

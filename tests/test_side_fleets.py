@@ -20,7 +20,7 @@ from launch.shrink import shrink
 from helpers.fleet import StandInFleet
 
 # (recipe, its fleet beside the policy's, overrides that plan it for one 8-GPU node)
-RECIPES = [("examples/configs/distill.yaml", "teacher", ["teacher.num_engines=2"]),
+RECIPES = [("examples/configs/distill.yaml", "teacher", ["teacher.num_engines=2", "teacher.gpus=2"]),
            ("examples/configs/judge_reward.yaml", "judge", ["judge.tensor_parallel_size=2"])]
 
 
@@ -53,7 +53,7 @@ def test_a_recipe_planned_for_gpus_gives_trainer_policy_and_its_side_fleet_disjo
     # the rehearsal of the same recipe: CPU bundles stand for the devices, and every engine is told only its own
     shrunk = shrink(raw, data_dir=tmp_path / "data", name_hint=recipe)
     _, rehearsed = resolve(build(SluiceConfig, shrunk.raw, prefix=""))
-    assert rehearsed.models_devices and rehearsed.side_fleet(side).engines
+    assert rehearsed.models_devices and rehearsed.side_fleet(side).tp == fleet.tp  # engine TP 2 stays 2 (strict)
     assert_disjoint(devices_by_role(rehearsed, side))
     told = [planned_devices_env(rehearsed, e.bundles)["SLUICE_PLANNED_DEVICES"] for e in rehearsed.side_fleet(side).engines]
     assert told == [",".join(rehearsed.device_of(b) for b in e.bundles) for e in rehearsed.side_fleet(side).engines]
