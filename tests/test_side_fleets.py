@@ -128,17 +128,38 @@ def test_a_teacher_engine_killed_mid_run_is_replaced_and_the_run_finishes_with_n
     metrics = tmp_path / "d" / "metrics.jsonl"
     command = [sys.executable, "-m", "launch", "--config", "examples/configs/distill.yaml", f"run.output_dir={tmp_path}",
                "run.name=d", "run.num_steps=6", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-               "rollout.num_engines=1", "cluster.engine=sglang_strict", "rollout.health_check_interval_s=2"]
+               "rollout.num_engines=1", "teacher.num_engines=2", "cluster.engine=sglang_strict"]
     with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 1,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, seen):
         teachers = [p for p in descendants(proc.pid)
                     if b"teacher_model" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
-        assert len(teachers) == 1, teachers
-        os.kill(teachers[0], signal.SIGKILL)
+        assert len(teachers) == 2, teachers
+        os.kill(teachers[1], signal.SIGKILL)  # started second: teacher engine 1; the router sends its work to engine 0
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     records = read_metrics(metrics)
     assert [r["step"] for r in records] == list(range(1, 7))
-    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    assert sum(r["rollout/failed_groups"] for r in records) == 0  # every group was scored: by engine 0 meanwhile
     assert records[-1]["fault/teacher_engine_restarts"] == 1 and records[-1]["fault/engine_restarts"] == 0
-    assert any(line.startswith("sluice: teacher engine 0 serves again at") for line in out.splitlines()), out[-2000:]
+    assert any(line.startswith("sluice: teacher engine 1 serves again at") for line in out.splitlines()), out[-2000:]
+
+
+def test_a_group_the_teachers_fleet_cannot_score_fails_alone_instead_of_ending_the_run():
+    from glue.rewards.teacher import TeacherScorer, TeacherScoringManager
+    from glue.types import Group, Sample, SampleStatus
+
+    class GoneTeacher:  # what the engine client raises once its retries are spent on a fleet with no engine left
+        async def generate(self, *args, **kwargs):
+            raise ConnectionError("generate: http://router/generate could not serve it after 7 attempts (HTTP 503)")
+
+    class Manager:
+        def next_group(self):
+            async def generated():
+                return Group(group_id=5, samples=[Sample(prompt_tokens=[1, 2], response_tokens=[3, 4], group_id=5,
+                                                         index=i) for i in range(2)])
+            return 5, generated()
+
+    group_id, scoring = TeacherScoringManager(Manager(), TeacherScorer(GoneTeacher())).next_group()
+    group = asyncio.run(scoring)
+    assert group_id == 5 and group.lost and group.error.startswith("the teacher could not score it: generate: ")
+    assert [s.status for s in group.samples] == [SampleStatus.FAILED] * 2
