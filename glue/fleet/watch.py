@@ -176,15 +176,16 @@ class FleetWatch:
         next_check = time.monotonic() + self.health_interval_s
         while True:
             await asyncio.sleep(self.poll_s)
-            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited) if line.startswith(f"{self._prefix}router")]
+            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited)
+                           if line.startswith(f"{self._prefix}router")]
             if router_gone:
                 raise ProcessDied(router_gone[0])
             for index in await asyncio.to_thread(self.fleet.dead_engines):
                 await self._replace(index, self.fleet.engine_exit(index))
             for index in sorted(self._unanswering):
                 await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered "
-                                           "nothing during "
-                                           f"a weight sync, not even GET /health within {self.health_timeout_s:g} s")
+                                           f"nothing during a weight sync, not even GET /health within "
+                                           f"{self.health_timeout_s:g} s")
             if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
                 for index in await asyncio.to_thread(self._hung_engines):
                     await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) failed "
