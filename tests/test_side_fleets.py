@@ -5,6 +5,7 @@ teacher engine killed mid-run is replaced by the same watch that keeps the polic
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 
@@ -127,21 +128,22 @@ def test_a_teacher_engine_killed_mid_run_is_replaced_and_the_run_finishes_with_n
 
     metrics = tmp_path / "d" / "metrics.jsonl"
     command = [sys.executable, "-m", "launch", "--config", "examples/configs/distill.yaml", f"run.output_dir={tmp_path}",
-               "run.name=d", "run.num_steps=6", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+               "run.name=d", "run.num_steps=60", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
                "rollout.num_engines=1", "teacher.num_engines=2", "cluster.engine=sglang_strict"]
     with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 1,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, seen):
         teachers = [p for p in descendants(proc.pid)
                     if b"teacher_model" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
         assert len(teachers) == 2, teachers
-        os.kill(teachers[1], signal.SIGKILL)  # started second: teacher engine 1; the router sends its work to engine 0
+        os.kill(teachers[1], signal.SIGKILL)  # one of the two; the router sends its work to the other
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     records = read_metrics(metrics)
-    assert [r["step"] for r in records] == list(range(1, 7))
+    assert [r["step"] for r in records] == list(range(1, 61))  # long enough for the replacement to serve
     assert sum(r["rollout/failed_groups"] for r in records) == 0  # every group was scored: by engine 0 meanwhile
     assert records[-1]["fault/teacher_engine_restarts"] == 1 and records[-1]["fault/engine_restarts"] == 0
-    assert any(line.startswith("sluice: teacher engine 1 serves again at") for line in out.splitlines()), out[-2000:]
+    # (tqdm's progress bar shares stdout: the line may follow a bar on the same line)
+    assert re.search(r"sluice: teacher engine [01] serves again at http://127\.0\.0\.1:\d+ with its weights", out), out[-2000:]
 
 
 def test_a_group_the_teachers_fleet_cannot_score_fails_alone_instead_of_ending_the_run():
