@@ -64,8 +64,9 @@ def check_side_fleets(cfg: Any) -> None:
             raise ValueError(f"{name}.gpus={gpus} but {name}.num_engines x tensor_parallel_size = {count} x {tp} = "
                              f"{count * tp}; make them agree (or leave {name}.gpus null)")
         if tp != 1 and cfg.cluster.engine_server == "embedded" and cfg.cluster.engine != "sglang_strict":
-            raise ValueError(f"{name}.tensor_parallel_size={tp}: the embedded engine (CPU) runs one process per engine; "
-                             f"set {name}.tensor_parallel_size=1, cluster.engine=sglang_strict, or cluster.engine=sglang "
+            raise ValueError(f"{name}.tensor_parallel_size={tp}: the embedded engine (CPU) runs one process per "
+                             f"engine; set {name}.tensor_parallel_size=1, cluster.engine=sglang_strict, or "
+                             "cluster.engine=sglang "
                              "on a GPU cluster")
 
 

@@ -1,6 +1,7 @@
 """Engines on their bundles: what an engine process is told of its devices, where its host actor sits, and the start
 of a fleet beside the policy's (`teacher:`, `judge:`) on the bundles the plan gave it (launch.fleet_plan), with the
-devices of those bundles only. The fleets beside are watched with the policy's (glue.fleet.watch.FleetWatch `beside`)."""
+devices of those bundles only. The fleets beside are watched with the policy's (glue.fleet.watch.FleetWatch
+`beside`)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,8 @@
 """The teacher's and the judge's fleets on bundles of their own: planned for GPUs, the distillation and judge recipes
 give the trainer, the policy engines and the teacher / judge engines disjoint devices (in the plan, in Ray's
-placement group: tests/test_launch_cluster.py, and in the rehearsal that models them on CPU); too few GPUs is one line naming the figures; and a
-teacher engine killed mid-run is replaced by the same watch that keeps the policy's engines serving."""
+placement group: tests/test_launch_cluster.py, and in the rehearsal that models them on CPU); too few GPUs is one
+line naming the figures; and a teacher engine killed mid-run is replaced by the same watch that keeps the policy's
+engines serving."""
 import asyncio
 import contextlib
 import os
@@ -56,8 +57,9 @@ def test_a_recipe_planned_for_gpus_gives_trainer_policy_and_its_side_fleet_disjo
     _, rehearsed = resolve(build(SluiceConfig, shrunk.raw, prefix=""))
     assert rehearsed.models_devices and rehearsed.side_fleet(side).tp == fleet.tp  # engine TP 2 stays 2 (strict)
     assert_disjoint(devices_by_role(rehearsed, side))
-    told = [planned_devices_env(rehearsed, e.bundles)["SLUICE_PLANNED_DEVICES"] for e in rehearsed.side_fleet(side).engines]
-    assert told == [",".join(rehearsed.device_of(b) for b in e.bundles) for e in rehearsed.side_fleet(side).engines]
+    engines = rehearsed.side_fleet(side).engines
+    told = [planned_devices_env(rehearsed, e.bundles)["SLUICE_PLANNED_DEVICES"] for e in engines]
+    assert told == [",".join(rehearsed.device_of(b) for b in e.bundles) for e in engines]
     assert not set(",".join(told).split(",")) & set(devices_by_role(rehearsed, side)["trainer"])
 
 
@@ -117,7 +119,7 @@ def test_a_killed_teacher_engine_is_replaced_by_the_watch_beside_the_policys_and
 
 
 @pytest.mark.slow
-@pytest.mark.long  # a whole distillation run (~40 s on 2 cores); the watch's repair of a teacher engine stays in CI above
+@pytest.mark.long  # a whole distillation run (~55 s on 2 cores); the watch's repair of a teacher engine stays in CI
 def test_a_teacher_engine_killed_mid_run_is_replaced_and_the_run_finishes_with_no_group_lost(tmp_path):
     import subprocess
     import sys
@@ -127,7 +129,8 @@ def test_a_teacher_engine_killed_mid_run_is_replaced_and_the_run_finishes_with_n
     from glue.metrics.logger import read_metrics
 
     metrics = tmp_path / "d" / "metrics.jsonl"
-    command = [sys.executable, "-m", "launch", "--config", "examples/configs/distill.yaml", f"run.output_dir={tmp_path}",
+    command = [sys.executable, "-m", "launch", "--config", "examples/configs/distill.yaml",
+               f"run.output_dir={tmp_path}",
                "run.name=d", "run.num_steps=60", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
                "rollout.num_engines=1", "teacher.num_engines=2", "cluster.engine=sglang_strict"]
     with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 1,
@@ -143,7 +146,8 @@ def test_a_teacher_engine_killed_mid_run_is_replaced_and_the_run_finishes_with_n
     assert sum(r["rollout/failed_groups"] for r in records) == 0  # every group was scored: by engine 0 meanwhile
     assert records[-1]["fault/teacher_engine_restarts"] == 1 and records[-1]["fault/engine_restarts"] == 0
     # (tqdm's progress bar shares stdout: the line may follow a bar on the same line)
-    assert re.search(r"sluice: teacher engine [01] serves again at http://127\.0\.0\.1:\d+ with its weights", out), out[-2000:]
+    served = r"sluice: teacher engine [01] serves again at http://127\.0\.0\.1:\d+ with its weights"
+    assert re.search(served, out), out[-2000:]
 
 
 def test_a_group_the_teachers_fleet_cannot_score_fails_alone_instead_of_ending_the_run():
