@@ -13,6 +13,7 @@ from glue.fleet.fleet import RolloutFleet
 from glue.loop.colocation import Disaggregated, make_colocation
 from glue.loop.replay import NoTrainer
 from glue.rewards.shaping import make_reward_shaping
+from glue.rollout.errors import ROLLOUT_ERRORS_LOG, RolloutErrors
 from glue.rollout.manager import RolloutManager, resume_limit
 from glue.rollout.routed_experts import RoutedExpertsLayout
 from glue.trainer.group import TrainerGroup
@@ -153,4 +154,5 @@ def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None)
                               overlong_buffer=cfg.reward.overlong_buffer,
                               overlong_penalty=cfg.reward.overlong_penalty,
                               max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)),
-                          group_rewards=group_rewards)
+                          group_rewards=group_rewards, reward_on_error=cfg.reward.on_error,
+                          errors=RolloutErrors(cfg.run_dir / "logs" / ROLLOUT_ERRORS_LOG))
