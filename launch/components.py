@@ -21,6 +21,7 @@ from launch.cluster import check_paths
 from launch.config import SluiceConfig
 from launch.plan import RunPlan
 from launch.reward_models import start_model_rewards
+from launch.stopping import close_loop
 from launch.tasks import task_args_for
 from launch.teacher import start_teacher
 import weight_sync
@@ -74,7 +75,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     and no bridge (glue.loop.replay.NoTrainer stands in for the trainer)."""
     check_paths(placement, {"the model directory": model_path})
     loop = asyncio.new_event_loop()
-    stack.callback(loop.close)
+    stack.callback(close_loop, loop)  # its pending tasks cancelled first: no asyncio noise on any exit
     fleet = client = bridge = manager = None
     if cfg.run.debug != "train_only":
         fleet, client = start_fleet(cfg, plan, placement, model_path, run_dir, stack, loop, clock)

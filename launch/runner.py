@@ -34,7 +34,7 @@ from launch.plan import RunPlan, resolve
 from launch.preflight import preflight
 from launch.run_dir import export_final_policy, find_checkpoint, plot_run, prepare_model
 from launch.startup import StartupClock
-from launch.stopping import StopSignals
+from launch.stopping import StopSignals, cancel_tasks
 from launch.tasks import eval_task, task_args_for, task_metrics
 
 
@@ -78,9 +78,7 @@ def run(cfg: SluiceConfig) -> Path:
             last_step = loop.run_until_complete(training)
         except KeyboardInterrupt:  # let the loop cancel what is generating before the stack stops the processes
             stop.stopping = True
-            training.cancel()
-            with contextlib.suppress(BaseException):
-                loop.run_until_complete(training)
+            cancel_tasks(loop)  # every task, not only `training`: the signal may land between them
             raise
         finally:
             stop.stopping = True

@@ -61,3 +61,34 @@ class StopSignals:
                                                  "groups checkpointed")
         print(f"\nsluice: {name}: stopping after the step in progress{grace} (send it again to stop at once)",
               file=sys.stderr, flush=True)
+
+
+def cancel_tasks(loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> None:
+    """Cancel every task still pending on `loop` (the loop, the stream, groups, the fleet watch) and let them unwind,
+    so that no task is destroyed pending when the loop closes ("Task was destroyed but it is pending!", "Event loop
+    is closed" from their finally blocks). Each is cancelled once (a second cancel would cut its clean-up short); a
+    task that ignores its cancellation is left after `timeout_s`."""
+    deadline, cancelled = time.monotonic() + timeout_s, set()
+    while True:
+        pending = {task for task in asyncio.all_tasks(loop) if not task.done()}
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            break
+        for task in pending - cancelled:
+            task.cancel()
+        cancelled |= pending
+        try:
+            loop.run_until_complete(asyncio.wait(pending, timeout=left))
+        except KeyboardInterrupt:  # a task the signal landed in re-raises it to whoever awaited it: go on unwinding
+            continue
+    for task in cancelled:  # retrieved, so none is reported as "exception was never retrieved"
+        if task.done() and not task.cancelled():
+            task.exception()
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close the run's event loop on every way out, its pending tasks cancelled first."""
+    if not loop.is_closed():
+        cancel_tasks(loop)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
