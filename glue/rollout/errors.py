@@ -65,11 +65,17 @@ class RolloutErrors:
             self.echo(f"sluice: {name} in {kind[1]} at {at}: {count} times so far (latest: {who}){self._also()}")
         return line
 
-    def record_line(self, line: str, *, group_id: int) -> None:
-        """A failure with no traceback to show (a group cut by its timeout): printed and logged as one line."""
+    def record_line(self, line: str, *, group_id: int, kind: str) -> None:
+        """A failure with no traceback to show (a group cut by its timeout, one left too small): logged as one line,
+        echoed the first time of its `kind` and then at each doubling of its count."""
         with self._lock:
             self._log(f"group {group_id} failed: {line}")
-        self.echo(f"sluice: group {group_id} failed: {line}")
+            self.counts[(kind, "")] += 1
+            count = self.counts[(kind, "")]
+        if count == 1:
+            self.echo(f"sluice: group {group_id} failed: {line}")
+        elif count & (count - 1) == 0:
+            self.echo(f"sluice: group {group_id} failed: {line} ({count} groups so far{self._also()})")
 
     def warn_empty(self, group_id: int, count: int) -> None:
         """Once per run: samples that will be trained with no response tokens."""

@@ -270,7 +270,7 @@ class RolloutManager:
             samples = await asyncio.wait_for(self._run_function(group_id, prompt, where), self.group_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             line = f"{where} timed out after rollout.group_timeout_s={self.group_timeout_s:g} s"
-            self.errors.record_line(line, group_id=group_id)
+            self.errors.record_line(line, group_id=group_id, kind="group_timeout")
             return self._failed(group_id, prompt, line)
         except Exception as err:  # noqa: BLE001 - any error of user code fails its group, not the run
             line = self.errors.record(err, where=where, group_id=group_id)
@@ -281,7 +281,7 @@ class RolloutManager:
             line = (f"{where}: {reward_failures} of its {len(samples)} rewards failed, leaving {left} sample(s) to "
                     "train (a group needs two); first: " + next(s.metadata["error"] for s in samples
                                                               if s.metadata.get("reward_error")))
-            self.errors.record_line(line, group_id=group_id)
+            self.errors.record_line(line, group_id=group_id, kind="too_few_scored")
             return self._failed(group_id, prompt, line)
         empty = sum(1 for s in samples if not s.response_tokens
                     and s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED))
