@@ -2,7 +2,8 @@
 bridge, then the loop.
 
 Everything started here is stopped here (ExitStack), on success, on error, on Ctrl-C and SIGTERM
-(launch.stopping: the first signal stops after the step in progress, a second at once).
+(launch.stopping: the first signal stops after the step in progress, waiting for it at most run.stop_grace_s, a
+second at once).
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from glue.loop.batch import build_train_batch, distillation_batch_builder
 from glue.loop.buffer import RolloutBuffer
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.controller import LoopHooks, LoopParts, never, no_evaluation, run_loop, sync_weights
-from glue.loop.stall import StallWarnings
 from glue.loop.evaluation import Evaluator
 from glue.loop.replay import NoFleet, ReplayStream, SavingStream, check_replay_source
 from glue.loop.staleness import StalenessGate
+from glue.loop.stall import StallWarnings
 from glue.loop.stream import RolloutStream
 from glue.metrics.logger import learning_summary, open_run_logger, read_metrics, run_info
 from glue.rewards.models import reward_model_metrics
@@ -55,7 +56,8 @@ def run(cfg: SluiceConfig) -> Path:
     with contextlib.ExitStack() as stack:
         placement = start_cluster(cfg, plan, stack)
         clock("ray", f"placement: {describe_placement(plan, placement)}")
-        stop = stack.enter_context(StopSignals(cfg.run.stop_grace_s))  # after ray.init, which sets a SIGTERM handler of its own
+        # after ray.init, which sets a SIGTERM handler of its own
+        stop = stack.enter_context(StopSignals(cfg.run.stop_grace_s))
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
                                                                          stack, clock)
         colocation = make_phases(cfg, plan, trainer=trainer, bridge=bridge, fleet=fleet)

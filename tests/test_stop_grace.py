@@ -82,8 +82,8 @@ async def grace_over_after(seconds):
 
 
 def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_groups_had(tmp_path):
-    manager = RolloutManager(function_path="test_stop_grace:tracked_group", task_path="test_stop_grace:HungSecondGroupTask",
-                             client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
+    manager = RolloutManager(function_path="test_stop_grace:tracked_group",
+                             task_path="test_stop_grace:HungSecondGroupTask", client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
     stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
                            buffer=RolloutBuffer(groups_per_step=2), max_groups=4)
     fleet = Fleet()

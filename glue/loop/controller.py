@@ -46,10 +46,10 @@ class LoopHooks:
     restarts), `train_guard(call)` each train step and checkpoint (their trainer collectives never meet a repair's);
     `extra_metrics()` adds to every step's record and `on_step(record)` sees it once logged; `stop()` is asked after
     each step; `await stop_grace_over()` returns once a requested stop has waited its grace (run.stop_grace_s) for
-    the step in progress: a step still waiting on groups then is cut. `await evaluate(step)` runs after each step's sync, when the engines hold a known version (and for
-    step 0 before the first step); what it returns (glue.loop.evaluation: {} unless due) joins the step's record.
-    `build_batch` turns a step's groups into the batch and its metrics (glue.loop.batch's distillation builder adds
-    the teacher's term)."""
+    the step in progress: a step still waiting on groups then is cut. `await evaluate(step)` runs after each step's
+    sync, when the engines hold a known version (and for step 0 before the first step); what it returns
+    (glue.loop.evaluation: {} unless due) joins the step's record. `build_batch` turns a step's groups into the
+    batch and its metrics (glue.loop.batch's distillation builder adds the teacher's term)."""
 
     on_step: Callable[[dict], None] | None = None
     stop: Callable[[], bool] = lambda: False

@@ -44,8 +44,9 @@ class StallWarnings:
                 await asyncio.gather(task, return_exceptions=True)
 
     def line(self, waited_s: float, ages: list[float], *, next_s: float) -> str:
-        """E.g. `sluice: the step has waited 61 s on groups: 3 outstanding, the oldest for 75 s (rollout function
-        'mytask:generate_group', task 'mytask:Task'); rollout.group_timeout_s=600 cuts a group; next notice at 120 s`."""
+        """E.g. `sluice: the step has waited 61 s on groups: 3 outstanding, the oldest for 75 s (rollout
+        function 'mytask:generate_group', task 'mytask:Task'); rollout.group_timeout_s=600 cuts a group; next
+        notice at 120 s`."""
         oldest = f", the oldest for {seconds(max(ages))} s" if ages else ""
         limit = ("no rollout.group_timeout_s: a hung group waits forever" if self.group_timeout_s is None
                  else f"rollout.group_timeout_s={self.group_timeout_s:g} cuts a group")
