@@ -13,6 +13,7 @@ from glue.fleet.fleet import RolloutFleet
 from glue.loop.colocation import Disaggregated, make_colocation
 from glue.loop.replay import NoTrainer
 from glue.rewards.shaping import make_reward_shaping
+from glue.rollout.errors import ROLLOUT_ERRORS_LOG, RolloutErrors
 from glue.rollout.manager import RolloutManager, resume_limit
 from glue.rollout.routed_experts import RoutedExpertsLayout
 from glue.trainer.group import TrainerGroup
@@ -20,6 +21,7 @@ from launch.cluster import check_paths
 from launch.config import SluiceConfig
 from launch.plan import RunPlan
 from launch.reward_models import start_model_rewards
+from launch.stopping import close_loop
 from launch.tasks import task_args_for
 from launch.teacher import start_teacher
 import weight_sync
@@ -73,7 +75,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     and no bridge (glue.loop.replay.NoTrainer stands in for the trainer)."""
     check_paths(placement, {"the model directory": model_path})
     loop = asyncio.new_event_loop()
-    stack.callback(loop.close)
+    stack.callback(close_loop, loop)  # its pending tasks cancelled first: no asyncio noise on any exit
     fleet = client = bridge = manager = None
     if cfg.run.debug != "train_only":
         fleet, client = start_fleet(cfg, plan, placement, model_path, run_dir, stack, loop, clock)
@@ -153,4 +155,5 @@ def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None)
                               overlong_buffer=cfg.reward.overlong_buffer,
                               overlong_penalty=cfg.reward.overlong_penalty,
                               max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)),
-                          group_rewards=group_rewards)
+                          group_rewards=group_rewards, reward_on_error=cfg.reward.on_error,
+                          errors=RolloutErrors(cfg.run_dir / "logs" / ROLLOUT_ERRORS_LOG))

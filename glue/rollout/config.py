@@ -46,7 +46,8 @@ class RolloutConfig:
     buffer_order: Literal["fifo", "newest_first"] = "fifo"  # which finished groups a step takes first once those due by the staleness bound are in (newest_first surfaces fresh data)
     router_policy: str = "round_robin"  # sgl-router load-balancing policy
     engine_startup_timeout_s: float = 120.0  # an engine not healthy by then fails the run with its log tail
-    group_timeout_s: float | None = 3600.0  # a group still generating after this is cut and counted FAILED; null: no limit
+    group_timeout_s: float | None = 600.0  # a group still generating after this is cut and counted FAILED (said at start-up); null: no limit
+    stall_warning_s: float = 60.0  # a step that has waited this long on groups says how many are outstanding, the oldest one's age, and the rollout function and task; again after 2x, 4x, ... as long
     error_masking: bool = False  # multi-turn: a failed turn (malformed tool call, tool error, environment exception) is not trained on, the turns after it are (rollout/masked_error_turns)
     max_failed_frac: float = 0.5  # the run stops when more than this share of a step's groups fail (raise or time out)
     max_engine_restarts: int = 3  # engines that die or hang are restarted this many times per run, then the run stops
@@ -71,6 +72,9 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
         if self.group_timeout_s is not None and not self.group_timeout_s > 0:
             raise ValueError(f"rollout.group_timeout_s must be > 0 or null, got {self.group_timeout_s}")
+        if not self.stall_warning_s > 0:
+            raise ValueError(f"rollout.stall_warning_s must be > 0 (seconds a step waits on groups before it says "
+                             f"so), got {self.stall_warning_s}")
         if not 0 <= self.max_filtered_frac < 1:
             raise ValueError(f"rollout.max_filtered_frac must be in [0, 1), got {self.max_filtered_frac} (at 1 a task "
                              "whose every group has equal rewards would draw prompts forever)")
