@@ -28,6 +28,7 @@ setup(
         "openai>=3.54,<4",  # agents written against the OpenAI client train through the fleet
         "tensorboard>=2.21,<3",  # run.loggers' default: runs/<name>/tensorboard/ event files (torch's SummaryWriter)
         "matplotlib>=3.11,<4",  # runs/<name>/plots/ and `sluice plot`
+        "psutil>=7.2,<8",  # megatron-core's checkpoint writers measure memory with it (no import error: they raise)
     ],
     extras_require={
         "gpu": ["sglang>=0.5.23,<0.6", "transformer-engine"],  # on GPU nodes; transformer-engine: the one sglang and megatron-core agree on

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from glue.loop.batch import build_train_batch, rollout_metrics
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.colocation import Colocation
+from glue.loop.cut import never, save_cut, unless_stopped
 from glue.loop.stream import BatchStream
 from glue.metrics.logger import MetricsLogger, StepTimer
 from glue.types import TrainBatch
@@ -32,10 +33,6 @@ class FleetControl(Protocol):
 
 async def no_evaluation(step: int) -> dict[str, float]:
     return {}
-
-
-async def never() -> None:
-    await asyncio.get_running_loop().create_future()
 
 
 @dataclass(frozen=True)
@@ -126,29 +123,6 @@ async def run_loop(parts: LoopParts, *, num_steps: int, loss_cfg: LossConfig, pa
         return num_steps
     finally:
         await stream.stop()
-
-
-async def unless_stopped(batch: Awaitable[Any], stopped: Awaitable[None]) -> Any | None:
-    """`batch`'s result, or None if `stopped` returns first (then `batch` is cancelled)."""
-    batch_task, stop_task = asyncio.ensure_future(batch), asyncio.ensure_future(stopped)
-    try:
-        await asyncio.wait({batch_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        return batch_task.result() if batch_task.done() else None
-    finally:
-        for task in (batch_task, stop_task):
-            task.cancel()
-        await asyncio.gather(batch_task, stop_task, return_exceptions=True)
-
-
-async def save_cut(parts: LoopParts, step: int) -> None:
-    """A stop cut the step after `step` while it waited on groups: checkpoint `step` with the stream's state (the
-    finished groups in the buffer, and the groups still generating with their samples so far, which a resume issues
-    again and continues). The stream cancels those groups when the loop ends."""
-    if parts.checkpoints is None:
-        return
-    state = {**await parts.stream.checkpoint_state(parts.fleet), "version": parts.trainer.version}
-    await asyncio.to_thread(parts.hooks.train_guard,
-                            lambda: parts.checkpoints.save(step, parts.trainer.save_checkpoint, state))
 
 
 def train_phase(phases: Colocation, trainer: Trainer, batch: TrainBatch) -> dict[str, float]:
