@@ -19,7 +19,8 @@ from glue.fleet.watch import FleetWatch, engine_repair
 from glue.loop.batch import build_train_batch, distillation_batch_builder
 from glue.loop.buffer import RolloutBuffer
 from glue.loop.checkpoint import Checkpoints
-from glue.loop.controller import LoopHooks, LoopParts, never, no_evaluation, run_loop, sync_weights
+from glue.loop.controller import LoopHooks, LoopParts, no_evaluation, run_loop, sync_weights
+from glue.loop.cut import never
 from glue.loop.evaluation import Evaluator
 from glue.loop.replay import NoFleet, ReplayStream, SavingStream, check_replay_source
 from glue.loop.staleness import StalenessGate
