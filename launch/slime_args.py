@@ -19,8 +19,9 @@ from launch.slime_table_algo import ALGO, CHECKPOINT, DEBUG, LOGGING, OTHER, REW
 
 ROWS: list[SlimeArg] = [*CLUSTER, *TRAIN, *ROLLOUT, *DATA, *EVAL, *ALGO, *CHECKPOINT, *REWARD, *LOGGING, *DEBUG,
                         *OTHER, *SCHEDULE, *SHAPE_ARGS]
+PASSED_THROUGH = frozenset({"--lr", "--clip-grad"})  # megatron-core fields with slime's meaning: the megatron group parses them
 BY_NAME = {row.name: row for row in ROWS}
-FLAGS = frozenset(row.flag for row in ROWS)
+FLAGS = frozenset(row.flag for row in ROWS) - PASSED_THROUGH  # parsed by the slime group
 ENV = {"wandb_key": "WANDB_API_KEY", "wandb_host": "WANDB_BASE_URL"}  # given to sluice's environment, not its config
 GROUP_TITLE = "slime (slime's launch arguments as its scripts write them; sluice --help slime)"
 ESTIMATORS = {  # slime --advantage-estimator -> (loss.advantage_estimator, loss.policy_loss, clip fields' prefix)
@@ -38,7 +39,7 @@ LOSS_FLAGS = frozenset(row.name for row in ALGO if row.key.startswith("loss.") a
 def add_slime_flags(parser: argparse.ArgumentParser) -> None:
     """Every row as an option with slime's spelling and arity; values land in dest `slime:<name>`."""
     group = parser.add_argument_group(GROUP_TITLE, "Mapped to sluice config keys; sluice --help slime lists them.")
-    for row in ROWS:
+    for row in (r for r in ROWS if r.flag in FLAGS):
         kwargs: dict[str, Any] = {"dest": f"slime:{row.name}", "default": argparse.SUPPRESS,
                                   "help": f"-> {row.key}".replace("%", "%%")}
         if row.takes == "none":
@@ -254,4 +255,15 @@ def help_table(width: int = 118) -> str:
             if row.note:
                 lines += textwrap.wrap(row.note, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         lines.append("")
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The table of docs/from_slime.md: one row per argument, by slime's group (a test keeps the docs equal to it)."""
+    lines = ["| slime argument | sluice config key | note |", "|---|---|---|"]
+    for group in dict.fromkeys(row.group for row in ROWS):
+        lines.append(f"| **{group}** | | |")
+        for row in (r for r in ROWS if r.group == group):
+            note = row.note.replace("|", "\\|")
+            lines.append(f"| `{row.flag}` | {row.key if row.key == '-' else f'`{row.key}`'} | {note} |")
     return "\n".join(lines)

@@ -147,7 +147,9 @@ def check_shape(shape: dict[str, Any], hf_config: Any, where: str) -> None:
             value = [int(i % value == 0) for i in range(hf_config.num_hidden_layers)]  # Megatron-LM's N form
         if not _same(value, expected):
             given = flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {_shown(value)}"
-            raise ValueError(f"{given} does not match {where}: {attr} is {_shown(expected)}; the trainer builds the "
+            says = f"{attr} is {_shown(expected)}" if not isinstance(expected, bool) else \
+                f"{attr.split()[0]} is {getattr(hf_config, attr.split()[0], None)}"
+            raise ValueError(f"{given} does not match {where}: {says}; the trainer builds the "
                              "model from config.json, so drop the flag or point model.path (--hf-checkpoint) at the "
                              "checkpoint it describes")
 

@@ -46,7 +46,7 @@ def test_help_groups_megatron_sglang_and_router_flags(help_text):
                  "--sglang-mem-fraction-static", "--sglang-enable-memory-saver", "--router-request-timeout-secs"):
         assert f"  {flag}" in help_text, flag
     titles = [line for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert [t.split()[0] for t in titles] == ["sluice:", "megatron-core", "sglang", "router"], titles
+    assert [t.split()[0] for t in titles] == ["sluice:", "slime", "megatron-core", "sglang", "router"], titles
 
 
 def test_a_megatron_flag_value_arrives_unchanged_in_the_transformer_config(tiny_model_dir):
@@ -126,7 +126,8 @@ MALFORMED = [
     (["--expert-model-parallel-size", "3"], "expert layout ETP x EP = 1 x 3 must divide TP x CP x DP"),
     (["run.num_stepz=2"], "unknown config key 'run.num_stepz'; did you mean 'run.num_steps'"),
     (["trainer.megatron.sequence_paralel=true"], "did you mean 'sequence_parallel'"),
-    (["--num-layers", "4"], "comes from the checkpoint's config.json (num_hidden_layers)"),
+    (["--num-layers", "4"], "--num-layers 4 does not match model.tiny's config: num_hidden_layers is 2"),
+    (["trainer.megatron.num_layers=4"], "comes from the checkpoint's config.json (num_hidden_layers)"),
     (["--sglang-tp-size", "2"], "--sglang-tp-size (sglang.tp_size) is set by sluice itself; use cluster.engine_tensor_parallel_size"),
     (["--sglang-model-path", "/m"], "use model.path"),
     (["--router-policy", "random"], "use rollout.router_policy"),
