@@ -239,3 +239,30 @@ def test_help_slime_lists_every_row_with_its_sluice_key_and_the_main_help_points
 def test_docs_from_slime_lists_the_table_as_the_code_has_it():
     text = (REPO / "docs/from_slime.md").read_text()
     assert slime_args.markdown_table() in text
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_8b_dense", "qwen3_30b_a3b_moe"])
+def test_a_slime_shaped_launch_script_is_the_same_run_as_the_recipe_it_rewrites(recipe, tmp_path):
+    """launch/scripts/slime_<recipe>.sh, in slime's argument groups, resolves to the config of <recipe>.sh (which
+    `make rehearse` runs like every other script); only the model-shape flags it adds, checked against config.json,
+    and spellings of the same values differ."""
+    from launch.config import build, to_dict
+    from launch.rehearse import load_recipe, raw_config
+
+    def resolved(name):
+        return to_dict(build(SluiceConfig, raw_config(load_recipe(f"launch/scripts/{name}.sh", tmp_path / name).argv),
+                             prefix=""))
+
+    original, slime = resolved(recipe), resolved(f"slime_{recipe}")
+    assert slime["model"].pop("shape")["num_layers"] == {"qwen3_8b_dense": 36, "qwen3_30b_a3b_moe": 48}[recipe]
+    assert original["model"].pop("shape") == {}
+    # the same engine GPUs, given (slime's --rollout-num-gpus) or left to num_engines x TP
+    assert slime["cluster"]["engine_gpus"] == original["rollout"]["num_engines"] * \
+        original["cluster"]["engine_tensor_parallel_size"]
+    original["cluster"]["engine_gpus"] = slime["cluster"]["engine_gpus"]
+    # TextDataTask's own defaults, written out by the slime arguments (--apply-chat-template, --rollout-shuffle)
+    original["rollout"]["task_args"].update(apply_chat_template=True, shuffle=True)
+    # --bf16 alone is bf16 weights (trainer.precision: auto); megatron's --optimizer adam is what the trainer runs
+    original["trainer"]["megatron"].pop("params_dtype", None)
+    slime["trainer"]["megatron"].pop("optimizer")
+    assert slime == original
