@@ -259,7 +259,7 @@ def compose(path: str | Path | None = None, overrides: list[str] = (), flags: di
         for item in overrides:
             apply_override(context, item)
         try:
-            translation = slime_args.translate(slime, context)
+            translation = slime_args.translate(slime, context, loggers=tuple(RunConfig().loggers))
         except ValueError as err:
             raise ConfigError(str(err)) from None
         slime_args.apply(raw, translation)

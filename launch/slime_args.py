@@ -12,6 +12,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from glue.rollout.config import RolloutConfig
 from launch.slime_megatron import SCHEDULE, SHAPE_ARGS
 from launch.slime_spec import SlimeArg
 from launch.slime_table import CLUSTER, DATA, EVAL, ROLLOUT, RM_TYPES, TRAIN
@@ -69,9 +70,10 @@ def environment(given: dict[str, Any]) -> dict[str, str]:
     return {ENV[name]: str(value) for name, value in given.items() if name in ENV}
 
 
-def translate(given: dict[str, Any], context: dict[str, Any]) -> Translation:
+def translate(given: dict[str, Any], context: dict[str, Any], *, loggers: tuple[str, ...] = ()) -> Translation:
     """`given` (slime values by name) in `context` (the run config mapping with everything else applied: YAML,
-    pass-through flags, overrides). Raises ValueError naming the flag and what to use instead."""
+    pass-through flags, overrides); `loggers`: run.loggers' default. Raises ValueError naming the flag and what to
+    use instead."""
     out = Translation()
     for name, value in given.items():
         row = BY_NAME[name]
@@ -82,8 +84,9 @@ def translate(given: dict[str, Any], context: dict[str, Any]) -> Translation:
     here = copy.deepcopy(context)
     for key, value in out.values.items():
         put(here, key, value)
-    for derive in (cluster, batches, loss_family, loggers):
+    for derive in (cluster, batches, loss_family):
         out.values.update(derive(given, here, out.notes))
+    out.values.update(run_loggers(given, here, loggers))
     out.defaults.update(slime_defaults(given, context))
     if out.values.get("cluster.placement") == "colocated" and out.values["rollout.num_engines"] > 1 \
             and not has(here, "sync.transport"):
@@ -133,8 +136,6 @@ def cluster(given: dict[str, Any], here: dict[str, Any], notes: list[str]) -> di
 def batches(given: dict[str, Any], here: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     """--global-batch-size (samples per optimizer step) -> optimizer steps per rollout; dynamic batch size ->
     packed micro-batches."""
-    from glue.rollout.config import RolloutConfig  # light: a dataclass
-
     out: dict[str, Any] = {}
     if "global_batch_size" in given:
         r, gbs = here.get("rollout", {}), given["global_batch_size"]
@@ -180,13 +181,12 @@ def loss_family(given: dict[str, Any], here: dict[str, Any], notes: list[str]) -
     return out
 
 
-def loggers(given: dict[str, Any], here: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    from launch.config import RunConfig  # the defaults of run.loggers
-
+def run_loggers(given: dict[str, Any], here: dict[str, Any], default: tuple[str, ...]) -> dict[str, Any]:
+    """--use-wandb / --use-tensorboard add their logger to run.loggers (`default` when the run config has none)."""
     wanted = [name for flag, name in (("use_tensorboard", "tensorboard"), ("use_wandb", "wandb")) if given.get(flag)]
     if not wanted:
         return {}
-    current = list(here.get("run", {}).get("loggers") or RunConfig().loggers)
+    current = list(here.get("run", {}).get("loggers") or default)
     return {"run.loggers": current + [name for name in wanted if name not in current]}
 
 

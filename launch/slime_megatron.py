@@ -61,25 +61,25 @@ def _head_dim(hf: Any) -> int:
 
 
 def _rope_base(hf: Any) -> float:
-    from glue.trainer.model import rope_theta  # lazy: torch
+    from glue.trainer.model import rope_theta  # lazy: glue.trainer.model imports torch
 
     return rope_theta(hf)
 
 
 def _experts(hf: Any) -> int:
-    from weight_sync.convert.names import num_experts
+    from weight_sync.convert.names import num_experts  # lazy: weight_sync.convert imports torch
 
     return num_experts(hf)
 
 
 def _moe_layers(hf: Any) -> list[int]:
-    from weight_sync.convert.names import is_moe_layer
+    from weight_sync.convert.names import is_moe_layer  # lazy: weight_sync.convert imports torch
 
     return [int(is_moe_layer(hf, i)) for i in range(hf.num_hidden_layers)]
 
 
 def _tied(hf: Any) -> bool:
-    from weight_sync.convert.names import is_tied
+    from weight_sync.convert.names import is_tied  # lazy: weight_sync.convert imports torch
 
     return is_tied(hf)
 
