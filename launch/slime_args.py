@@ -34,7 +34,7 @@ SLIME_DEFAULTS = {"actor_num_nodes": 1, "actor_num_gpus_per_node": 8, "rollout_n
                   "num_gpus_per_node": 8, "lr": 1e-6}
 CLUSTER_FLAGS = ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "num_gpus_per_node", "colocate")
 EVAL_FLAGS = frozenset(row.name for row in EVAL)
-LOSS_FLAGS = frozenset(row.name for row in ALGO if row.key.startswith("loss.") and row.name != "kl_coef")
+LOSS_FLAGS = frozenset(row.name for row in ALGO if row.key.startswith("loss."))
 
 
 def add_slime_flags(parser: argparse.ArgumentParser) -> None:
@@ -267,3 +267,7 @@ def markdown_table() -> str:
             note = row.note.replace("|", "\\|")
             lines.append(f"| `{row.flag}` | {row.key if row.key == '-' else f'`{row.key}`'} | {note} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # `python -m launch.slime_args`: the table of docs/from_slime.md
+    print(markdown_table())

@@ -76,6 +76,19 @@ def data_source(path: str, given: dict) -> dict:
     return {}
 
 
+def weight_mode(mode: str, given: dict) -> dict:
+    if mode != "full":
+        raise ValueError(f"--update-weight-mode {mode}: no sluice equivalent; sync.delta: true sends changed elements "
+                         "on broadcast to embedded engines")
+    return {}
+
+
+def weight_transport(name: str, given: dict) -> dict:
+    if name not in ("nccl", "disk"):
+        raise ValueError(f"--update-weight-transport {name}: choose nccl or disk")
+    return {"sync.transport": "disk"} if name == "disk" else {}
+
+
 def kl_estimator(name: str) -> str:
     return "k3" if name == "low_var_kl" else name
 
@@ -117,10 +130,11 @@ CLUSTER = [
 TRAIN = [
     no("--qwen-gdn-backend", "train", "the trainer builds llama, qwen2, qwen3 and qwen3_moe (no linear attention)"),
     no("--train-env-vars", "train", "export the variables before sluice starts; Ray passes them to the trainer"),
-    no("--update-weight-mode", "train", "sync.delta: true sends changed elements on broadcast to embedded engines"),
-    SlimeArg("--update-weight-transport", "train", "sync.transport", "one", str,
-             lambda v, given: {"sync.transport": {"nccl": "broadcast", "disk": "disk"}[v]},
-             "nccl -> broadcast (null: ipc when colocated), disk -> disk"),
+    SlimeArg("--update-weight-mode", "train", "-", "one", str, weight_mode,
+             "full (slime's default, sluice's too); delta has no equivalent: sync.delta: true sends changed elements "
+             "on broadcast to embedded engines"),
+    SlimeArg("--update-weight-transport", "train", "sync.transport", "one", str, weight_transport,
+             "nccl (slime's default): sluice's default (broadcast, or CUDA IPC when colocated); disk -> disk"),
     no("--release-train", "train", "the trainer stays resident (colocated placement offloads it)", takes="none"),
     to("--update-weight-disk-dir", "sync.disk_dir", "train"),
     no("--update-weight-disk-keep-files", "train", "the disk transport keeps no old checkpoints", takes="none"),
