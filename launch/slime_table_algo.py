@@ -1,4 +1,5 @@
-"""slime's algorithm (GRPO / loss), checkpoint, reward, logging and debugging arguments (slime/utils/arguments.py),
+"""slime's algorithm (GRPO / loss), checkpoint, reward, logging and debugging arguments (slime/utils/arguments.py;
+its own --sglang-router-* ones from slime/backends/sglang_utils/arguments.py),
 each mapped to sluice's config or refused in one line; the loss family rows are `derived` (launch.slime_args)."""
 from __future__ import annotations
 
@@ -160,6 +161,12 @@ OTHER = [
     no("--ci-train-rollout-logprob-abs-diff-threshold", "ci", "sluice's own tests (make test)", scalar=float),
     no("--ci-save-grad-norm", "ci", "sluice's own tests (make test)"),
     no("--ci-load-grad-norm", "ci", "sluice's own tests (make test)"),
+    no("--sglang-router-ip", "sglang", "sluice starts its own sgl-router (--router-* options reach it)"),
+    no("--sglang-router-port", "sglang", "sluice starts its own sgl-router (--router-* options reach it)", scalar=int),
+    to("--sglang-router-request-timeout-secs", "router.request_timeout_secs", "sglang", int),
+    no("--sglang-server-concurrency", "sglang", "rollout.max_concurrent_groups bounds the groups in flight, "
+                                                "--sglang-max-running-requests each engine's requests", scalar=int),
+    no("--prefill-num-servers", "sglang", "prefill / decode disaggregated engines are not planned", scalar=int),
     no("--custom-config-path", "misc", "a YAML run config (--config) with section.key values"),
     no("--padded-vocab-size", "misc", "the vocabulary is config.json's", scalar=int),
 ]
