@@ -1,10 +1,11 @@
-"""`sluice --config run.yaml [section.key=value ...] [--<megatron-field> ...] [--sglang-* ...] [--router-* ...]
-[--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit).
+"""`sluice --config run.yaml [section.key=value ...] [--<slime argument> ...] [--<megatron-field> ...] [--sglang-* ...]
+[--router-* ...] [--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit).
 `sluice plot RUN_DIR [--out DIR]`: draw a run's metrics.jsonl as PNGs (glue.metrics.plots), during or after the run."""
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any, NoReturn
 from glue.fleet.fleet import ProcessDied
 from glue.loop.stream import RolloutFailed
 from glue.metrics.plots import write_plots
-from launch import sglang_args
+from launch import sglang_args, slime_args
 from launch.cluster import ClusterError
 from launch.config import ConfigError, load_config, merge, to_dict
 from launch.help import config_reference
@@ -22,7 +23,8 @@ from launch.options import add_options, likely_takes
 from launch.plan import resolve
 from launch.router_args import router_options
 
-USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
+USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<slime argument> ...] "
+         "[--<megatron flag> ...] "
          "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
 
 
@@ -50,7 +52,8 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
         own = parser.add_argument_group("sluice")
         own.add_argument("-h", "--help", nargs="?", const="config", metavar="TOPIC",
                          help="this help with every config key; TOPIC megatron, sglang or router lists that backend's "
-                              "pass-through options instead")
+                              "pass-through options instead; TOPIC slime lists slime's launch arguments and the "
+                              "sluice keys they set")
         own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, eval, "
                                           "cluster, sft, sglang, router)")
         own.add_argument("--dry-run", action="store_true",
@@ -58,8 +61,10 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
                               "ports and placement, print the config and the plan (ranks, engine and router commands, "
                               "weight group and bytes per sync), and exit without starting anything; a model directory "
                               "holding config.json alone is enough to plan")
+    if own_flags and "megatron" in backends:  # slime's spellings first: they own the Megatron-LM ones they share
+        slime_args.add_slime_flags(parser)
     if "megatron" in backends:
-        add_megatron_flags(parser)
+        add_megatron_flags(parser, skip=slime_args.FLAGS if own_flags else frozenset())
     if "sglang" in backends:
         sglang = sglang_args.sglang_options()
         group = parser.add_argument_group(
@@ -81,6 +86,8 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
 def help_text(topic: str) -> str:
     """`sluice --help`: usage, sluice's flags, every config key with its default and doc, and how to list the
     backends' options; `sluice --help megatron|sglang|router`: that backend's group alone."""
+    if topic == "slime":
+        return slime_args.help_table()
     if topic in BACKENDS:
         return build_parser((topic,), own_flags=False).format_help()
 
@@ -90,21 +97,24 @@ def help_text(topic: str) -> str:
     return "\n".join([build_parser(()).format_help().rstrip(), "", "config keys (YAML section.key, or "
                       "section.key=value on the command line):", *config_reference(), "",
                       "backend pass-through options: " + " | ".join(f"sluice --help {name} ({n} options)"
-                                                                     for name, n in counts.items()), ""])
+                                                                     for name, n in counts.items()),
+                      f"slime's launch arguments: sluice --help slime ({len(slime_args.ROWS)} arguments, "
+                      "docs/from_slime.md)", ""])
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections."""
+    """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections, `args.slime`
+    slime's arguments by name (launch.slime_args), `args.env` the environment variables some of them stand for."""
     parser = build_parser()
     args, rest = parser.parse_known_args(_overrides_first(argv, parser))
     if args.help is not None:
-        if args.help not in ("config", *BACKENDS):
-            parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}")
+        if args.help not in ("config", *BACKENDS, "slime"):
+            parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}, slime")
         print(help_text(args.help), end="")
         parser.exit(0)
     rest, verbatim = _unparsed_sglang(rest)
     flags: dict[str, Any] = {"sglang": verbatim} if verbatim else {}
-    megatron = {}
+    megatron, slime = {}, {}
     for dest, value in list(vars(args).items()):
         section, sep, key = dest.partition(":")
         if not sep:
@@ -112,11 +122,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         delattr(args, dest)
         if section == "megatron":
             megatron[key] = value
+        elif section == "slime":
+            slime[key] = value
         else:
             flags.setdefault(section, {})[key] = value
     if megatron:
         merge(flags, route(megatron))
     args.flags = flags
+    args.env = slime_args.environment(slime)
+    args.slime = {name: value for name, value in slime.items() if name not in slime_args.ENV}
     return args, _overrides(rest, parser)
 
 
@@ -177,7 +191,8 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
             known = [s for a in parser._actions for s in a.option_strings]  # argparse has no public list
             guess = difflib.get_close_matches(item.partition("=")[0], known, n=1)
             hint = f"; did you mean {guess[0]}?" if guess else ""
-            parser.error(f"unrecognised option {item!r}: not a sluice, megatron, --sglang-* or --router-* flag{hint}")
+            parser.error(f"unrecognised option {item!r}: not a sluice, slime, megatron, --sglang-* or --router-* "
+                         f"flag{hint}")
         if item.startswith("--") and "=" not in item:
             if i + 1 >= len(rest):
                 parser.error(f"{item} needs a value")
@@ -245,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help, or a one-line argparse error already printed
         return int(done.code or 0)
     try:
-        cfg, plan = resolve(load_config(args.config, overrides, args.flags))
+        os.environ.update(args.env)  # --wandb-key and the like: the run's environment, never its config
+        cfg, plan = resolve(load_config(args.config, overrides, args.flags, args.slime))
     except (ConfigError, FileNotFoundError) as err:
         print(f"sluice: config error: {err}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ from typing import Any
 from launch.config import SluiceConfig
 
 TOPICS = {"config": "every config key (the default)", "megatron": "megatron-core flags",
-          "sglang": "SGLang server options (--sglang-*)", "router": "sgl-router options (--router-*)"}
+          "sglang": "SGLang server options (--sglang-*)", "router": "sgl-router options (--router-*)",
+          "slime": "slime's launch arguments and the sluice keys they set"}
 
 
 @functools.cache
