@@ -71,7 +71,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     """Fleet, engine client, trainer, weight bridge, rollout manager and the event loop. `run.debug` leaves one
     side out: train_only starts no engines (fleet, client, bridge and manager are None), rollout_only no trainer
     and no bridge (glue.loop.replay.NoTrainer stands in for the trainer)."""
-    check_paths(placement, {"the model directory": model_path})
+    check_paths(placement, {"the model directory": model_path, **reference_paths(cfg, model_path)})
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
     fleet = client = bridge = manager = None
@@ -87,6 +87,18 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     if fleet is not None and cfg.teacher is not None:  # on-policy distillation: the teacher scores every group
         manager = start_teacher(cfg, plan, manager, model_path, run_dir, stack, loop, clock)
     return fleet, client, trainer, bridge, manager, loop
+
+
+def reference_paths(cfg: SluiceConfig, model_path: str) -> dict[str, str]:
+    """`trainer.ref_load` when the KL term reads it, checked here (one line, before any actor starts) for every node
+    to see."""
+    if cfg.trainer.ref_load is None or not cfg.loss.kl_loss_coef > 0:
+        return {}
+    from glue.trainer.reference import check_same_shapes, resolve_ref_load
+
+    ref = resolve_ref_load(cfg.trainer.ref_load)
+    check_same_shapes(ref, model_path)
+    return {"trainer.ref_load": ref.path}
 
 
 def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,

@@ -36,7 +36,7 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
               check_layer_spec(trainer, elsewhere=elsewhere), check_transformer_engine(trainer, elsewhere=elsewhere),
               describe_attention(trainer, cfg.cluster.uses_gpus), check_memory(cfg), check_data(cfg),
               check_weight_groups(cfg, plan), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
-              check_placement(cfg, plan, here=here),
+              check_placement(cfg, plan, here=here), check_ref_load(cfg, elsewhere=elsewhere),
               *([check_teacher(cfg)] if cfg.teacher is not None else [])]
     return [line for line in checks if line is not None]
 
@@ -85,6 +85,27 @@ def _load(path: str, what: str):
         raise ConfigError(str(err)) from None
     except Exception as err:  # the module itself failed: a SyntaxError, an exception at import time
         raise ConfigError(f"{what}: importing {path!r} failed: {type(err).__name__}: {err}") from None
+
+
+def check_ref_load(cfg: SluiceConfig, *, elsewhere: bool = False) -> str:
+    """`trainer.ref_load` (the KL term's reference policy) is a checkpoint the trainer can read, of the policy's
+    architecture. A dry run planning for other machines reports a folder it cannot see instead of refusing it."""
+    from glue.trainer.reference import check_same_shapes, resolve_ref_load  # lazy: torch
+
+    path = cfg.trainer.ref_load
+    if path is None:
+        return "reference: the initial policy" if cfg.loss.kl_loss_coef > 0 else "reference: none (no KL loss)"
+    if not cfg.loss.kl_loss_coef > 0:
+        return f"reference: trainer.ref_load={path} not read (loss.kl_loss_coef is 0: no KL loss term)"
+    if elsewhere and not Path(path).exists():
+        return f"reference: trainer.ref_load={path} is not on this machine; checked at start-up"
+    try:
+        ref = resolve_ref_load(path)
+        if cfg.model.path is not None:
+            check_same_shapes(ref, cfg.model.path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    return f"reference: {ref.kind} checkpoint {ref.path} (trainer.ref_load)"
 
 
 def check_eval(cfg: SluiceConfig, placement: str) -> str:
