@@ -15,7 +15,9 @@ from glue.loop.replay import NoTrainer
 from glue.rewards.shaping import make_reward_shaping
 from glue.rollout.manager import RolloutManager, resume_limit
 from glue.rollout.routed_experts import RoutedExpertsLayout
+from glue.rollout.slime_compat import SlimeFunctions
 from glue.trainer.group import TrainerGroup
+from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.cluster import check_paths
 from launch.config import SluiceConfig
 from launch.plan import RunPlan
@@ -94,8 +96,6 @@ def reference_paths(cfg: SluiceConfig, model_path: str) -> dict[str, str]:
     to see."""
     if cfg.trainer.ref_load is None or not cfg.loss.kl_loss_coef > 0:
         return {}
-    from glue.trainer.reference import check_same_shapes, resolve_ref_load
-
     ref = resolve_ref_load(cfg.trainer.ref_load)
     check_same_shapes(ref, model_path)
     return {"trainer.ref_load": ref.path}
@@ -148,8 +148,22 @@ def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contex
     return bridge
 
 
+def make_slime_functions(cfg: SluiceConfig, client, model_path: str):
+    """rollout.slime's and reward.slime's functions (glue.rollout.slime_compat), or None when neither is set."""
+    if not cfg.rollout.slime.enabled and cfg.reward.slime.function is None:
+        return None
+    return SlimeFunctions(client=client, model_path=model_path, sampling_params=cfg.rollout.sampling.to_sglang(),
+                          samples_per_prompt=cfg.rollout.samples_per_prompt,
+                          prompts_per_step=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
+                          generate_function=cfg.rollout.slime.generate_function,
+                          rollout_function=cfg.rollout.slime.rollout_function,
+                          reward_function=cfg.reward.slime.function)
+
+
 def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None):
-    return RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
+    slime = make_slime_functions(cfg, client, model_path)
+    return RolloutManager(slime=slime, reward_fn=slime.reward if slime is not None and slime.reward_fn else None,
+                          function_path=cfg.rollout.function, task_path=cfg.rollout.task,
                           task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
                           client=client,
                           sampling_params=cfg.rollout.sampling.to_sglang(),

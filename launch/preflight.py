@@ -16,6 +16,7 @@ from typing import Any
 
 from glue.plugins import check_signature, load_object
 from glue.rewards.judge import load_parser
+from glue.rollout.slime_compat import load_slime_functions
 from launch.config import ConfigError, SluiceConfig
 from launch.memory_plan import check_memory
 from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, check_transformer_engine,
@@ -67,6 +68,7 @@ def check_plugins(cfg: SluiceConfig) -> str:
 
         raise ConfigError(NO_ROUTING)
     _load(cfg.rollout.task, "rollout.task")
+    slime = check_slime_functions(cfg)
     if cfg.eval.enabled:
         _load(eval_task(cfg)[0], "eval.task")
     if cfg.judge is not None:
@@ -74,7 +76,22 @@ def check_plugins(cfg: SluiceConfig) -> str:
             load_parser(cfg.judge.parser)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
-    return f"plugins: {cfg.rollout.function} and {cfg.rollout.task} import"
+    return f"plugins: {cfg.rollout.function} and {cfg.rollout.task} import{slime}"
+
+
+def check_slime_functions(cfg: SluiceConfig) -> str:
+    """rollout.slime's and reward.slime's functions import and fit slime's contracts ('' when none is set)."""
+    paths = {"generate_function": cfg.rollout.slime.generate_function,
+             "rollout_function": cfg.rollout.slime.rollout_function, "reward_function": cfg.reward.slime.function}
+    if not any(paths.values()):
+        return ""
+    try:
+        load_slime_functions(*paths.values())
+    except (ImportError, AttributeError, OSError, TypeError, ValueError) as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    except Exception as err:  # the module itself failed at import
+        raise ConfigError(f"slime function: importing failed: {type(err).__name__}: {err}") from None
+    return "; slime functions " + ", ".join(p for p in paths.values() if p) + " fit slime's contracts"
 
 
 def _load(path: str, what: str):

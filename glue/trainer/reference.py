@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from glue.trainer.checkpointing import DIST
+from glue.trainer.checkpointing import DIST, load_module
 
 # config.json fields that decide the parameter shapes: a reference that differs in one cannot share the policy's model
 SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -86,14 +86,12 @@ def check_same_shapes(ref: RefCheckpoint, policy_dir: str) -> None:
 def load_reference(reference: Any, ref: RefCheckpoint, hf_config: Any, layout: Any) -> None:
     """Collective for a sluice checkpoint (every rank reads its shards of `dist/`, resharded to its layout); the
     weights only, never the optimizer state."""
-    from glue.trainer import model
+    from glue.trainer import model  # lazy: megatron (the launcher imports this module to check the folder)
 
     if ref.kind == "hf":
         model.load_hf_weights(reference, ref.path, hf_config, layout)
         return
     from megatron.core import dist_checkpointing
-
-    from glue.trainer.checkpointing import load_module
 
     dist = os.path.join(ref.path, DIST)
     loaded = dist_checkpointing.load({"model": reference.sharded_state_dict()}, dist)["model"]
