@@ -104,14 +104,14 @@ def _load(path: str, what: str):
         raise ConfigError(f"{what}: importing {path!r} failed: {type(err).__name__}: {err}") from None
 
 
-def check_ref_load(cfg: SluiceConfig, *, elsewhere: bool = False) -> str:
+def check_ref_load(cfg: SluiceConfig, *, elsewhere: bool = False) -> str | None:
     """`trainer.ref_load` (the KL term's reference policy) is a checkpoint the trainer can read, of the policy's
     architecture. A dry run planning for other machines reports a folder it cannot see instead of refusing it."""
     from glue.trainer.reference import check_same_shapes, resolve_ref_load  # lazy: torch
 
     path = cfg.trainer.ref_load
     if path is None:
-        return "reference: the initial policy" if cfg.loss.kl_loss_coef > 0 else "reference: none (no KL loss)"
+        return "reference: the initial policy, model.path (KL loss)" if cfg.loss.kl_loss_coef > 0 else None
     if not cfg.loss.kl_loss_coef > 0:
         return f"reference: trainer.ref_load={path} not read (loss.kl_loss_coef is 0: no KL loss term)"
     if elsewhere and not Path(path).exists():
