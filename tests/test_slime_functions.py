@@ -150,11 +150,35 @@ def test_tool_tokens_take_the_version_of_the_turn_before_and_recorded_answers_st
     calls = [slime_shim.GenerateCall(input_len=2, output_ids=[10, 11], versions=[3, 4]),
              slime_shim.GenerateCall(input_len=6, output_ids=[12, 13], versions=[5, 5]),
              slime_shim.GenerateCall(input_len=2, output_ids=[99], versions=[9])]  # another sample's answer
-    assert token_versions(sample, calls, fallback=None, where="w") == ([3, 4, 4, 4, 5, 5], 0)
-    # nothing recorded: the engines' version when the group started, counted
-    assert token_versions(sample, [], fallback=7, where="w") == ([7] * 6, 6)
+    assert token_versions(sample, calls) == [3, 4, 4, 4, 5, 5]
+    assert token_versions(sample, []) is None  # the adapter then takes the engines' version at the group's start
+
+
+def test_a_function_that_records_no_version_gets_the_engines_version_at_the_group_start():
+    from glue.rollout.slime_compat import SlimeFunctions
+
+    async def unrecorded(args, sample, sampling_params):
+        sample.tokens += [5, 6]
+        sample.response_length, sample.rollout_log_probs, sample.reward = 2, [-1.0, -1.0], 1.0
+        sample.status = Sample.Status.COMPLETED
+        return sample
+
+    class Engines:
+        router_url, answers = "http://127.0.0.1:1", [["4", "3"]]
+
+        def weight_versions(self):
+            return self.answers.pop(0)
+
+    sys.modules["slime_unrecorded_for_test"] = SimpleNamespace(generate=unrecorded)
+    ctx = SimpleNamespace(group_id=0, max_resumes=0, sampling_for=lambda i: {"max_new_tokens": 4})
+    fns = SlimeFunctions(client=Engines(), model_path="/nonexistent", sampling_params={"max_new_tokens": 4},
+                         samples_per_prompt=2, prompts_per_step=1, seed=0,
+                         generate_function="slime_unrecorded_for_test:generate")
+    samples = asyncio.run(fns.generate_group(ctx, {"prompt_tokens": [1]}, 2))
+    assert [(s.versions, s.metadata["unrecorded_version_tokens"]) for s in samples] == [([3, 3], 2)] * 2
+    Engines.answers = []  # the engines cannot say: the group fails naming the way out
     with pytest.raises(ValueError, match="no weight version is known .* slime.utils.http_utils.post"):
-        token_versions(sample, [], fallback=None, where="w")
+        asyncio.run(fns.generate_group(ctx, {"prompt_tokens": [1]}, 2))
 
 
 def test_append_response_tokens_keeps_slime_s_fields_and_stamps_versions_from_meta_info():
@@ -260,3 +284,31 @@ def test_the_docs_slime_config_names_the_adapter_and_the_reward(tmp_path):
     assert cfg.rollout.function == "rollout_fns.slime_compat:generate_group"
     assert (cfg.rollout.slime.generate_function, cfg.reward.slime.function) == \
         ("generate_with_retool.generate", "generate_with_retool.reward_func")
+
+
+def test_a_slime_reward_function_scores_sluice_s_own_samples_with_texts_and_label(text_model_dir, tokenizer):
+    from glue.rollout.slime_compat import SlimeFunctions
+    from glue.types import Sample as SluiceSample
+
+    fns = SlimeFunctions(client=None, model_path=text_model_dir, sampling_params={"max_new_tokens": 4},
+                         samples_per_prompt=2, prompts_per_step=1, seed=0,
+                         reward_function="test_slime_functions:reward_func")
+    prompt, answer = tokenizer("What is 2+2?").input_ids, tokenizer(" it is 4").input_ids
+    sample = SluiceSample(prompt_tokens=prompt, metadata={"label": "4"})
+    sample.append_response(answer, [-1.0] * len(answer), version=0)
+    SEEN.clear()
+    assert asyncio.run(fns.reward(sample)) == pytest.approx(1 / 8 + 1.0)  # one digit in " it is 4", and the label
+    assert SEEN[0]["label"] == "4" and SEEN[0]["masked"] == 0
+
+
+def test_dry_run_refuses_a_slime_function_path_that_does_not_load_in_one_line(capsys, tmp_path):
+    from launch.cli import main
+
+    argv = ["--dry-run", "--config", "examples/configs/demo.yaml"]
+    assert main([*argv, f"rollout.slime.generate_function={tmp_path}/gen.py:generate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"rollout.slime.generate_function: '{tmp_path}/gen.py:generate': no such file" in err[0]
+    assert main([*argv, "rollout.slime.generate_function=test_slime_functions:generate_with_tool",
+                 "reward.slime.function=test_slime_functions:reward_func"]) == 0
+    assert "slime functions test_slime_functions:generate_with_tool, test_slime_functions:reward_func fit" in \
+        capsys.readouterr().out
