@@ -85,6 +85,10 @@ def check_slime_functions(cfg: SluiceConfig) -> str:
              "rollout_function": cfg.rollout.slime.rollout_function, "reward_function": cfg.reward.slime.function}
     if not any(paths.values()):
         return ""
+    if cfg.rollout.return_routed_experts and cfg.rollout.slime.enabled:
+        raise ConfigError("rollout.return_routed_experts: slime functions post /generate themselves and their samples "
+                          "carry no MoE routing to sluice; turn the key off or use rollout_fns.single_turn or "
+                          "rollout_fns.multi_turn")
     try:
         load_slime_functions(*paths.values())
     except (ImportError, AttributeError, OSError, TypeError, ValueError) as err:

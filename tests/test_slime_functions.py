@@ -97,7 +97,7 @@ def slime_run(tmp_path, mode: str):
         "rollout.task_args.prompt_key=prompt", "rollout.task_args.label_key=answer",
         "rollout.slime.generate_function=test_slime_functions:generate_with_tool",
         "reward.slime.function=test_slime_functions:reward_func", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=6"])
+        "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=6", "rollout.num_engines=1"])
     assert cfg.rollout.function == "rollout_fns.slime_compat:generate_group"
     SEEN.clear()
     run_dir = run(cfg)
@@ -312,3 +312,6 @@ def test_dry_run_refuses_a_slime_function_path_that_does_not_load_in_one_line(ca
                  "reward.slime.function=test_slime_functions:reward_func"]) == 0
     assert "slime functions test_slime_functions:generate_with_tool, test_slime_functions:reward_func fit" in \
         capsys.readouterr().out
+    assert main([*argv, "rollout.slime.generate_function=test_slime_functions:generate_with_tool",
+                 "rollout.return_routed_experts=true"]) == 2
+    assert "rollout.return_routed_experts: slime functions post /generate themselves" in capsys.readouterr().err
