@@ -108,7 +108,9 @@ def check_trained_samples(run_dir, records, max_staleness: int) -> None:
     assert [r["step"] for r in records] == [1, 2] and [r["weights/version"] for r in records] == [1, 2]
     for r in records:
         assert r["rollout/num_samples"] == 8 and r["rollout/failed"] == 0, r
-        # the trainer's logprobs of the kept tokens are the engine's, and no tool token is trained
+    # the trainer's logprobs of the kept tokens are the engine's, and no tool token is trained: on every step in sync
+    # mode, on the first in async (later steps train tokens of the weights before, which the trainer no longer holds)
+    for r in records[:1] if max_staleness else records:
         assert math.isclose(r["train/discrepancy/ratio_mean"], 1.0, abs_tol=1e-3), r
     assert len(SEEN) >= 16 and all(s["has_tool"] and s["masked"] > 0 and s["label"] for s in SEEN), SEEN[:2]
     for step in (1, 2):
