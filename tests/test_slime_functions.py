@@ -230,7 +230,7 @@ def test_slime_function_paths_load_by_module_or_file_and_bad_ones_fail_in_one_li
             ((f"{user}:not_async", None, None), "must be an async function: `async def generate"),
             ((f"{user}:two_args", None, None), r"two_args\(args, sample\) does not fit slime's"),
             ((None, None, "no_such_pkg.rm:reward"), "reward.slime.function: cannot load .* not found"),
-            (("a:b", "c:d", None), "both set; slime runs one of them")]:
+            (("test_slime_functions:generate_with_tool", f"{user}:two_args", None), "is another; keep one")]:
         with pytest.raises((ValueError, TypeError, ImportError, AttributeError, FileNotFoundError), match=message):
             load_slime_functions(*paths)
 
@@ -247,14 +247,15 @@ def test_the_slime_keys_make_the_adapter_the_rollout_function_and_conflicts_are_
         load_config(None, ["rollout.function=rollout_fns.slime_compat:generate_group"])
 
 
-def test_slime_s_whole_rollout_contract_runs_once_per_group_on_its_own_thread():
+def test_slime_s_whole_rollout_contract_runs_once_per_group_on_its_own_thread_and_sees_the_generate_path():
     from glue.rollout.slime_compat import SlimeFunctions
 
     seen = {}
 
     def generate_rollout(args, rollout_id, data_source, evaluation=False):
         [group] = data_source.get_samples(args.rollout_batch_size)
-        seen.update(rollout_id=rollout_id, n=len(group), more=data_source.get_samples(1))
+        seen.update(rollout_id=rollout_id, n=len(group), more=data_source.get_samples(1),
+                    generate=args.custom_generate_function_path)
         for s in group:
             s.append_response_tokens(args, tokens=[5, 6], log_probs=[-1.0, -2.0],
                                      meta_info={"finish_reason": {"type": "stop"}, "weight_version": "3"})
@@ -265,11 +266,12 @@ def test_slime_s_whole_rollout_contract_runs_once_per_group_on_its_own_thread():
     sys.modules["slime_rollout_for_test"] = module
     fns = SlimeFunctions(client=None, model_path="/nonexistent", sampling_params={"max_new_tokens": 4},
                          samples_per_prompt=3, prompts_per_step=1, seed=0,
-                         rollout_function="slime_rollout_for_test:generate_rollout")
+                         rollout_function="slime_rollout_for_test:generate_rollout",
+                         generate_function="test_slime_functions:generate_with_tool")  # slime: found through args
     fns.args.rollout_batch_size = 1
     ctx = SimpleNamespace(group_id=7, max_resumes=2, sampling_for=lambda i: {"max_new_tokens": 4})
     samples = asyncio.run(fns.generate_group(ctx, {"prompt_tokens": [1, 2], "label": "x"}, 3))
-    assert seen == {"rollout_id": 7, "n": 3, "more": []}
+    assert seen == {"rollout_id": 7, "n": 3, "more": [], "generate": "test_slime_functions:generate_with_tool"}
     assert [(s.response_tokens, s.versions, s.reward, s.index) for s in samples] == \
         [([5, 6], [3, 3], 0.5, i) for i in range(3)]
     assert json.dumps([s.to_dict() for s in samples])  # checkpointable

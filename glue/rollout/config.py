@@ -43,7 +43,7 @@ class SlimeRolloutConfig:
     'pkg.module.function' or 'path/to/file.py:function'."""
 
     generate_function: str | None = None  # slime's --custom-generate-function-path: async def generate(args, sample, sampling_params) -> Sample | list[Sample], called once per sample
-    rollout_function: str | None = None  # slime's --rollout-function-path: a generate function as above, or slime's def generate_rollout(args, rollout_id, data_source, evaluation=False), called once per group
+    rollout_function: str | None = None  # slime's --rollout-function-path: a generate function as above, or slime's def generate_rollout(args, rollout_id, data_source, evaluation=False), called once per group (with generate_function also set it must be the latter, which finds that one in args.custom_generate_function_path, as in slime)
 
     def __post_init__(self) -> None:
         for name in ("generate_function", "rollout_function"):
@@ -51,9 +51,6 @@ class SlimeRolloutConfig:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"rollout.slime.{name} must be a path like 'pkg.module:function' or "
                                  f"'path/to/file.py:function', got {value!r}")
-        if self.generate_function is not None and self.rollout_function is not None:
-            raise ValueError("rollout.slime.generate_function and rollout.slime.rollout_function are both set; slime "
-                             "runs one of them, so keep one")
 
     @property
     def enabled(self) -> bool:

@@ -98,20 +98,22 @@ def load_slime_functions(generate_function: str | None, rollout_function: str | 
                          ) -> tuple[Callable | None, Callable | None, Callable | None]:
     """(generate, whole-rollout, reward) functions of the rollout.slime / reward.slime keys, loaded and checked
     against slime's contracts. rollout.slime.rollout_function may name either rollout contract: an async function
-    is a generate function, a plain one slime's whole-rollout function."""
-    if generate_function is not None and rollout_function is not None:
-        raise ValueError("rollout.slime.generate_function and rollout.slime.rollout_function are both set; slime "
-                         "runs one of them, so keep one")
+    is a generate function, a plain one slime's whole-rollout function, which runs in place of the generate function
+    when both are set (slime's rollout function finds that one in `args.custom_generate_function_path`)."""
     generate = rollout = reward = None
-    if generate_function is not None or rollout_function is not None:
-        key = "rollout.slime.generate_function" if generate_function else "rollout.slime.rollout_function"
-        fn = load_function(generate_function or rollout_function, key)
-        if generate_function is not None or inspect.iscoroutinefunction(fn):
-            check_contract(fn, key, params=3, is_async=True, form=GENERATE_FORM)
-            generate = fn
-        else:
-            check_contract(fn, key, params=3, is_async=False, form=ROLLOUT_FORM)
-            rollout = fn
+    if rollout_function is not None:
+        fn = load_function(rollout_function, "rollout.slime.rollout_function")
+        if inspect.iscoroutinefunction(fn) and generate_function is not None:
+            raise ValueError(f"rollout.slime.rollout_function {rollout_function!r} is a generate function and "
+                             f"rollout.slime.generate_function {generate_function!r} is another; keep one")
+        contract = (dict(is_async=True, form=GENERATE_FORM) if inspect.iscoroutinefunction(fn)
+                    else dict(is_async=False, form=ROLLOUT_FORM))
+        check_contract(fn, "rollout.slime.rollout_function", params=3, **contract)
+        generate, rollout = (fn, None) if contract["is_async"] else (None, fn)
+    if generate_function is not None:
+        fn = load_function(generate_function, "rollout.slime.generate_function")
+        check_contract(fn, "rollout.slime.generate_function", params=3, is_async=True, form=GENERATE_FORM)
+        generate = generate or fn
     if reward_function is not None:
         reward = load_function(reward_function, "reward.slime.function")
         check_contract(reward, "reward.slime.function", params=2, is_async=True, form=REWARD_FORM)
@@ -149,12 +151,14 @@ class SlimeFunctions:
                  rollout_function: str | None = None, reward_function: str | None = None,
                  max_context_len: int | None = None):
         self.client, self.model_path = client, model_path
-        self.generate_path, self.reward_path = generate_function or rollout_function, reward_function
+        self.reward_path = reward_function
         self.generate, self.rollout, self.reward_fn = load_slime_functions(generate_function, rollout_function,
                                                                            reward_function)
+        self.generate_path = rollout_function if self.rollout is not None or generate_function is None \
+            else generate_function  # the function that runs, for error messages
         self.args = slime_args(router_url=getattr(client, "router_url", "http://127.0.0.1:0"), model_path=model_path,
                                sampling_params=sampling_params, samples_per_prompt=samples_per_prompt,
-                               prompts_per_step=prompts_per_step, seed=seed, generate_path=self.generate_path,
+                               prompts_per_step=prompts_per_step, seed=seed, generate_path=generate_function,
                                reward_path=reward_function, max_context_len=max_context_len)
         self.fleet = slime_shim.Fleet(router_url=getattr(client, "router_url", ""),
                                       api_key=getattr(client, "api_key", None))
