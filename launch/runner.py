@@ -71,7 +71,8 @@ def run(cfg: SluiceConfig) -> Path:
             print(f"sluice: {group_limits(cfg)}", flush=True)
         progress = stack.enter_context(_progress_bar(cfg))
         watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client)
-        evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path)
+        evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path,
+                                   slime=getattr(manager, "slime", None))
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
                                                  colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
                                                  stop_grace_over=stop.grace_over,
@@ -218,7 +219,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         logger.close()
 
 
-def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
+def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str, slime=None):
     """The held-out evaluation (glue.loop.evaluation) the loop runs every `eval.interval` steps, or None when off."""
     if not cfg.eval.enabled:
         return None
@@ -228,7 +229,8 @@ def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
                      sampling_params=e.sampling.to_sglang(cfg.rollout.sampling.to_sglang()), interval=e.interval,
                      at_start=e.at_start, seed=e.seed, num_prompts=e.num_prompts,
                      samples_per_prompt=e.samples_per_prompt, ks=e.pass_at_k, threshold=e.pass_threshold,
-                     group_timeout_s=cfg.rollout.group_timeout_s)
+                     group_timeout_s=cfg.rollout.group_timeout_s, slime=slime,
+                     reward_fn=slime.reward if slime is not None and slime.reward_fn is not None else None)
 
 
 def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):

@@ -33,10 +33,34 @@ class SamplingConfig:
         return params
 
 
+DEFAULT_FUNCTION = "rollout_fns.single_turn:generate_group"
+SLIME_FUNCTION = "rollout_fns.slime_compat:generate_group"  # runs rollout.slime's function (docs/rollout_functions.md)
+
+
+@dataclass(kw_only=True)
+class SlimeRolloutConfig:
+    """slime's rollout functions, run as they are (glue.rollout.slime_compat); paths 'pkg.module:function',
+    'pkg.module.function' or 'path/to/file.py:function'."""
+
+    generate_function: str | None = None  # slime's --custom-generate-function-path: async def generate(args, sample, sampling_params) -> Sample | list[Sample], called once per sample
+    rollout_function: str | None = None  # slime's --rollout-function-path: a generate function as above, or slime's def generate_rollout(args, rollout_id, data_source, evaluation=False), called once per group (with generate_function also set it must be the latter, which finds that one in args.custom_generate_function_path, as in slime)
+
+    def __post_init__(self) -> None:
+        for name in ("generate_function", "rollout_function"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"rollout.slime.{name} must be a path like 'pkg.module:function' or "
+                                 f"'path/to/file.py:function', got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.generate_function is not None or self.rollout_function is not None
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     num_engines: int = 2  # inference engines behind the router
-    function: str = "rollout_fns.single_turn:generate_group"  # rollout function, `module:attr`
+    function: str = DEFAULT_FUNCTION  # rollout function, `module:attr` (with rollout.slime set: rollout_fns.slime_compat:generate_group)
     task: str = "rollout_fns.toy_tasks:EchoTask"  # task object/class with prompts() and reward(), `module:attr`
     task_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the task class
     prompts_per_step: int = 8  # groups per training step
@@ -55,6 +79,7 @@ class RolloutConfig:
     health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
     dynamic_sampling: bool = False  # DAPO: a group whose rewards are all equal (no advantage) is dropped when it finishes and another prompt drawn in its place
     return_routed_experts: bool = False  # MoE routing replay (R3): the single-turn and multi-turn rollouts ask engines for the experts every token was routed to (sent to engines directly: sgl-router drops the field; the OpenAI-agent path refuses the key) and samples carry them to the train batch; SGLang engines also need sglang.enable_return_routed_experts: true
+    slime: SlimeRolloutConfig = field(default_factory=SlimeRolloutConfig)  # slime's rollout functions, run unchanged
     max_filtered_frac: float = 0.9  # with dynamic_sampling, the run stops when more than this share of the groups finished while collecting a step were dropped
 
     def __post_init__(self) -> None:
@@ -83,7 +108,20 @@ class RolloutConfig:
                              "whose every group fails would draw prompts forever)")
         if self.samples_per_prompt < 2:
             raise ValueError("rollout.samples_per_prompt must be >= 2: group-relative advantages need at least two samples")
+        self._resolve_slime_function()
         for name in ("function", "task"):
             path = getattr(self, name)
             if not isinstance(path, str) or not path.replace(":", ".").replace("_", "a").replace(".", "a").isalnum():
                 raise ValueError(f"rollout.{name} must be an import path like 'pkg.module:attr', got {path!r}")
+
+    def _resolve_slime_function(self) -> None:
+        """rollout.slime's function runs through rollout_fns.slime_compat, which becomes rollout.function."""
+        if self.slime.enabled:
+            if self.function not in (DEFAULT_FUNCTION, SLIME_FUNCTION):
+                key = "generate_function" if self.slime.generate_function else "rollout_function"
+                raise ValueError(f"rollout.slime.{key} is the rollout function, so rollout.function={self.function!r} "
+                                 "cannot apply too; drop one of them")
+            self.function = SLIME_FUNCTION
+        elif self.function == SLIME_FUNCTION:
+            raise ValueError(f"rollout.function={SLIME_FUNCTION} runs slime's functions: set "
+                             "rollout.slime.generate_function or rollout.slime.rollout_function")

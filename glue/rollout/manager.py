@@ -41,6 +41,7 @@ class RolloutContext:
     routed_experts: RoutedExpertsLayout | None = None  # rollout.return_routed_experts: ask for MoE routing (R3)
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
+    slime: Any = None  # rollout.slime / reward.slime: the run's glue.rollout.slime_compat.SlimeFunctions, else None
     judge: Any = None  # the run's LLM judge (judge: section, glue.rewards.judge.Judge): `await ctx.judge.judge(SampleText(...))`; None without one
     # reward.on_error: a reward function that raises fails its sample ("fail_sample": FAILED, the group trains on
     # the rest) or the whole group ("fail_group": `score` raises)
@@ -178,7 +179,8 @@ class RolloutManager:
                  routed_experts: RoutedExpertsLayout | None = None,
                  reward_shaping: Callable[[list[Sample]], None] | None = None,
                  group_rewards: Callable[[list[Sample]], Awaitable[None]] | None = None,
-                 reward_on_error: str = "fail_sample", errors: RolloutErrors | None = None):
+                 reward_on_error: str = "fail_sample", errors: RolloutErrors | None = None,
+                 reward_fn: Callable[[Sample], Any] | None = None, slime: Any = None):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
@@ -194,6 +196,8 @@ class RolloutManager:
         self.group_rewards = group_rewards  # judge: / reward_model: (glue.rewards.models), awaited on each group first
         self.reward_on_error = reward_on_error  # reward.on_error: "fail_sample" or "fail_group"
         self.errors = errors if errors is not None else RolloutErrors()  # console + rollout_errors.log
+        self.reward_fn = reward_fn or self.task.reward  # the task's reward, unless reward.slime.function replaces it
+        self.slime = slime  # rollout.slime / reward.slime: glue.rollout.slime_compat.SlimeFunctions, or None
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
@@ -291,12 +295,12 @@ class RolloutManager:
 
     async def _run_function(self, group_id: int, prompt: dict, where: str) -> list[Sample]:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
-                             reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts,
+                             reward_fn=self.reward_fn, group_id=group_id, partial_rollouts=self.partial_rollouts,
                              max_resumes=self.max_resumes,
                              seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
                              error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
                              resumed=self._resumed.pop(group_id, {}),
-                             judge=getattr(self.group_rewards, "judge", None),
+                             judge=getattr(self.group_rewards, "judge", None), slime=self.slime,
                              reward_on_error=self.reward_on_error, errors=self.errors)
         self._contexts[group_id] = ctx
         try:
