@@ -21,6 +21,7 @@ from launch.megatron_args import add_megatron_flags, route
 from launch.options import add_options, likely_takes
 from launch.plan import resolve
 from launch.router_args import router_options
+from launch.user_code import put_on_import_path
 
 USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
          "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         args, overrides = parse_args(argv)
     except SystemExit as done:  # --help, or a one-line argparse error already printed
         return int(done.code or 0)
+    put_on_import_path(args.config)  # user modules import from the config's folder and the working directory
     try:
         cfg, plan = resolve(load_config(args.config, overrides, args.flags))
     except (ConfigError, FileNotFoundError) as err:
