@@ -4,6 +4,7 @@ sends tool messages answering its tool calls by id, its recorded calls become sa
 same logprobs the engine reported, and the engines receive the trained weights."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,11 @@ def test_the_openai_agent_example_config_trains_through_sgl_router(tmp_path):
         # the trainer's logprobs of the recorded tokens are the engine's: the ids were recorded, not re-tokenised
         assert math.isclose(r["train/discrepancy/ratio_mean"], 1.0, abs_tol=1e-3), r
         assert r["train/discrepancy/ratio_max"] < 1.01, r
+    # the run folder records the code the config names: a hash and a copy of each module
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert {"rollout_fns.openai_agent:generate_group", "rollout_fns.arith_agent:ArithAgentTask"} <= set(info["code"])
+    for module in info["code"].values():
+        assert (run_dir / module["copy"]).read_bytes() == Path(module["file"]).read_bytes()
     # every agent run made two calls, the second after a tool message: a merged sample masks the tool turn, a split
     # run gives two samples
     saved = json.loads(sorted((run_dir / "rollouts").glob("step_*.json"))[0].read_text())

@@ -139,3 +139,39 @@ def test_an_environment_argument_that_its_class_does_not_take_fails_the_dry_run(
         "rollout.task_args.tokenizer=/nonexistent", "rollout.task_args.env_args={latency: 1}"])
     assert line.startswith("sluice: config error: rollout.task_args.env_args: environment "
                            "'rollout_fns.envs.calculator:CalculatorEnv' cannot be built with env_args {'latency': 1}")
+
+
+def test_the_run_record_hashes_and_copies_each_named_module_and_an_untracked_one_makes_it_dirty(tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    from glue.metrics.logger import run_info
+    from launch.config import load_config
+    from launch.user_code import record_code
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "my_task.py").write_text(TASK)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "my_task.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "task"], check=True)
+    (repo / "my_rollout.py").write_text(FUNCTION)  # never added: untracked
+    monkeypatch.syspath_prepend(str(repo))
+    cfg = load_config(None, ["rollout.function=my_rollout:generate_group", "rollout.task=my_task:ShortEchoTask"])
+    run_dir = tmp_path / "run"
+    try:
+        code = record_code(cfg, run_dir)
+    finally:
+        for name in ("my_task", "my_rollout"):
+            sys.modules.pop(name, None)
+    assert set(code) == {"my_rollout:generate_group", "my_task:ShortEchoTask"}
+    for path, module in code.items():
+        source = Path(module["file"]).read_bytes()
+        assert module["sha256"] == hashlib.sha256(source).hexdigest()
+        assert (run_dir / module["copy"]).read_bytes() == source
+    assert code["my_task:ShortEchoTask"]["git"]["dirty"] is False
+    assert code["my_rollout:generate_group"]["git"]["dirty"] is True
+    info = json.loads(json.dumps(run_info({}, code=code)))
+    if info["git"] is not None:  # sluice's own checkout (None in an unpacked copy)
+        assert info["git"]["dirty"] is True and info["git"]["uncommitted_modules"] == ["my_rollout:generate_group"]
