@@ -140,7 +140,10 @@ class TextDataTask:
     def check_args(cls, task_args: dict, *, key: str) -> None:
         """What building the task would check of `task_args` without reading the data or the tokenizer (launch's
         dry run): the reward function imports and takes `reward_args`."""
-        reward = task_args.get("reward", inspect.signature(cls).parameters["reward"].default)
+        own = inspect.signature(cls).parameters.get("reward")  # a subclass may pass it on through **kwargs
+        default = own.default if own is not None and own.default is not own.empty else \
+            inspect.signature(TextDataTask).parameters["reward"].default
+        reward = task_args.get("reward", default)
         try:
             _check_reward_call(load_object(reward, what=f"{key}.reward"), reward, dict(task_args.get("reward_args") or {}))
         except TypeError as err:
