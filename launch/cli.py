@@ -8,6 +8,7 @@ import difflib
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -16,12 +17,13 @@ from glue.loop.stream import RolloutFailed
 from glue.metrics.plots import write_plots
 from launch import sglang_args, slime_args
 from launch.cluster import ClusterError
-from launch.config import ConfigError, load_config, merge, to_dict
+from launch.config import ConfigError, apply_override, load_config, merge, to_dict
 from launch.help import config_reference
 from launch.megatron_args import add_megatron_flags, route
 from launch.options import add_options, likely_takes
 from launch.plan import resolve
 from launch.router_args import router_options
+from launch.user_code import put_on_import_path
 
 USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<slime argument> ...] "
          "[--<megatron flag> ...] "
@@ -83,23 +85,40 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
     return parser
 
 
-def help_text(topic: str) -> str:
+def help_text(topic: str, config: str | None = None, overrides: list[str] = ()) -> str:
     """`sluice --help`: usage, sluice's flags, every config key with its default and doc, and how to list the
-    backends' options; `sluice --help megatron|sglang|router`: that backend's group alone."""
+    backends' options; `sluice --help megatron|sglang|router`: that backend's group alone; `sluice --help slime`:
+    slime's arguments and the sluice keys they set. With `--config X` (and section.key=value overrides) each key X
+    sets shows X's value beside the default."""
     if topic == "slime":
         return slime_args.help_table()
     if topic in BACKENDS:
         return build_parser((topic,), own_flags=False).format_help()
+    given = {}
+    if config is not None:
+        import yaml  # lazy: only a --config X --help reads a file
+
+        given = yaml.safe_load(Path(config).read_text()) or {}
+        for item in overrides:
+            apply_override(given, item)
 
     counts = {name: len(group._group_actions)  # argparse has no public view of its groups
               for group in build_parser()._action_groups for name in BACKENDS
               if (group.title or "").startswith(name)}
     return "\n".join([build_parser(()).format_help().rstrip(), "", "config keys (YAML section.key, or "
-                      "section.key=value on the command line):", *config_reference(), "",
+                      "section.key=value on the command line)" + (f", with the values of {config}" if config else "")
+                      + ":", *config_reference(given=given, source=_source(config, overrides)), "",
                       "backend pass-through options: " + " | ".join(f"sluice --help {name} ({n} options)"
                                                                      for name, n in counts.items()),
                       f"slime's launch arguments: sluice --help slime ({len(slime_args.ROWS)} arguments, "
                       "docs/from_slime.md)", ""])
+
+
+def _source(config: str | None, overrides: list[str]) -> str:
+    """How `--config X --help` names where a value came from."""
+    if config is None:
+        return "the command line"
+    return Path(config).name + (" + the command line" if overrides else "")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -110,7 +129,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.help is not None:
         if args.help not in ("config", *BACKENDS, "slime"):
             parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}, slime")
-        print(help_text(args.help), end="")
+        if args.config is not None and not Path(args.config).is_file():
+            parser.error(f"--config {args.config}: no such file")
+        overrides = [item.lstrip("-") for item in rest if OVERRIDE.match(item.lstrip("-"))]
+        print(help_text(args.help, args.config, overrides), end="")
         parser.exit(0)
     rest, verbatim = _unparsed_sglang(rest)
     flags: dict[str, Any] = {"sglang": verbatim} if verbatim else {}
@@ -247,8 +269,24 @@ def start(cfg, plan) -> Path:
     return run(cfg)
 
 
+def left_behind(run_dir: Path) -> str:
+    """What an interrupted run left that is worth a look, naming only files that exist ("." when none does: an
+    interrupt during start-up, before the first step, leaves no metrics)."""
+    metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"
+    found = []
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"metrics so far: {metrics}")
+    if logs.is_dir() and any(logs.iterdir()):
+        found.append(f"process logs: {logs}")
+    said = "; ".join(found)
+    return f". {said[:1].upper()}{said[1:]}" if found else "."
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # megatron-core warns at import that it falls back to torch without TE / Apex (every CPU run); what matters of it
+    # is checked and said by launch.model_check (the layer spec), so a run's console does not repeat it
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     if argv[:1] == ["export-hf"]:
@@ -259,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         args, overrides = parse_args(argv)
     except SystemExit as done:  # --help, or a one-line argparse error already printed
         return int(done.code or 0)
+    put_on_import_path(args.config)  # user modules import from the config's folder and the working directory
     try:
         os.environ.update(args.env)  # --wandb-key and the like: the run's environment, never its config
         cfg, plan = resolve(load_config(args.config, overrides, args.flags, args.slime))
@@ -301,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sluice: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"sluice: interrupted; the engines, router, trainer and Ray it started are stopped. Metrics so far: "
-              f"{cfg.run_dir / 'metrics.jsonl'}", file=sys.stderr)
+        print(f"sluice: interrupted; the engines, router, trainer and Ray it started are stopped{left_behind(cfg.run_dir)}",
+              file=sys.stderr)
         return 130
     return 0
 

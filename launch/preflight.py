@@ -22,8 +22,9 @@ from launch.memory_plan import check_memory
 from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, check_transformer_engine,
                                 describe_attention, has_tokenizer, weight_files)
 from launch.plan import RunPlan
-from launch.tasks import eval_task
+from launch.tasks import check_task_args, eval_task
 from launch.teacher import check_teacher
+from launch.user_code import plugin_files
 from launch.weight_groups import check_weight_groups
 
 
@@ -67,16 +68,20 @@ def check_plugins(cfg: SluiceConfig) -> str:
         from rollout_fns.openai_agent import NO_ROUTING  # lazy: aiohttp; loaded already when fn comes from it
 
         raise ConfigError(NO_ROUTING)
-    _load(cfg.rollout.task, "rollout.task")
+    for section, task_path, args in task_settings(cfg):
+        _load(task_path, f"{section}.task")
+        try:
+            check_task_args(task_path, args, key=f"{section}.task_args")
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
     slime = check_slime_functions(cfg)
-    if cfg.eval.enabled:
-        _load(eval_task(cfg)[0], "eval.task")
     if cfg.judge is not None:
         try:
             load_parser(cfg.judge.parser)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
-    return f"plugins: {cfg.rollout.function} and {cfg.rollout.task} import{slime}"
+    found = [f"{key} {path} from {file or 'a module without a file'}" for key, path, file in plugin_files(cfg)]
+    return "plugins: " + "; ".join(found) + slime
 
 
 def check_slime_functions(cfg: SluiceConfig) -> str:

@@ -38,6 +38,7 @@ from launch.run_dir import export_final_policy, find_checkpoint, plot_run, prepa
 from launch.startup import StartupClock
 from launch.stopping import StopSignals, cancel_tasks
 from launch.tasks import eval_task, task_args_for, task_metrics
+from launch.user_code import record_code
 
 
 def run(cfg: SluiceConfig) -> Path:
@@ -190,7 +191,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     if cfg.run.saves_rollouts:
         stream = SavingStream(stream, run_dir, first_step=first_step)
     resume_step = None if resume_state is None else resume_state["step"]
-    logger = open_run_logger(run_dir, loggers=cfg.run.loggers, info=run_info(to_dict(cfg), resume_step=resume_step),
+    logger = open_run_logger(run_dir, loggers=cfg.run.loggers, info=run_info(to_dict(cfg), resume_step=resume_step,
+                                                                            code=record_code(cfg, run_dir)),
                              resume_step=resume_step, wandb=to_dict(cfg.run.wandb))
 
     def on_step(record: dict) -> None:

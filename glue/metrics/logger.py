@@ -123,11 +123,20 @@ def open_run_logger(run_dir: Path, *, loggers: Sequence[str], info: dict[str, An
     return MetricsLogger(run_dir / "metrics.jsonl", sinks)
 
 
-def run_info(config: dict[str, Any], *, resume_step: int | None = None) -> dict[str, Any]:
+def run_info(config: dict[str, Any], *, resume_step: int | None = None,
+             code: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a run was, beyond its metrics: the resolved config, the sluice code's git commit (None outside a git
-    checkout), the command line, when it started and from which step."""
+    checkout), the command line, when it started and from which step, and `code`: the modules the config names
+    (launch.user_code.record_code: file, sha256, copy in the run folder, git state). `git.dirty` is also true when
+    one of those modules is not committed (modified, untracked, or in no checkout at all): the commit alone would
+    not give the run back; `git.uncommitted_modules` names them."""
+    git = git_commit(Path(__file__).parents[2])
+    uncommitted = [path for path, m in (code or {}).items()
+                   if m.get("file") is not None and (m.get("git") is None or m["git"]["dirty"])]
+    if git is not None and code is not None:
+        git = {**git, "dirty": git["dirty"] or bool(uncommitted), "uncommitted_modules": uncommitted}
     return {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "resumed_from_step": resume_step, "argv": list(sys.argv), "git": git_commit(Path(__file__).parents[2]),
+            "resumed_from_step": resume_step, "argv": list(sys.argv), "git": git, "code": code or {},
             "config": config}
 
 
