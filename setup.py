@@ -7,6 +7,7 @@ setup(
     description="RL post-training glue: SGLang fleet behind sgl-router, megatron-core trainer, weight bridge",
     python_requires=">=3.10",
     packages=find_packages(include=["glue*", "launch*", "rollout_fns*", "loss*", "weight_sync*"]),
+    package_data={"glue.trainer": ["megatron_fields.json"]},  # megatron-core's flag list, read by a fast --help
     # Lower bounds: the versions `make test` passes with (constraints.txt holds the exact set). Upper bounds: the next
     # release line whose API sluice has not been run against: the next minor for 0.x packages and for megatron-core
     # (whose internals the CPU shim touches), the next major elsewhere. torch < 2.15 admits 2.14.1, which sglang's GPU
