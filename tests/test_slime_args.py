@@ -17,46 +17,12 @@ from tests.helpers.slime_scripts import CONFIGS, SCRIPTS
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "examples/configs/demo.yaml")
-# the other half of issue 39 adds these config keys; a script's dry run keeps the flag once the key exists
-OTHER_HALF = {"--ref-load": "trainer.ref_load", "--custom-generate-function-path": "rollout.slime.generate_function",
-              "--custom-rm-path": "reward.slime.function", "--rollout-function-path": "rollout.slime.rollout_function"}
-
-
-def config_has(dotted: str) -> bool:
-    import dataclasses
-    import typing
-
-    cls = SluiceConfig
-    for part in dotted.split("."):
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if part not in fields:
-            return False
-        hint = typing.get_type_hints(cls)[part]
-        cls = next((a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)), None)
-        if cls is None:
-            return True
-    return True
-
-
-def without_missing_keys(argv: list[str]) -> list[str]:
-    """`argv` less the other half's flags whose config keys this branch does not have (slime's own fully-async
-    rollout path maps to run.mode and stays)."""
-    out, i = [], 0
-    while i < len(argv):
-        flag = argv[i]
-        if flag in OTHER_HALF and not config_has(OTHER_HALF[flag]) and not argv[i + 1].startswith("slime."):
-            i += 2
-            continue
-        out.append(flag)
-        i += 1
-    return out
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, text_model_dir):
     """Per script: a directory with its checkpoint's config.json and a (tiny) tokenizer, data and eval files."""
     root = tmp_path_factory.mktemp("slime")
     (root / "data.jsonl").write_text(json.dumps({"prompt": "What is 2 + 3?", "label": "5"}) + "\n")
+    (root / "strands_user.py").write_text(STRANDS_USER)
     dirs = {}
     for name, config in CONFIGS.items():
         folder = root / name.removesuffix(".sh")
@@ -71,8 +37,19 @@ def checkpoints(tmp_path_factory, text_model_dir):
 def script_argv(name: str, checkpoints) -> list[str]:
     root, dirs = checkpoints
     paths = {"model": str(dirs[name]), "data": str(root / "data.jsonl"), "eval_data": str(root / "data.jsonl"),
-             "save": str(root / "runs" / name.removesuffix(".sh"))}
-    return without_missing_keys([arg.format(**paths) if arg.startswith("{") else arg for arg in SCRIPTS[name]])
+             "save": str(root / "runs" / name.removesuffix(".sh")), "user_module": str(root / "strands_user.py")}
+    return [arg.format(**paths) if arg.startswith("{") else arg for arg in SCRIPTS[name]]
+
+
+# the strands example's own generate and reward functions stand in for slime's examples.strands_sglang module
+STRANDS_USER = """
+async def generate(args, sample, sampling_params):
+    return sample
+
+
+async def reward_func(args, sample, **kwargs):
+    return 0.0
+"""
 
 
 def dry_run(capsys, argv: list[str]) -> tuple[dict, str]:
@@ -152,12 +129,16 @@ def test_slimes_own_qwen3_scripts_plan_as_written_with_the_config_they_mean(name
     assert shown["run"]["output_dir"] == str(checkpoints[0] / "runs")
     if name == "strands_qwen3_8b.sh":
         assert os.environ["WANDB_API_KEY"] == "test-key" and "test-key" not in json.dumps(shown)
+        user_module = str(checkpoints[0] / "strands_user.py")
+        assert shown["rollout"]["slime"]["generate_function"] == f"{user_module}:generate"
+        assert shown["reward"]["slime"]["function"] == f"{user_module}:reward_func"
+        assert shown["rollout"]["function"] == "rollout_fns.slime_compat:generate_group"
     if name == "run-qwen2.5-0.5B-fully_async.sh":  # slime's own async example passes --sequence-parallel at TP=1
         assert "sequence_parallel" not in shown["trainer"]["megatron"]
         assert "--sequence-parallel is turned off at --tensor-model-parallel-size 1, as Megatron-LM does" in err
 
 
-def test_the_table_maps_the_rollout_reward_and_reference_flags_to_the_other_halfs_keys():
+def test_the_table_maps_the_rollout_reward_and_reference_flags_to_their_keys():
     translated = slime_args.translate({"custom_generate_function_path": "my.gen:generate",
                                        "rollout_function_path": "my.rollout:generate_rollout",
                                        "custom_rm_path": "my.rm:reward", "ref_load": "/ckpt/ref"}, {})

@@ -92,8 +92,9 @@ SCRIPTS = {
         "--use-wandb", "--wandb-project", "strands-slime", "--wandb-group", "Qwen3-8B-strands-dapo",
         "--wandb-key", "test-key", *perf("2", "1", "18432"), *AIME_EVAL,
         "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.4", *MISC,
-        "--custom-generate-function-path", "examples.strands_sglang.generate_with_strands.generate",
-        "--custom-rm-path", "examples.strands_sglang.generate_with_strands.reward_func",
+        # slime's examples.strands_sglang.generate_with_strands module, replaced by a local file of the same functions
+        "--custom-generate-function-path", "{user_module}:generate",
+        "--custom-rm-path", "{user_module}:reward_func",
     ],
     "run-qwen2.5-0.5B-fully_async.sh": [
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "3", *QWEN25_05B_MODEL,
