@@ -23,8 +23,16 @@ PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "aiohttp", "transf
            "weight_sync.process_group", "helpers.trainer", "helpers.trainer_process"]
 
 
+# A server that imported torch may have touched the CUDA driver (megatron asks whether CUDA is available), and a
+# process forked after that cannot use CUDA: on a machine with an NVIDIA device the processes are spawned as before.
+FORK = not os.path.exists("/dev/nvidiactl")
+
+
 def rank_context():
-    """A multiprocessing context whose processes fork from the preloading server (started on first use)."""
+    """A multiprocessing context whose processes fork from the preloading server (started on first use); spawned
+    ones where CUDA may be used."""
+    if not FORK:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
