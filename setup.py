@@ -7,6 +7,7 @@ setup(
     description="RL post-training glue: SGLang fleet behind sgl-router, megatron-core trainer, weight bridge",
     python_requires=">=3.10",
     packages=find_packages(include=["glue*", "launch*", "rollout_fns*", "loss*", "weight_sync*"]),
+    package_data={"glue.trainer": ["megatron_fields.json"]},  # megatron-core's flag list, read by a fast --help
     # Lower bounds: the versions `make test` passes with (constraints.txt holds the exact set). Upper bounds: the next
     # release line whose API sluice has not been run against: the next minor for 0.x packages and for megatron-core
     # (whose internals the CPU shim touches), the next major elsewhere. torch < 2.15 admits 2.14.1, which sglang's GPU
@@ -28,6 +29,7 @@ setup(
         "openai>=3.54,<4",  # agents written against the OpenAI client train through the fleet
         "tensorboard>=2.21,<3",  # run.loggers' default: runs/<name>/tensorboard/ event files (torch's SummaryWriter)
         "matplotlib>=3.11,<4",  # runs/<name>/plots/ and `sluice plot`
+        "psutil>=7.2,<8",  # megatron-core's checkpoint writers measure memory with it (no import error: they raise)
     ],
     extras_require={
         "gpu": ["sglang>=0.5.23,<0.6", "transformer-engine"],  # on GPU nodes; transformer-engine: the one sglang and megatron-core agree on

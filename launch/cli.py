@@ -1,28 +1,32 @@
-"""`sluice --config run.yaml [section.key=value ...] [--<megatron-field> ...] [--sglang-* ...] [--router-* ...]
-[--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit).
+"""`sluice --config run.yaml [section.key=value ...] [--<slime argument> ...] [--<megatron-field> ...] [--sglang-* ...]
+[--router-* ...] [--dry-run]`: parse, resolve into a plan, validate, then run (or print the plan and exit).
 `sluice plot RUN_DIR [--out DIR]`: draw a run's metrics.jsonl as PNGs (glue.metrics.plots), during or after the run."""
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
 from glue.fleet.fleet import ProcessDied
 from glue.loop.stream import RolloutFailed
 from glue.metrics.plots import write_plots
-from launch import sglang_args
+from launch import sglang_args, slime_args
 from launch.cluster import ClusterError
-from launch.config import ConfigError, load_config, merge, to_dict
+from launch.config import ConfigError, apply_override, load_config, merge, to_dict
 from launch.help import config_reference
 from launch.megatron_args import add_megatron_flags, route
 from launch.options import add_options, likely_takes
 from launch.plan import resolve
 from launch.router_args import router_options
+from launch.user_code import put_on_import_path
 
-USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<megatron flag> ...] "
+USAGE = ("sluice --config RUN.yaml [section.key=value | --section.key VALUE ...] [--<slime argument> ...] "
+         "[--<megatron flag> ...] "
          "[--sglang-<option> ...] [--router-<option> ...] [--dry-run]\n       sluice plot RUN_DIR [--out DIR]")
 
 
@@ -50,7 +54,8 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
         own = parser.add_argument_group("sluice")
         own.add_argument("-h", "--help", nargs="?", const="config", metavar="TOPIC",
                          help="this help with every config key; TOPIC megatron, sglang or router lists that backend's "
-                              "pass-through options instead")
+                              "pass-through options instead; TOPIC slime lists slime's launch arguments and the "
+                              "sluice keys they set")
         own.add_argument("--config", help="YAML run config (sections: run, model, rollout, trainer, loss, sync, eval, "
                                           "cluster, sft, sglang, router)")
         own.add_argument("--dry-run", action="store_true",
@@ -58,8 +63,10 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
                               "ports and placement, print the config and the plan (ranks, engine and router commands, "
                               "weight group and bytes per sync), and exit without starting anything; a model directory "
                               "holding config.json alone is enough to plan")
+    if own_flags and "megatron" in backends:  # slime's spellings first: they own the Megatron-LM ones they share
+        slime_args.add_slime_flags(parser)
     if "megatron" in backends:
-        add_megatron_flags(parser)
+        add_megatron_flags(parser, skip=slime_args.FLAGS if own_flags else frozenset())
     if "sglang" in backends:
         sglang = sglang_args.sglang_options()
         group = parser.add_argument_group(
@@ -78,33 +85,58 @@ def build_parser(backends: tuple[str, ...] = BACKENDS, *, own_flags: bool = True
     return parser
 
 
-def help_text(topic: str) -> str:
+def help_text(topic: str, config: str | None = None, overrides: list[str] = ()) -> str:
     """`sluice --help`: usage, sluice's flags, every config key with its default and doc, and how to list the
-    backends' options; `sluice --help megatron|sglang|router`: that backend's group alone."""
+    backends' options; `sluice --help megatron|sglang|router`: that backend's group alone; `sluice --help slime`:
+    slime's arguments and the sluice keys they set. With `--config X` (and section.key=value overrides) each key X
+    sets shows X's value beside the default."""
+    if topic == "slime":
+        return slime_args.help_table()
     if topic in BACKENDS:
         return build_parser((topic,), own_flags=False).format_help()
+    given = {}
+    if config is not None:
+        import yaml  # lazy: only a --config X --help reads a file
+
+        given = yaml.safe_load(Path(config).read_text()) or {}
+        for item in overrides:
+            apply_override(given, item)
 
     counts = {name: len(group._group_actions)  # argparse has no public view of its groups
               for group in build_parser()._action_groups for name in BACKENDS
               if (group.title or "").startswith(name)}
     return "\n".join([build_parser(()).format_help().rstrip(), "", "config keys (YAML section.key, or "
-                      "section.key=value on the command line):", *config_reference(), "",
+                      "section.key=value on the command line)" + (f", with the values of {config}" if config else "")
+                      + ":", *config_reference(given=given, source=_source(config, overrides)), "",
                       "backend pass-through options: " + " | ".join(f"sluice --help {name} ({n} options)"
-                                                                     for name, n in counts.items()), ""])
+                                                                     for name, n in counts.items()),
+                      f"slime's launch arguments: sluice --help slime ({len(slime_args.ROWS)} arguments, "
+                      "docs/from_slime.md)", ""])
+
+
+def _source(config: str | None, overrides: list[str]) -> str:
+    """How `--config X --help` names where a value came from."""
+    if config is None:
+        return "the command line"
+    return Path(config).name + (" + the command line" if overrides else "")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections."""
+    """(args, dotted overrides); `args.flags` holds the pass-through flags as nested config sections, `args.slime`
+    slime's arguments by name (launch.slime_args), `args.env` the environment variables some of them stand for."""
     parser = build_parser()
     args, rest = parser.parse_known_args(_overrides_first(argv, parser))
     if args.help is not None:
-        if args.help not in ("config", *BACKENDS):
-            parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}")
-        print(help_text(args.help), end="")
+        if args.help not in ("config", *BACKENDS, "slime"):
+            parser.error(f"--help {args.help}: choose one of config, {', '.join(BACKENDS)}, slime")
+        if args.config is not None and not Path(args.config).is_file():
+            parser.error(f"--config {args.config}: no such file")
+        overrides = [item.lstrip("-") for item in rest if OVERRIDE.match(item.lstrip("-"))]
+        print(help_text(args.help, args.config, overrides), end="")
         parser.exit(0)
     rest, verbatim = _unparsed_sglang(rest)
     flags: dict[str, Any] = {"sglang": verbatim} if verbatim else {}
-    megatron = {}
+    megatron, slime = {}, {}
     for dest, value in list(vars(args).items()):
         section, sep, key = dest.partition(":")
         if not sep:
@@ -112,11 +144,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         delattr(args, dest)
         if section == "megatron":
             megatron[key] = value
+        elif section == "slime":
+            slime[key] = value
         else:
             flags.setdefault(section, {})[key] = value
     if megatron:
         merge(flags, route(megatron))
     args.flags = flags
+    args.env = slime_args.environment(slime)
+    args.slime = {name: value for name, value in slime.items() if name not in slime_args.ENV}
     return args, _overrides(rest, parser)
 
 
@@ -177,7 +213,8 @@ def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
             known = [s for a in parser._actions for s in a.option_strings]  # argparse has no public list
             guess = difflib.get_close_matches(item.partition("=")[0], known, n=1)
             hint = f"; did you mean {guess[0]}?" if guess else ""
-            parser.error(f"unrecognised option {item!r}: not a sluice, megatron, --sglang-* or --router-* flag{hint}")
+            parser.error(f"unrecognised option {item!r}: not a sluice, slime, megatron, --sglang-* or --router-* "
+                         f"flag{hint}")
         if item.startswith("--") and "=" not in item:
             if i + 1 >= len(rest):
                 parser.error(f"{item} needs a value")
@@ -232,8 +269,24 @@ def start(cfg, plan) -> Path:
     return run(cfg)
 
 
+def left_behind(run_dir: Path) -> str:
+    """What an interrupted run left that is worth a look, naming only files that exist ("." when none does: an
+    interrupt during start-up, before the first step, leaves no metrics)."""
+    metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"
+    found = []
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"metrics so far: {metrics}")
+    if logs.is_dir() and any(logs.iterdir()):
+        found.append(f"process logs: {logs}")
+    said = "; ".join(found)
+    return f". {said[:1].upper()}{said[1:]}" if found else "."
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # megatron-core warns at import that it falls back to torch without TE / Apex (every CPU run); what matters of it
+    # is checked and said by launch.model_check (the layer spec), so a run's console does not repeat it
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     if argv[:1] == ["export-hf"]:
@@ -244,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         args, overrides = parse_args(argv)
     except SystemExit as done:  # --help, or a one-line argparse error already printed
         return int(done.code or 0)
+    put_on_import_path(args.config)  # user modules import from the config's folder and the working directory
     try:
-        cfg, plan = resolve(load_config(args.config, overrides, args.flags))
+        os.environ.update(args.env)  # --wandb-key and the like: the run's environment, never its config
+        cfg, plan = resolve(load_config(args.config, overrides, args.flags, args.slime))
     except (ConfigError, FileNotFoundError) as err:
         print(f"sluice: config error: {err}", file=sys.stderr)
         return 2
@@ -286,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sluice: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"sluice: interrupted; the engines, router, trainer and Ray it started are stopped. Metrics so far: "
-              f"{cfg.run_dir / 'metrics.jsonl'}", file=sys.stderr)
+        print(f"sluice: interrupted; the engines, router, trainer and Ray it started are stopped{left_behind(cfg.run_dir)}",
+              file=sys.stderr)
         return 130
     return 0
 

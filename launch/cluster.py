@@ -30,9 +30,14 @@ def start_ray(*, address: str | None, num_cpus: int, num_gpus: int | None = None
 
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster
+    # A local cluster's workers inherit this process's PYTHONPATH (the user's folders, launch.user_code); an attached
+    # cluster's workers were started by `ray start`, so the job hands it to them (the folders must exist there too).
+    python_path = os.environ.get("PYTHONPATH")
+    runtime_env = {"env_vars": {"PYTHONPATH": python_path}} if address and python_path else None
     # "local": a new cluster even when a `ray start` one runs on this machine (ray.init() alone would join it)
     ray.init(address=address or "local", num_cpus=None if address else num_cpus, num_gpus=None if address else num_gpus,
-             include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address=node_ip)
+             include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address=node_ip,
+             runtime_env=runtime_env)
     stack.callback(ray.shutdown)
 
 

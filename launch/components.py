@@ -13,14 +13,18 @@ from glue.fleet.fleet import RolloutFleet
 from glue.loop.colocation import Disaggregated, make_colocation
 from glue.loop.replay import NoTrainer
 from glue.rewards.shaping import make_reward_shaping
+from glue.rollout.errors import ROLLOUT_ERRORS_LOG, RolloutErrors
 from glue.rollout.manager import RolloutManager, resume_limit
 from glue.rollout.routed_experts import RoutedExpertsLayout
+from glue.rollout.slime_compat import SlimeFunctions
 from glue.trainer.group import TrainerGroup
+from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.cluster import check_paths
 from launch.config import SluiceConfig
 from launch.fleets import SideFleetRun, engine_env, engine_host_options, planned_devices_env
 from launch.plan import RunPlan
 from launch.reward_models import start_model_rewards
+from launch.stopping import close_loop
 from launch.tasks import task_args_for
 from launch.teacher import start_teacher
 import weight_sync
@@ -55,9 +59,9 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     and no bridge (glue.loop.replay.NoTrainer stands in for the trainer). The fleets beside the policy's (teacher,
     judge) are appended to `side_fleets`, for the watch."""
     side_fleets = [] if side_fleets is None else side_fleets
-    check_paths(placement, {"the model directory": model_path})
+    check_paths(placement, {"the model directory": model_path, **reference_paths(cfg, model_path)})
     loop = asyncio.new_event_loop()
-    stack.callback(loop.close)
+    stack.callback(close_loop, loop)  # its pending tasks cancelled first: no asyncio noise on any exit
     fleet = client = bridge = manager = None
     if cfg.run.debug != "train_only":
         fleet, client = start_fleet(cfg, plan, placement, model_path, run_dir, stack, loop, clock)
@@ -72,6 +76,16 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
         manager = start_teacher(cfg, plan, placement, manager, model_path, run_dir, stack, loop, clock,
                                 started=side_fleets)
     return fleet, client, trainer, bridge, manager, loop
+
+
+def reference_paths(cfg: SluiceConfig, model_path: str) -> dict[str, str]:
+    """`trainer.ref_load` when the KL term reads it, checked here (one line, before any actor starts) for every node
+    to see."""
+    if cfg.trainer.ref_load is None or not cfg.loss.kl_loss_coef > 0:
+        return {}
+    ref = resolve_ref_load(cfg.trainer.ref_load)
+    check_same_shapes(ref, model_path)
+    return {"trainer.ref_load": ref.path}
 
 
 def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
@@ -121,8 +135,22 @@ def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contex
     return bridge
 
 
+def make_slime_functions(cfg: SluiceConfig, client, model_path: str):
+    """rollout.slime's and reward.slime's functions (glue.rollout.slime_compat), or None when neither is set."""
+    if not cfg.rollout.slime.enabled and cfg.reward.slime.function is None:
+        return None
+    return SlimeFunctions(client=client, model_path=model_path, sampling_params=cfg.rollout.sampling.to_sglang(),
+                          samples_per_prompt=cfg.rollout.samples_per_prompt,
+                          prompts_per_step=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
+                          generate_function=cfg.rollout.slime.generate_function,
+                          rollout_function=cfg.rollout.slime.rollout_function,
+                          reward_function=cfg.reward.slime.function)
+
+
 def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None):
-    return RolloutManager(function_path=cfg.rollout.function, task_path=cfg.rollout.task,
+    slime = make_slime_functions(cfg, client, model_path)
+    return RolloutManager(slime=slime, reward_fn=slime.reward if slime is not None and slime.reward_fn else None,
+                          function_path=cfg.rollout.function, task_path=cfg.rollout.task,
                           task_args=task_args_for(cfg.rollout.task, cfg.rollout.task_args, model_path),
                           client=client,
                           sampling_params=cfg.rollout.sampling.to_sglang(),
@@ -138,4 +166,5 @@ def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None)
                               overlong_buffer=cfg.reward.overlong_buffer,
                               overlong_penalty=cfg.reward.overlong_penalty,
                               max_len=cfg.reward.max_len(cfg.rollout.sampling.max_new_tokens)),
-                          group_rewards=group_rewards)
+                          group_rewards=group_rewards, reward_on_error=cfg.reward.on_error,
+                          errors=RolloutErrors(cfg.run_dir / "logs" / ROLLOUT_ERRORS_LOG))

@@ -5,9 +5,11 @@ composes them, applies overrides and reports bad keys. It imports no backend (ra
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from glue.rewards.config import JudgeConfig, RewardModelConfig
 from glue.sft.config import SftConfig
 from glue.rewards.config import TeacherConfig
 from glue.trainer.config import TrainerConfig
+from launch import slime_args
 from loss import LossConfig
 
 
@@ -53,6 +56,7 @@ class TinyModelConfig:
 class ModelConfig:
     path: str | None = None  # local HF checkpoint directory; when null a tiny random model is built from `tiny`
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    shape: dict[str, Any] = field(default_factory=dict)  # model-shape flags as Megatron-LM / slime's MODEL_ARGS give them (--num-layers 36, --swiglu, ...), by flag name: checked against config.json before anything starts, a mismatch refused (the model is built from config.json)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +114,7 @@ class WandbConfig:
     project: str = "sluice"  # W&B project
     entity: str | None = None  # W&B team or user; null: your default entity
     mode: Literal["offline", "online", "disabled"] = "offline"  # offline needs no network; `wandb sync runs/<name>/wandb/offline-run-*` uploads later
+    group: str | None = None  # W&B run group; null: none
 
 
 @dataclass(kw_only=True)
@@ -125,6 +130,7 @@ class RunConfig:
     resume: str = "auto"  # auto: continue from the run folder's latest checkpoint if any; never; or a checkpoint path
     save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
+    stop_grace_s: float = 30.0  # the first Ctrl-C / SIGTERM waits at most this long for the step in progress, then cancels the groups still generating (their samples so far go into the checkpoint), writes the checkpoint and exits 0; a second signal stops at once
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # where step records go: jsonl (runs/<name>/metrics.jsonl, always), tensorboard (runs/<name>/tensorboard/), wandb (pip install wandb)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, when run.loggers has wandb
@@ -144,6 +150,9 @@ class RunConfig:
         if self.save_interval < 0 or self.keep_checkpoints < 1:
             raise ValueError(f"run.save_interval must be >= 0 and run.keep_checkpoints >= 1, got "
                              f"{self.save_interval} and {self.keep_checkpoints}")
+        if not self.stop_grace_s >= 0:
+            raise ValueError(f"run.stop_grace_s must be >= 0 (seconds a stop waits for the step in progress), got "
+                             f"{self.stop_grace_s}")
         if self.debug == "train_only" and not self.replay_from:
             raise ValueError("run.debug=train_only needs run.replay_from: the folder of a run that had "
                              "run.save_rollouts: true (or run.debug: rollout_only)")
@@ -248,10 +257,18 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
-                flags: dict[str, Any] | None = None) -> SluiceConfig:
+                flags: dict[str, Any] | None = None, slime: dict[str, Any] | None = None) -> SluiceConfig:
     """Read YAML (optional), merge pass-through `flags` (nested sections, from --<megatron-field>, --sglang-*,
-    --router-*), apply `key.sub=value` overrides (CLI wins over YAML), build and validate the typed config.
-    Pass-through values are checked against the backends' definitions later, by `launch.plan.resolve`."""
+    --router-*) and slime's arguments (`slime`, by name: launch.slime_args), apply `key.sub=value` overrides (CLI
+    wins over YAML), build and validate the typed config. Pass-through values are checked against the backends'
+    definitions later, by `launch.plan.resolve`."""
+    return build(SluiceConfig, compose(path, overrides, flags, slime), prefix="")
+
+
+def compose(path: str | Path | None = None, overrides: list[str] = (), flags: dict[str, Any] | None = None,
+            slime: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run config mapping before typing: YAML, then pass-through flags and slime's arguments, then overrides;
+    slime's defaults (where sluice's differ) fill only what is still unset. Notes go to stderr."""
     raw: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
@@ -259,9 +276,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     merge(raw, flags or {})
+    notes: list[str] = []
+    if slime:
+        context = copy.deepcopy(raw)
+        for item in overrides:
+            apply_override(context, item)
+        try:
+            translation = slime_args.translate(slime, context, loggers=tuple(RunConfig().loggers))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        slime_args.apply(raw, translation)
+        notes += translation.notes
     for item in overrides:
         apply_override(raw, item)
-    return build(SluiceConfig, raw, prefix="")
+    if slime:
+        try:
+            slime_args.check_label_key(raw, slime)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    notes += _sequence_parallel_at_tp1(raw, flags or {}, overrides)
+    for note in notes:
+        print(f"sluice: note: {note}", file=sys.stderr)
+    return raw
+
+
+def _sequence_parallel_at_tp1(raw: dict[str, Any], flags: dict[str, Any], overrides: list[str]) -> list[str]:
+    """`--sequence-parallel` (the Megatron-LM flag) at TP=1 is turned off, as Megatron-LM does; written as a config
+    key (trainer.megatron.sequence_parallel) it is still refused there, by megatron-core's rule."""
+    trainer = raw.get("trainer") or {}
+    from_flag = (flags.get("trainer") or {}).get("megatron", {}).get("sequence_parallel") is True
+    as_key = any(item.lstrip("-").startswith("trainer.megatron.sequence_parallel=") for item in overrides)
+    if not from_flag or as_key or (trainer.get("tensor_model_parallel_size") or 1) != 1:
+        return []
+    trainer["megatron"].pop("sequence_parallel", None)
+    return ["--sequence-parallel is turned off at --tensor-model-parallel-size 1, as Megatron-LM does"]
 
 
 def merge(raw: dict[str, Any], extra: dict[str, Any]) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 from launch.config import SluiceConfig
 
 TOPICS = {"config": "every config key (the default)", "megatron": "megatron-core flags",
-          "sglang": "SGLang server options (--sglang-*)", "router": "sgl-router options (--router-*)"}
+          "sglang": "SGLang server options (--sglang-*)", "router": "sgl-router options (--router-*)",
+          "slime": "slime's launch arguments and the sluice keys they set"}
 
 
 @functools.cache
@@ -38,9 +39,11 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def config_reference(cls: type | None = None, prefix: str = "", width: int = 118) -> list[str]:
-    """One entry per config key: `section.key  (type, default: value)` and its doc, indented below it."""
-    cls = cls or SluiceConfig
+def config_reference(cls: type | None = None, prefix: str = "", width: int = 118, given: dict | None = None,
+                     source: str = "") -> list[str]:
+    """One entry per config key: `section.key  (type, default: value)` and its doc, indented below it; with
+    `given` (a config file's YAML, read as it is), a key it sets also shows that value: `..., in SOURCE: value`."""
+    cls, given = cls or SluiceConfig, given if isinstance(given, dict) else {}
     hints, lines = typing.get_type_hints(cls), []
     docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)  # a section's inherited keys too
             for k, v in field_docs(base).items()}
@@ -49,9 +52,10 @@ def config_reference(cls: type | None = None, prefix: str = "", width: int = 118
         if dataclasses.is_dataclass(hint):
             if not prefix:
                 lines += ["", f"{key}:" + (f"  {docs[f.name]}" if docs.get(f.name) else "")]
-            lines += config_reference(hint, key + ".", width)
+            lines += config_reference(hint, key + ".", width, given.get(f.name), source)
             continue
-        lines.append(f"  {key}  ({_type_name(hint)}, default: {_default(f)})")
+        mine = f", in {source}: {given[f.name]!r}" if f.name in given else ""
+        lines.append(f"  {key}  ({_type_name(hint)}, default: {_default(f)}{mine})")
         if docs.get(f.name):
             lines += textwrap.wrap(docs[f.name], width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return lines

@@ -35,11 +35,14 @@ def trainer_field_of(name: str) -> str | None:
     return name if name in own else None
 
 
-def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per megatron field; parsed values land in dest `megatron:<field>`."""
+def add_megatron_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per megatron field; parsed values land in dest `megatron:<field>`. Flags in `skip` are another
+    group's (slime's table: launch.slime_args, which reads the model-shape and schedule ones its own way)."""
     group = parser.add_argument_group(GROUP_TITLE, "Megatron-LM spellings; values reach the trainer's megatron-core "
                                       "configs unchanged (YAML: trainer.megatron.<field>).")
     for spec in megatron_fields().values():
+        if "--" + spec.name.replace("_", "-") in skip:
+            continue
         kwargs: dict[str, Any] = {"dest": f"megatron:{spec.name}", "default": argparse.SUPPRESS,
                                   "help": _help(spec)}
         if spec.kind == "flag":

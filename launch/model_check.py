@@ -14,6 +14,7 @@ from glue.trainer import te_spec
 from glue.trainer.model import check_tensor_parallel, read_hf_config
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
+from launch.slime_megatron import check_shape
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -52,6 +53,7 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
     """The model builds under the trainer's layout and its weight files are whole. A directory holding config.json
     and no weights is a plan-only directory: enough for a dry run (`plan_only`), refused by a real start."""
     hf_config = model_config(cfg)
+    check_shape_flags(cfg, hf_config)
     check_routing(cfg, hf_config)
     check_trainer_model(cfg.trainer, hf_config)
     if cfg.model.path is None:
@@ -67,6 +69,15 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
     check_weight_files(cfg.model.path, weights)
     size = sum(p.stat().st_size for p in weights)
     return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {format_bytes(size)})"
+
+
+def check_shape_flags(cfg: SluiceConfig, hf_config: Any) -> None:
+    """The model-shape flags given (model.shape: Megatron-LM's / slime's MODEL_ARGS) describe this checkpoint."""
+    where = "model.tiny's config" if cfg.model.path is None else f"{cfg.model.path}/config.json"
+    try:
+        check_shape(cfg.model.shape, hf_config, where)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:

@@ -16,13 +16,15 @@ from typing import Any
 
 from glue.plugins import check_signature, load_object
 from glue.rewards.judge import load_parser
+from glue.rollout.slime_compat import load_slime_functions
 from launch.config import ConfigError, SluiceConfig
 from launch.memory_plan import check_memory
 from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, check_transformer_engine,
                                 describe_attention, has_tokenizer, weight_files)
 from launch.plan import RunPlan
-from launch.tasks import eval_task
+from launch.tasks import check_task_args, eval_task
 from launch.teacher import check_teacher
+from launch.user_code import plugin_files
 from launch.weight_groups import check_weight_groups
 
 
@@ -36,7 +38,7 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
               check_layer_spec(trainer, elsewhere=elsewhere), check_transformer_engine(trainer, elsewhere=elsewhere),
               describe_attention(trainer, cfg.cluster.uses_gpus), check_memory(cfg), check_data(cfg),
               check_weight_groups(cfg, plan), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
-              check_placement(cfg, plan, here=here),
+              check_placement(cfg, plan, here=here), check_ref_load(cfg, elsewhere=elsewhere),
               *([check_teacher(cfg)] if cfg.teacher is not None else [])]
     return [line for line in checks if line is not None]
 
@@ -66,15 +68,39 @@ def check_plugins(cfg: SluiceConfig) -> str:
         from rollout_fns.openai_agent import NO_ROUTING  # lazy: aiohttp; loaded already when fn comes from it
 
         raise ConfigError(NO_ROUTING)
-    _load(cfg.rollout.task, "rollout.task")
-    if cfg.eval.enabled:
-        _load(eval_task(cfg)[0], "eval.task")
+    for section, task_path, args in task_settings(cfg):
+        _load(task_path, f"{section}.task")
+        try:
+            check_task_args(task_path, args, key=f"{section}.task_args")
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+    slime = check_slime_functions(cfg)
     if cfg.judge is not None:
         try:
             load_parser(cfg.judge.parser)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
-    return f"plugins: {cfg.rollout.function} and {cfg.rollout.task} import"
+    found = [f"{key} {path} from {file or 'a module without a file'}" for key, path, file in plugin_files(cfg)]
+    return "plugins: " + "; ".join(found) + slime
+
+
+def check_slime_functions(cfg: SluiceConfig) -> str:
+    """rollout.slime's and reward.slime's functions import and fit slime's contracts ('' when none is set)."""
+    paths = {"generate_function": cfg.rollout.slime.generate_function,
+             "rollout_function": cfg.rollout.slime.rollout_function, "reward_function": cfg.reward.slime.function}
+    if not any(paths.values()):
+        return ""
+    if cfg.rollout.return_routed_experts and cfg.rollout.slime.enabled:
+        raise ConfigError("rollout.return_routed_experts: slime functions post /generate themselves and their samples "
+                          "carry no MoE routing to sluice; turn the key off or use rollout_fns.single_turn or "
+                          "rollout_fns.multi_turn")
+    try:
+        load_slime_functions(*paths.values())
+    except (ImportError, AttributeError, OSError, TypeError, ValueError) as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    except Exception as err:  # the module itself failed at import
+        raise ConfigError(f"slime function: importing failed: {type(err).__name__}: {err}") from None
+    return "; slime functions " + ", ".join(p for p in paths.values() if p) + " fit slime's contracts"
 
 
 def _load(path: str, what: str):
@@ -85,6 +111,27 @@ def _load(path: str, what: str):
         raise ConfigError(str(err)) from None
     except Exception as err:  # the module itself failed: a SyntaxError, an exception at import time
         raise ConfigError(f"{what}: importing {path!r} failed: {type(err).__name__}: {err}") from None
+
+
+def check_ref_load(cfg: SluiceConfig, *, elsewhere: bool = False) -> str | None:
+    """`trainer.ref_load` (the KL term's reference policy) is a checkpoint the trainer can read, of the policy's
+    architecture. A dry run planning for other machines reports a folder it cannot see instead of refusing it."""
+    from glue.trainer.reference import check_same_shapes, resolve_ref_load  # lazy: torch
+
+    path = cfg.trainer.ref_load
+    if path is None:
+        return "reference: the initial policy, model.path (KL loss)" if cfg.loss.kl_loss_coef > 0 else None
+    if not cfg.loss.kl_loss_coef > 0:
+        return f"reference: trainer.ref_load={path} not read (loss.kl_loss_coef is 0: no KL loss term)"
+    if elsewhere and not Path(path).exists():
+        return f"reference: trainer.ref_load={path} is not on this machine; checked at start-up"
+    try:
+        ref = resolve_ref_load(path)
+        if cfg.model.path is not None:
+            check_same_shapes(ref, cfg.model.path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    return f"reference: {ref.kind} checkpoint {ref.path} (trainer.ref_load)"
 
 
 def check_eval(cfg: SluiceConfig, placement: str) -> str:

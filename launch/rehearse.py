@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from launch.cli import parse_args
-from launch.config import apply_override, load_config, merge
+from launch.config import compose, load_config
 from launch.plan import resolve
 from launch.shrink import STEPS, shrink, write_data
 
@@ -78,14 +78,10 @@ def script_recipe(name: str, scratch: Path) -> Recipe:
 
 
 def raw_config(argv: list[str]) -> dict[str, Any]:
-    """The config mapping sluice would build from `argv`: YAML, then pass-through flags, then overrides (the order
-    of launch.config.load_config), before typing."""
+    """The config mapping sluice would build from `argv`: YAML, then pass-through flags and slime's arguments, then
+    overrides (launch.config.compose, as load_config does), before typing."""
     args, overrides = parse_args(argv)
-    raw = yaml.safe_load((REPO / args.config).read_text()) or {} if args.config else {}
-    merge(raw, args.flags)
-    for item in overrides:
-        apply_override(raw, item)
-    return raw
+    return compose(REPO / args.config if args.config else None, overrides, args.flags, args.slime)
 
 
 def rehearse(recipe: Recipe, folder: Path, *, engine: str, steps: int = STEPS, timeout_s: float = 900) -> dict:

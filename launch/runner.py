@@ -2,7 +2,8 @@
 bridge, then the loop.
 
 Everything started here is stopped here (ExitStack), on success, on error, on Ctrl-C and SIGTERM
-(launch.stopping: the first signal stops after the step in progress, a second at once).
+(launch.stopping: the first signal stops after the step in progress, waiting for it at most run.stop_grace_s, a
+second at once).
 """
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from glue.loop.batch import build_train_batch, distillation_batch_builder
 from glue.loop.buffer import RolloutBuffer
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.controller import LoopHooks, LoopParts, no_evaluation, run_loop, sync_weights
+from glue.loop.cut import never
 from glue.loop.evaluation import Evaluator
 from glue.loop.replay import NoFleet, ReplayStream, SavingStream, check_replay_source
 from glue.loop.staleness import StalenessGate
+from glue.loop.stall import StallWarnings
 from glue.loop.stream import RolloutStream
 from glue.metrics.logger import learning_summary, open_run_logger, read_metrics, run_info
 from glue.rewards.models import reward_model_metrics
@@ -33,8 +36,9 @@ from launch.plan import RunPlan, resolve
 from launch.preflight import preflight
 from launch.run_dir import export_final_policy, find_checkpoint, plot_run, prepare_model
 from launch.startup import StartupClock
-from launch.stopping import StopSignals
+from launch.stopping import StopSignals, cancel_tasks
 from launch.tasks import eval_task, task_args_for, task_metrics
+from launch.user_code import record_code
 
 
 def run(cfg: SluiceConfig) -> Path:
@@ -54,7 +58,8 @@ def run(cfg: SluiceConfig) -> Path:
     with contextlib.ExitStack() as stack:
         placement = start_cluster(cfg, plan, stack)
         clock("ray", f"placement: {describe_placement(plan, placement)}")
-        stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
+        # after ray.init, which sets a SIGTERM handler of its own
+        stop = stack.enter_context(StopSignals(cfg.run.stop_grace_s))
         side_fleets = []  # the teacher's and the judge's, started beside the policy's
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
                                                                          stack, clock, side_fleets=side_fleets)
@@ -64,20 +69,22 @@ def run(cfg: SluiceConfig) -> Path:
         resume_state = restore(cfg, resume_from, trainer=trainer, client=client, colocation=colocation)
         write_resolved(cfg, run_dir / "config.yaml")
         clock.finished(f"{what_runs(cfg)}, metrics in {run_dir / 'metrics.jsonl'}")
+        if cfg.run.debug != "train_only":
+            print(f"sluice: {group_limits(cfg)}", flush=True)
         progress = stack.enter_context(_progress_bar(cfg))
         watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client, side_fleets=side_fleets)
-        evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path)
+        evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path,
+                                   slime=getattr(manager, "slime", None))
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
                                                  colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
+                                                 stop_grace_over=stop.grace_over,
                                                  resume_state=resume_state, watch=watch, evaluator=evaluator))
         stop.armed = True
         try:
             last_step = loop.run_until_complete(training)
         except KeyboardInterrupt:  # let the loop cancel what is generating before the stack stops the processes
             stop.stopping = True
-            training.cancel()
-            with contextlib.suppress(BaseException):
-                loop.run_until_complete(training)
+            cancel_tasks(loop)  # every task, not only `training`: the signal may land between them
             raise
         finally:
             stop.stopping = True
@@ -94,6 +101,17 @@ def run(cfg: SluiceConfig) -> Path:
     final = f"; final policy in {run_dir / 'hf'}" if latest is not None else ""  # rollout_only: no trainer
     print(f"sluice: run finished; {summary}{final}", flush=True)
     return run_dir
+
+
+def group_limits(cfg: SluiceConfig) -> str:
+    """The start-up line on how long a group may take: its timeout and when a waiting step speaks."""
+    r = cfg.rollout
+    limit = ("no group timeout (rollout.group_timeout_s: null): a hung group stalls its step until stopped"
+             if r.group_timeout_s is None else
+             f"a group still generating after rollout.group_timeout_s={r.group_timeout_s:g} s is cut and counted "
+             "failed")
+    return (f"{limit}; a step waiting longer than rollout.stall_warning_s={r.stall_warning_s:g} s on groups says so; "
+            f"Ctrl-C waits run.stop_grace_s={cfg.run.stop_grace_s:g} s for the step in progress")
 
 
 def what_runs(cfg: SluiceConfig) -> str:
@@ -144,7 +162,8 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
 
 
 async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, watch,
-                       stop=lambda: False, resume_state: dict | None = None, evaluator=None) -> int:
+                       stop=lambda: False, stop_grace_over=never, resume_state: dict | None = None,
+                       evaluator=None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     groups_per_step = cfg.rollout.prompts_per_step
     gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=cfg.sync.max_staleness,
@@ -159,7 +178,10 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         manager=manager, gate=gate, buffer=buffer, max_groups=cfg.run.num_steps * groups_per_step,
         max_concurrent=cfg.rollout.max_concurrent_groups, max_failed_frac=cfg.rollout.max_failed_frac,
         drain_before_sync=cfg.run.deterministic, dynamic_sampling=cfg.rollout.dynamic_sampling,
-        max_filtered_frac=cfg.rollout.max_filtered_frac)
+        max_filtered_frac=cfg.rollout.max_filtered_frac, stalls=StallWarnings(
+            after_s=cfg.rollout.stall_warning_s, group_timeout_s=cfg.rollout.group_timeout_s,
+            source=f"rollout function {cfg.rollout.function!r}, task {cfg.rollout.task!r}",
+            echo=lambda line: progress.write(line, file=sys.stderr)))
 
     first_step = 1
     if resume_state is not None:
@@ -170,7 +192,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     if cfg.run.saves_rollouts:
         stream = SavingStream(stream, run_dir, first_step=first_step)
     resume_step = None if resume_state is None else resume_state["step"]
-    logger = open_run_logger(run_dir, loggers=cfg.run.loggers, info=run_info(to_dict(cfg), resume_step=resume_step),
+    logger = open_run_logger(run_dir, loggers=cfg.run.loggers, info=run_info(to_dict(cfg), resume_step=resume_step,
+                                                                            code=record_code(cfg, run_dir)),
                              resume_step=resume_step, wandb=to_dict(cfg.run.wandb))
 
     def on_step(record: dict) -> None:
@@ -179,7 +202,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
                              stale=f"{record['staleness/max']:.0f}")
 
     hooks = LoopHooks(
-        on_step=on_step, stop=stop,
+        on_step=on_step, stop=stop, stop_grace_over=stop_grace_over,
         # rollout_only: nothing to move, the engines keep the weights they started with
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
@@ -199,7 +222,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         logger.close()
 
 
-def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
+def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str, slime=None):
     """The held-out evaluation (glue.loop.evaluation) the loop runs every `eval.interval` steps, or None when off."""
     if not cfg.eval.enabled:
         return None
@@ -209,7 +232,8 @@ def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str):
                      sampling_params=e.sampling.to_sglang(cfg.rollout.sampling.to_sglang()), interval=e.interval,
                      at_start=e.at_start, seed=e.seed, num_prompts=e.num_prompts,
                      samples_per_prompt=e.samples_per_prompt, ks=e.pass_at_k, threshold=e.pass_threshold,
-                     group_timeout_s=cfg.rollout.group_timeout_s)
+                     group_timeout_s=cfg.rollout.group_timeout_s, slime=slime,
+                     reward_fn=slime.reward if slime is not None and slime.reward_fn is not None else None)
 
 
 def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side_fleets=()):

@@ -208,6 +208,9 @@ def infer_family(model_path: str | None, name_hint: str) -> str:
 
 
 def _shrink_model(edit: _Editor, name_hint: str) -> None:
+    if edit.get("model.shape"):
+        edit.drop("model.shape", "the model-shape flags describe the recipe's checkpoint; the tiny stand-in has its "
+                                 "own shape (they are checked against config.json where the checkpoint is)")
     path = edit.get("model.path")
     if path is None:
         return  # a tiny model already

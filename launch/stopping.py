@@ -1,22 +1,29 @@
 """SIGINT and SIGTERM during a run. Once training runs, the first signal asks the loop to stop after the step in
-progress (nothing more is trained, every process is stopped, exit 0); a second one, or any during start-up, stops at
-once (KeyboardInterrupt unwinds the run's ExitStack; exit 130). While the processes are being stopped, signals are
-only acknowledged: an interrupted clean-up would leave processes (or a thread blocked on them) behind."""
+progress, waiting for it at most `grace_s` (run.stop_grace_s): a step still waiting on groups then is cut, its
+groups' samples so far checkpointed (nothing more is trained, every process is stopped, exit 0). A second signal,
+or any during start-up, stops at once (KeyboardInterrupt unwinds the run's ExitStack; exit 130). While the processes
+are being stopped, signals are only acknowledged: an interrupted clean-up would leave processes (or a thread blocked
+on them) behind."""
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import threading
+import time
 
 
 class StopSignals:
-    """`with StopSignals() as stop:` ... `stop.armed = True` once training runs, `stop.stopping = True` once the
-    clean-up begins; `stop()` says a stop was asked."""
+    """`with StopSignals(grace_s) as stop:` ... `stop.armed = True` once training runs, `stop.stopping = True` once
+    the clean-up begins; `stop()` says a stop was asked, `await stop.grace_over()` returns once its grace ran out."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    POLL_S = 0.1  # how often grace_over looks at the clock (the handler runs between the loop's callbacks)
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
+        self.grace_s = grace_s  # None: the step in progress is always waited for (SFT: its steps never wait on groups)
         self.requested: str | None = None  # the signal's name, once one came while armed
+        self.requested_at: float | None = None  # time.monotonic() of that signal
         self.armed = False
         self.stopping = False
         self._previous: dict[int, object] = {}
@@ -34,6 +41,14 @@ class StopSignals:
     def __call__(self) -> bool:
         return self.requested is not None
 
+    async def grace_over(self) -> None:
+        """Return once a stop was asked `grace_s` ago (never without one), saying that the step is being cut."""
+        while (self.requested_at is None or self.grace_s is None
+               or time.monotonic() < self.requested_at + self.grace_s):
+            await asyncio.sleep(self.POLL_S)
+        print(f"sluice: the step in progress did not finish within run.stop_grace_s={self.grace_s:g} s: cancelling "
+              "the groups still generating; their samples so far go into the checkpoint", file=sys.stderr, flush=True)
+
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.stopping:
@@ -41,6 +56,39 @@ class StopSignals:
             return
         if not self.armed or self.requested is not None:
             raise KeyboardInterrupt(name)
-        self.requested = name
-        print(f"\nsluice: {name}: stopping after the step in progress (send it again to stop at once)",
+        self.requested, self.requested_at = name, time.monotonic()
+        grace = "" if self.grace_s is None else (f", or in {self.grace_s:g} s (run.stop_grace_s) with its unfinished "
+                                                 "groups checkpointed")
+        print(f"\nsluice: {name}: stopping after the step in progress{grace} (send it again to stop at once)",
               file=sys.stderr, flush=True)
+
+
+def cancel_tasks(loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> None:
+    """Cancel every task still pending on `loop` (the loop, the stream, groups, the fleet watch) and let them unwind,
+    so that no task is destroyed pending when the loop closes ("Task was destroyed but it is pending!", "Event loop
+    is closed" from their finally blocks). Each is cancelled once (a second cancel would cut its clean-up short); a
+    task that ignores its cancellation is left after `timeout_s`."""
+    deadline, cancelled = time.monotonic() + timeout_s, set()
+    while True:
+        pending = {task for task in asyncio.all_tasks(loop) if not task.done()}
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            break
+        for task in pending - cancelled:
+            task.cancel()
+        cancelled |= pending
+        try:
+            loop.run_until_complete(asyncio.wait(pending, timeout=left))
+        except KeyboardInterrupt:  # a task the signal landed in re-raises it to whoever awaited it: go on unwinding
+            continue
+    for task in cancelled:  # retrieved, so none is reported as "exception was never retrieved"
+        if task.done() and not task.cancelled():
+            task.exception()
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close the run's event loop on every way out, its pending tasks cancelled first."""
+    if not loop.is_closed():
+        cancel_tasks(loop)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

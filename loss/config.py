@@ -1,18 +1,28 @@
 """`LossConfig`: the `loss:` section of a run config. Every method is picked by name from an explicit registry;
 `preset` names a paper's combination (loss/presets.py) whose settings become the defaults of the fields not given.
-`__post_init__` checks names (with a "did you mean"), ranges and coherence, naming the field. Imports only torch."""
+`__post_init__` checks names (with a "did you mean"), ranges and coherence, naming the field. Imports torch only
+when a config is built (the registries)."""
 from __future__ import annotations
 
 import difflib
 import functools
 from dataclasses import dataclass
 
-from loss.advantages import ADVANTAGE_ESTIMATORS
-from loss.aggregation import AGGREGATIONS
-from loss.corrections import CLIP_REFERENCES, CORRECTIONS, OLD_LOGPROB_SOURCES
-from loss.kl import KL_ESTIMATORS
-from loss.policy import POLICY_LOSSES
 from loss.presets import PRESETS, warn_if_incoherent
+
+
+def registries() -> dict[str, dict]:
+    """Field -> the registry its name is looked up in. Imported when a LossConfig is built, not with this module:
+    the registries hold torch functions, and the config's definition (`sluice --help`) needs none of them."""
+    from loss.advantages import ADVANTAGE_ESTIMATORS  # lazy: torch, kept off sluice --help
+    from loss.aggregation import AGGREGATIONS  # lazy: torch, kept off sluice --help
+    from loss.corrections import CLIP_REFERENCES, CORRECTIONS, OLD_LOGPROB_SOURCES  # lazy: torch, kept off sluice --help
+    from loss.kl import KL_ESTIMATORS  # lazy: torch, kept off sluice --help
+    from loss.policy import POLICY_LOSSES  # lazy: torch, kept off sluice --help
+
+    return {"advantage_estimator": ADVANTAGE_ESTIMATORS, "policy_loss": POLICY_LOSSES, "correction": CORRECTIONS,
+            "old_logprobs_from": OLD_LOGPROB_SOURCES, "kl_estimator": KL_ESTIMATORS, "aggregation": AGGREGATIONS,
+            "clip_against": CLIP_REFERENCES}
 
 
 def _preset_gives_defaults(cls: type) -> type:
@@ -74,11 +84,7 @@ class LossConfig:
     mask_truncated: bool = False  # DAPO overlong filtering: a sample cut at the length limit (finish reason length) is not trained on; its reward still counts in its group's baseline (loss/truncated_masked_frac)
 
     def __post_init__(self) -> None:
-        for field, registry in (
-            ("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS),
-            ("old_logprobs_from", OLD_LOGPROB_SOURCES), ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
-            ("clip_against", CLIP_REFERENCES),
-        ):
+        for field, registry in registries().items():
             check_name(f"loss.{field}", getattr(self, field), registry)
         if self.preset is not None:
             check_name("loss.preset", self.preset, PRESETS)

@@ -310,6 +310,19 @@ class EnvTask(TextDataTask):
         if self.apply_chat_template:
             ChatTurns(self.tokenizer, observation_role)  # a template that cannot append the turn fails here
 
+    @classmethod
+    def check_args(cls, task_args: dict, *, key: str) -> None:
+        """TextDataTask's check, then the environment: it imports and takes `env_args`; parse_action imports."""
+        super().check_args(task_args, key=key)
+        env_args = dict(task_args.get("env_args") or {})
+        try:
+            inspect.signature(load_object(task_args["env"], what=f"{key}.env")).bind(**env_args)
+        except TypeError as err:
+            raise ValueError(f"{key}.env_args: environment {task_args['env']!r} cannot be built with env_args "
+                             f"{env_args}: {err}") from None
+        if task_args.get("parse_action"):
+            load_object(task_args["parse_action"], what=f"{key}.parse_action")
+
     def make_env(self, prompt: dict) -> Environment:
         return self.env_factory(**self.env_args)
 

@@ -136,6 +136,19 @@ class TextDataTask:
         self._too_long: dict[int, bool] = {}  # row -> over max_prompt_tokens, learnt as rows are drawn
         self.filtered_prompts = 0  # distinct rows found longer than max_prompt_tokens (and passed over) so far
 
+    @classmethod
+    def check_args(cls, task_args: dict, *, key: str) -> None:
+        """What building the task would check of `task_args` without reading the data or the tokenizer (launch's
+        dry run): the reward function imports and takes `reward_args`."""
+        own = inspect.signature(cls).parameters.get("reward")  # a subclass may pass it on through **kwargs
+        default = own.default if own is not None and own.default is not own.empty else \
+            inspect.signature(TextDataTask).parameters["reward"].default
+        reward = task_args.get("reward", default)
+        try:
+            _check_reward_call(load_object(reward, what=f"{key}.reward"), reward, dict(task_args.get("reward_args") or {}))
+        except TypeError as err:
+            raise ValueError(f"{key}.reward_args: {err}") from None
+
     def prompts(self, seed: int) -> "PromptStream":
         """An endless stream over the rows, epoch after epoch, each epoch's order fixed by (seed, epoch)."""
         return PromptStream(self, seed)

@@ -6,7 +6,6 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -15,7 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from helpers.forkserver import EngineProcess
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _preloading_forkserver():
+    """The fork server of trainer ranks and engines (helpers/forkserver.py), stopped by its pid after the last test."""
+    yield
+    from helpers.forkserver import stop_server
+
+    stop_server()
 
 
 @pytest.fixture(scope="session")
@@ -153,7 +163,7 @@ def is_gone(pid: int) -> bool:
     return False
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+def _wait_healthy(url: str, proc: EngineProcess, log_path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -173,18 +183,15 @@ class EngineProcesses:
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[EngineProcess] = []
 
     def start(self, model_dir: str, *extra_args: str, timeout_s: float = 90.0) -> str:
         port = free_port()
         log_path = self.log_dir / f"engine-{port}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "glue.embedded_engine", "--model-path", model_dir, "--host", "127.0.0.1",
-                 "--port", str(port), *extra_args],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
-                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-            )
+        log_path.touch()
+        # `python -m glue.embedded_engine ...`, forked from the preloading server (tests/helpers/forkserver.py)
+        proc = EngineProcess(["--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port), *extra_args],
+                             str(log_path), str(REPO_ROOT), {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log_path, timeout_s)

@@ -2,7 +2,6 @@
 resumed from one continues exactly as the uninterrupted run would (weights, optimizer moments, RNG, version); a
 checkpoint taken at one layout reloads at another with identical weights; `sluice export-hf` turns it into an HF
 directory that loads in transformers."""
-import multiprocessing as mp
 import pickle
 import queue
 
@@ -13,6 +12,7 @@ from conftest import free_port
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from helpers.trainer import hf_teacher_forced_logprobs, make_batch
+from helpers.forkserver import rank_context
 
 
 def _rank(rank, world, port, model_path, tp, pp, script, fields, results):
@@ -47,7 +47,7 @@ def _rank(rank, world, port, model_path, tp, pp, script, fields, results):
 def run_ranks(model_path, script, tp=1, pp=1, **fields):
     """Run `script` ([("train"|"save"|"load", arg)]) on `tp` x `pp` spawned ranks (`fields`: more TrainerConfig
     fields); rank 0's outputs."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results, port, world = ctx.Queue(), free_port(), tp * pp
     procs = [ctx.Process(target=_rank, args=(r, world, port, model_path, tp, pp, script, fields, results))
              for r in range(world)]

@@ -4,11 +4,13 @@ catches what would fail a minute into start-up (model directory, plugins, ports,
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -129,6 +131,8 @@ def test_start_up_prints_one_line_per_phase_and_ctrl_c_during_it_is_one_line(tmp
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == [err.strip()] and err.startswith("sluice: interrupted"), err
+    # it names only what exists: no metrics before the first step
+    assert "metrics.jsonl" not in err and all(Path(p).exists() for p in re.findall(rf"{tmp_path}[^\s;]*", err)), err
     phases = [line.split()[1] for line in out_path.read_text().splitlines() if line.startswith("sluice: ")]
     assert phases[:2] == ["model", "ray"], out_path.read_text()
     deadline = time.monotonic() + 30

@@ -16,6 +16,7 @@ import torch
 
 from glue.embedded_engine.tiny_model import save_tiny_model
 from weight_sync.convert import ParallelLayout, hf_to_megatron_local, megatron_to_hf, padded_vocab_size
+from helpers.forkserver import rank_context
 
 # (family, extra config fields); every case below names one of these models.
 MODELS = {
@@ -126,7 +127,7 @@ def model_dirs(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def runs(model_dirs) -> dict:
     """case id -> [rank 0's result, rank 1's result], from one pair of spawned ranks stopped by their handles."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, model_dirs, results)) for r in range(2)]

@@ -1,6 +1,7 @@
 """The launcher's pass-through: Megatron flags generated from megatron-core's configs, --sglang-* from sglang's
 source, --router-* from sglang_router; values arrive unchanged where they are used; bad ones fail in one line."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import yaml
 from launch.cli import build_parser, main, parse_args
 from launch.config import load_config
 from launch.plan import resolve
+from tests.helpers.slime_scripts import CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "examples/configs/demo.yaml")
@@ -46,7 +48,7 @@ def test_help_groups_megatron_sglang_and_router_flags(help_text):
                  "--sglang-mem-fraction-static", "--sglang-enable-memory-saver", "--router-request-timeout-secs"):
         assert f"  {flag}" in help_text, flag
     titles = [line for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert [t.split()[0] for t in titles] == ["sluice:", "megatron-core", "sglang", "router"], titles
+    assert [t.split()[0] for t in titles] == ["sluice:", "slime", "megatron-core", "sglang", "router"], titles
 
 
 def test_a_megatron_flag_value_arrives_unchanged_in_the_transformer_config(tiny_model_dir):
@@ -126,7 +128,8 @@ MALFORMED = [
     (["--expert-model-parallel-size", "3"], "expert layout ETP x EP = 1 x 3 must divide TP x CP x DP"),
     (["run.num_stepz=2"], "unknown config key 'run.num_stepz'; did you mean 'run.num_steps'"),
     (["trainer.megatron.sequence_paralel=true"], "did you mean 'sequence_parallel'"),
-    (["--num-layers", "4"], "comes from the checkpoint's config.json (num_hidden_layers)"),
+    (["--num-layers", "4"], "--num-layers 4 does not match model.tiny's config: num_hidden_layers is 2"),
+    (["trainer.megatron.num_layers=4"], "comes from the checkpoint's config.json (num_hidden_layers)"),
     (["--sglang-tp-size", "2"], "--sglang-tp-size (sglang.tp_size) is set by sluice itself; use cluster.engine_tensor_parallel_size"),
     (["--sglang-model-path", "/m"], "use model.path"),
     (["--router-policy", "random"], "use rollout.router_policy"),
@@ -231,9 +234,15 @@ def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(venv_bin))
     env = {**os.environ, "PATH": path, "PYTHONWARNINGS": "ignore"}
     env.pop("SLUICE", None)
+    # the slime-shaped scripts give their checkpoint's shape (MODEL_ARGS), checked against config.json: theirs
+    models = {"slime_qwen3_8b_dense.sh": "strands_qwen3_8b.sh", "slime_qwen3_30b_a3b_moe.sh": "run-qwen3-30B-A3B.sh"}
+    for script, checkpoint in models.items():
+        (tmp_path / script).mkdir()
+        (tmp_path / script / "config.json").write_text(json.dumps(CONFIGS[checkpoint]))
     scripts = sorted((REPO / "launch/scripts").glob("*.sh"))
-    assert len(scripts) >= 4
-    procs = [subprocess.Popen(["bash", str(s), "--dry-run", f"model.path={model}",
+    assert len(scripts) >= 6
+    procs = [subprocess.Popen(["bash", str(s), "--dry-run",
+                               f"model.path={tmp_path / s.name if s.name in models else model}",
                                *(recipe_data if s.name != "single_node.sh" else [])],  # demo.yaml: the echo task
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for s in scripts]
     for script, proc in zip(scripts, procs):

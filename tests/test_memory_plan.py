@@ -5,7 +5,6 @@ cluster.gpu_memory_gb refused with one that fits; the engines' weights and KV po
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import pickle
 
 import pytest
@@ -17,6 +16,7 @@ from launch.cli import main
 from launch.config import ModelConfig, SluiceConfig
 from launch.memory import trainer_memory
 from loss import LossConfig
+from helpers.forkserver import rank_context
 
 DEMO = "examples/configs/demo.yaml"
 
@@ -36,7 +36,7 @@ def _state_main(rank: int, world: int, port: int, model: str, cfg: TrainerConfig
 
 def measured_state_bytes(model: str, cfg: TrainerConfig, loss_cfg: LossConfig) -> dict[int, int]:
     """`training_state_bytes()` of every rank of a real trainer of `cfg`'s layout, in spawned processes."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_state_main, args=(r, cfg.world_size, port, model, cfg, loss_cfg, results))
              for r in range(cfg.world_size)]

@@ -2,7 +2,6 @@
 `python -m launch` run of examples/configs/sft.yaml (Ray, the megatron-core trainer, no engines) whose loss falls and
 whose exported policy is the model.path an RL run starts from, loaded weight for weight by the trainer."""
 import json
-import multiprocessing as mp
 import os
 import pickle
 import subprocess
@@ -16,6 +15,7 @@ from conftest import free_port
 from glue.sft.data import ConversationStream, load_samples, read_conversations, to_sample, tokenize_chat
 from loss import SftLossConfig, compute_loss, sft_loss
 from helpers.trainer import hf_teacher_forced_logprobs
+from helpers.forkserver import rank_context
 
 REPO = Path(__file__).resolve().parents[1]
 SFT_YAML = REPO / "examples/configs/sft.yaml"
@@ -187,7 +187,7 @@ def test_the_exported_sft_policy_is_the_model_path_of_an_rl_run_and_its_trainer_
     preflight(cfg, plan, here=False)
     assert "qwen2 checkpoint" in check_model(cfg, plan_only=False)
     assert len(plan.engines) == 2 and cfg.run.mode == "sync"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     proc = ctx.Process(target=_trainer_weights, args=(str(hf), free_port(), results))
     proc.start()

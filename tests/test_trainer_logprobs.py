@@ -4,7 +4,6 @@ and today's megatron vocab-parallel cross entropy (gradients included, fp32 and 
 far less than the fp32 copy of the logits that today's functions make, counted in tensor bytes."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 
@@ -13,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.trainer import _free_port, results_of_ranks
+from helpers.forkserver import rank_context
 
 TEMPERATURE = 0.7
 BATCH, SEQ, VOCAB = 3, 7, 40
@@ -158,7 +158,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 @pytest.fixture(scope="module")
 def ranks() -> dict:
     """{tp: [rank 0's cases, rank 1's cases]} (at TP=1, rank 0's only), from one pair of spawned gloo ranks."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
     outs = results_of_ranks([ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(2)], results)

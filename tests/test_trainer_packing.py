@@ -169,9 +169,9 @@ def _isolation_scenario(model_dir: str) -> dict:
     angles = []
     apply = rope.rotate
 
-    def recording(t, freqs):
+    def recording(t, freqs, packed=False):
         angles.append(freqs.detach().clone())
-        return apply(t, freqs)
+        return apply(t, freqs, packed)
 
     rope.rotate = recording
     before = worker.compute_logprobs(batch)

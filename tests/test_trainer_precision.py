@@ -11,6 +11,7 @@ from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from helpers.trainer import make_batch, run_trainer_ranks
 from helpers.trainer_process import run_in_trainer_process, start_worker, stop_worker
+from helpers.forkserver import rank_context
 
 
 # ---- config: what is refused before any rank starts ----
@@ -260,14 +261,12 @@ def _resume_main(rank: int, world: int, ports: tuple[int, int], model: str, cfg:
 def test_a_bf16_run_resumes_exactly_with_its_sharded_main_weights_adam_state_and_schedule(tmp_path):
     """Issue 29 item 4: fp32 main weights and the distributed optimizer's shards (DP=2) are checkpointed per rank,
     so a resumed bf16 run continues bit for bit (weights, main weights, warm-up position)."""
-    import multiprocessing as mp
-
     from helpers.trainer import _free_port, results_of_ranks
 
     model = save_tiny_model(str(tmp_path / "qwen2"), family="qwen2", seed=3)
     cfg = TrainerConfig(lr=1e-2, precision="bf16", data_parallel_size=2, micro_batch_size=3, lr_warmup_steps=3,
                         num_cpus_per_worker=1)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     ports = (_free_port(), _free_port())
     procs = [ctx.Process(target=_resume_main, args=(r, 2, ports, model, cfg, str(tmp_path / "ckpt"), results))

@@ -3,7 +3,6 @@ that receives a second model's weights and then generates exactly like that mode
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import threading
 import time
 
@@ -14,6 +13,7 @@ from conftest import free_port
 from helpers.engines import call, generate, teacher_forced_logprobs
 from weight_sync.broadcast import dtype_to_str, receive_tensors, send_tensors, str_to_dtype
 from weight_sync.process_group import create_process_group, destroy_process_group
+from helpers.forkserver import rank_context
 
 
 def test_dtype_names_are_the_ones_sglang_resolves_with_getattr_torch():
@@ -35,7 +35,7 @@ def _receiver(port: int, names, dtypes, shapes, queue) -> None:
 def test_send_tensors_reach_another_process_with_their_names_dtypes_and_shapes():
     tensors = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
                ("b", torch.tensor([1.5, -2.25], dtype=torch.bfloat16)), ("c", torch.tensor([[7]], dtype=torch.int64))]
-    port, ctx = free_port(), multiprocessing.get_context("spawn")
+    port, ctx = free_port(), rank_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(port, [n for n, _ in tensors], [dtype_to_str(t.dtype) for _, t in tensors],
                                                [list(t.shape) for _, t in tensors], queue))
@@ -70,7 +70,7 @@ def _join_like_sglang(port: int, queue) -> None:
 
 
 def test_trainer_rank_zero_meets_an_engine_that_joins_the_way_sglang_does():
-    port, ctx = free_port(), multiprocessing.get_context("spawn")
+    port, ctx = free_port(), rank_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=_join_like_sglang, args=(port, queue))
     proc.start()

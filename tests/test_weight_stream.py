@@ -4,7 +4,6 @@ up with a bucket, and it holds nothing but the bucket and the rest of one split 
 than about a bucket while gathering, counted in tensor bytes (tests/tensor_census.py)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 
 import pytest
@@ -14,6 +13,7 @@ from glue.embedded_engine.tiny_model import save_tiny_model
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from helpers.trainer import _free_port, results_of_ranks
+from helpers.forkserver import rank_context
 
 BUCKET_BYTES = 12 << 10  # small buckets: several per stage, and fused q/k/v split across two of them
 
@@ -45,7 +45,7 @@ def _stream_rank(rank: int, world: int, port: int, model_path: str, cfg: Trainer
 
 
 def stream_on_ranks(model_path: str, bucket_bytes: int = BUCKET_BYTES, **layout) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     cfg = TrainerConfig(**{"micro_batch_size": 2, "num_cpus_per_worker": 1, **layout})
     procs = [ctx.Process(target=_stream_rank, args=(r, cfg.world_size, port, model_path, cfg, bucket_bytes, results))

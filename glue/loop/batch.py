@@ -82,6 +82,10 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float | str]:
         "rollout/truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/failed": float(len(samples) - len(scored)),
         "rollout/aborted": float(sum(s.status is SampleStatus.ABORTED for s in samples)),
+        # trained samples with no response token (warned once by glue.rollout.errors)
+        "rollout/empty_responses": float(sum(is_trainable(s) and not s.response_tokens for s in samples)),
+        # samples whose reward function raised (reward.on_error: fail_sample), FAILED and left out of their group
+        "rollout/reward_errors": float(sum(s.metadata.get("reward_error", 0) for s in samples)),
         "rollout/discarded_tokens": float(sum(s.metadata.get("discarded_tokens", 0) for s in samples)),
         "rollout/aborts_without_routing": float(sum(s.metadata.get("aborts_without_routing", 0) for s in samples)),
         # answers stamped with one meta_info.weight_version (no per-token spans), over the step's samples

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from glue.loop.batch import build_train_batch, rollout_metrics
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.colocation import Colocation
+from glue.loop.cut import never, save_cut, unless_stopped
 from glue.loop.stream import BatchStream
 from glue.metrics.logger import MetricsLogger, StepTimer
 from glue.types import TrainBatch
@@ -41,13 +42,15 @@ class LoopHooks:
     `sync_guard(sync)` runs each weight sync (in a worker thread; glue.fleet.watch keeps it apart from engine
     restarts), `train_guard(call)` each train step and checkpoint (their trainer collectives never meet a repair's);
     `extra_metrics()` adds to every step's record and `on_step(record)` sees it once logged; `stop()` is asked after
-    each step. `await evaluate(step)` runs after each step's sync, when the engines hold a known version (and for
-    step 0 before the first step); what it returns (glue.loop.evaluation: {} unless due) joins the step's record.
-    `build_batch` turns a step's groups into the batch and its metrics (glue.loop.batch's distillation builder adds
-    the teacher's term)."""
+    each step; `await stop_grace_over()` returns once a requested stop has waited its grace (run.stop_grace_s) for
+    the step in progress: a step still waiting on groups then is cut. `await evaluate(step)` runs after each step's
+    sync, when the engines hold a known version (and for step 0 before the first step); what it returns
+    (glue.loop.evaluation: {} unless due) joins the step's record. `build_batch` turns a step's groups into the
+    batch and its metrics (glue.loop.batch's distillation builder adds the teacher's term)."""
 
     on_step: Callable[[dict], None] | None = None
     stop: Callable[[], bool] = lambda: False
+    stop_grace_over: Callable[[], Awaitable[None]] = never
     sync_guard: Callable[[Callable[[], None]], None] = lambda sync: sync()
     train_guard: Callable[[Callable[[], Any]], Any] = lambda call: call()
     extra_metrics: Callable[[], dict[str, float]] = dict
@@ -85,8 +88,12 @@ async def run_loop(parts: LoopParts, *, num_steps: int, loss_cfg: LossConfig, pa
             logger.log({"step": 0, **at_start, "weights/version": trainer.version})
         for step in range(first_step, num_steps + 1):
             timer, started = StepTimer(), time.perf_counter()
-            with timer("rollout"):  # the trainer waits for a batch
-                groups, withheld = await stream.next_batch()
+            with timer("rollout"):  # the trainer waits for a batch, unless a stop's grace runs out first
+                taken = await unless_stopped(stream.next_batch(), hooks.stop_grace_over())
+            if taken is None:  # cut: what the step had goes into a checkpoint of the last step trained
+                await save_cut(parts, step - 1)
+                return step - 1
+            groups, withheld = taken
             groups = sorted(groups, key=lambda g: g.group_id)  # one order whatever order they finished in
             batch, staleness = hooks.build_batch(groups, loss_cfg, withheld=withheld, gate=gate)
             with timer("train"):

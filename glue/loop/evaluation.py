@@ -67,8 +67,9 @@ class Evaluator:
     def __init__(self, *, fn: Callable[..., Awaitable[list[Sample]]], task: Any, client: Any, sampling_params: dict,
                  interval: int | None, at_start: bool = True, seed: int = 1000, num_prompts: int = 32,
                  samples_per_prompt: int = 1, ks: list[int] = (1,), threshold: float = 1.0,
-                 group_timeout_s: float | None = None):
+                 group_timeout_s: float | None = None, reward_fn: Callable | None = None, slime: Any = None):
         self.fn, self.task, self.client, self.sampling_params = fn, task, client, dict(sampling_params)
+        self.reward_fn, self.slime = reward_fn or task.reward, slime  # reward.slime / rollout.slime, as in training
         self.interval, self.at_start, self.seed = interval or 0, at_start, seed
         self.num_prompts, self.samples_per_prompt = num_prompts, samples_per_prompt
         self.ks, self.threshold, self.group_timeout_s = list(ks), threshold, group_timeout_s
@@ -102,7 +103,7 @@ class Evaluator:
         """One prompt's answers. A rollout function that raises, times out or returns something else than
         `samples_per_prompt` Samples fails only this group (eval/failed_groups), as in training."""
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
-                             reward_fn=self.task.reward, group_id=group_id, task=self.task)
+                             reward_fn=self.reward_fn, group_id=group_id, task=self.task, slime=self.slime)
         try:
             samples = await asyncio.wait_for(self.fn(ctx, prompt, self.samples_per_prompt), self.group_timeout_s)
             if (not isinstance(samples, list) or len(samples) != self.samples_per_prompt

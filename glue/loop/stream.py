@@ -8,6 +8,7 @@ import time
 from typing import Any, Awaitable, Callable, Protocol
 
 from glue.loop.buffer import RolloutBuffer, is_trainable
+from glue.loop.stall import StallWarnings
 from glue.loop.staleness import StalenessGate
 from glue.types import Group
 
@@ -69,16 +70,20 @@ class RolloutStream:
     `max_concurrent` the groups generating at once. A failed group (`Group.error`) gives its place to a new one and
     is counted; more than `max_failed_frac` of a step's groups failing stops the run with RolloutFailed. With
     `dynamic_sampling` (DAPO) a group whose rewards are all equal gives its place back the same way, counted in
-    `rollout/filtered_groups`, bounded by `max_filtered_frac`."""
+    `rollout/filtered_groups`, bounded by `max_filtered_frac`. With `stalls`, a step that waits long on groups
+    says so (glue.loop.stall)."""
 
     def __init__(self, *, manager: GroupSource, gate: StalenessGate, buffer: RolloutBuffer, max_groups: int,
                  max_concurrent: int | None = None, max_failed_frac: float = 0.5, drain_before_sync: bool = False,
-                 dynamic_sampling: bool = False, max_filtered_frac: float = 0.9):
+                 dynamic_sampling: bool = False, max_filtered_frac: float = 0.9,
+                 stalls: StallWarnings | None = None):
         self.manager, self.gate, self.buffer, self.max_groups = manager, gate, buffer, max_groups
         self.max_concurrent = max_concurrent  # groups generating at once (None: as many as the gate admits)
         self.max_failed_frac = max_failed_frac
         self.drain_before_sync = drain_before_sync  # deterministic mode: no rollout spans a weight sync
         self.dynamic_sampling, self.max_filtered_frac = dynamic_sampling, max_filtered_frac
+        self.stalls = stalls
+        self._started_at: dict[int, float] = {}  # group id -> when it started generating (time.monotonic)
         self.filtered_groups = 0  # groups dropped for equal rewards, over the run
         self._filtered_this_step = 0
         self._filtered_at_last_metrics = 0
@@ -131,12 +136,14 @@ class RolloutStream:
         self.buffer.started(group_id, deadline=deadline, start_version=start_version)
         task = asyncio.ensure_future(coroutine)
         self._tasks[group_id] = task
+        self._started_at[group_id] = time.monotonic()
         task.add_done_callback(lambda t, gid=group_id: self._on_done(gid, t))
         self.idle.set(self._paused)
         self._changed.set()  # a step waiting for the groups a resume issues again (next_batch) looks again
 
     def _on_done(self, group_id: int, task: asyncio.Task) -> None:
         self._tasks.pop(group_id, None)
+        self._started_at.pop(group_id, None)
         if task.cancelled():
             return
         if task.exception() is not None:
@@ -190,12 +197,21 @@ class RolloutStream:
         """Wait until the buffer holds a step's groups (re-raising a rollout function's error), then take them.
         After a resume, not before every group to issue again is back in the buffer with its deadline: a choice made
         without them could pass over one that is due now, which would then train over-stale."""
-        await self._wait_for(lambda: self._error is not None or (not self._admitted_before
-                                                                 and self.buffer.is_ready(self.gate)))
+        waiting = self._wait_for(lambda: self._error is not None or (not self._admitted_before
+                                                                     and self.buffer.is_ready(self.gate)))
+        if self.stalls is not None:
+            await self.stalls.watch(waiting, self.group_ages)
+        else:
+            await waiting
         if self._error is not None:
             raise self._error
         self._failed_this_step, self._filtered_this_step = [], 0
         return self.buffer.take(self.gate)
+
+    def group_ages(self) -> list[float]:
+        """Seconds each group still generating has been at it."""
+        now = time.monotonic()
+        return [now - started for started in self._started_at.values()]
 
     def trained(self, version: int) -> None:
         self.gate.trained(version)
@@ -293,3 +309,4 @@ class RolloutStream:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._started_at.clear()

@@ -84,7 +84,7 @@ class WandbSink:
     run id is kept in `<run_dir>/wandb_run_id`, so a resumed sluice run continues the same W&B run."""
 
     def __init__(self, run_dir: Path, *, project: str, entity: str | None, mode: str, name: str,
-                 config: dict[str, Any], resuming: bool):
+                 config: dict[str, Any], resuming: bool, group: str | None = None):
         import wandb
 
         id_file = run_dir / "wandb_run_id"
@@ -92,7 +92,7 @@ class WandbSink:
         id_file.write_text(run_id + "\n")
         settings = wandb.Settings(console="off", quiet=True, x_disable_stats=True)  # no stdout capture, no sampler
         self.run = wandb.init(project=project, entity=entity, mode=mode, id=run_id, name=name, dir=str(run_dir),
-                              config=config, resume="allow", settings=settings)
+                              group=group, config=config, resume="allow", settings=settings)
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
@@ -104,7 +104,7 @@ class WandbSink:
 def open_run_logger(run_dir: Path, *, loggers: Sequence[str], info: dict[str, Any], resume_step: int | None,
                     wandb: dict[str, Any] | None = None) -> MetricsLogger:
     """The step logger of a run in `run_dir`: metrics.jsonl always, plus the `loggers` asked for ("tensorboard",
-    "wandb" with `wandb` = {project, entity, mode}). Writes `info` (see `run_info`) to run_info.json. A fresh start
+    "wandb" with `wandb` = {project, entity, mode, group}). Writes `info` (see `run_info`) to run_info.json. A fresh start
     (`resume_step` None) clears the TensorBoard events a previous run left; a resumed one continues after them."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,15 +119,24 @@ def open_run_logger(run_dir: Path, *, loggers: Sequence[str], info: dict[str, An
         w = wandb or {}
         sinks.append(WandbSink(run_dir, project=w.get("project", "sluice"), entity=w.get("entity"),
                                mode=w.get("mode", "offline"), name=run_dir.name, config=info.get("config", {}),
-                               resuming=resume_step is not None))
+                               resuming=resume_step is not None, group=w.get("group")))
     return MetricsLogger(run_dir / "metrics.jsonl", sinks)
 
 
-def run_info(config: dict[str, Any], *, resume_step: int | None = None) -> dict[str, Any]:
+def run_info(config: dict[str, Any], *, resume_step: int | None = None,
+             code: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a run was, beyond its metrics: the resolved config, the sluice code's git commit (None outside a git
-    checkout), the command line, when it started and from which step."""
+    checkout), the command line, when it started and from which step, and `code`: the modules the config names
+    (launch.user_code.record_code: file, sha256, copy in the run folder, git state). `git.dirty` is also true when
+    one of those modules is not committed (modified, untracked, or in no checkout at all): the commit alone would
+    not give the run back; `git.uncommitted_modules` names them."""
+    git = git_commit(Path(__file__).parents[2])
+    uncommitted = [path for path, m in (code or {}).items()
+                   if m.get("file") is not None and (m.get("git") is None or m["git"]["dirty"])]
+    if git is not None and code is not None:
+        git = {**git, "dirty": git["dirty"] or bool(uncommitted), "uncommitted_modules": uncommitted}
     return {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "resumed_from_step": resume_step, "argv": list(sys.argv), "git": git_commit(Path(__file__).parents[2]),
+            "resumed_from_step": resume_step, "argv": list(sys.argv), "git": git, "code": code or {},
             "config": config}
 
 

@@ -4,8 +4,20 @@ Light module: imports no backend, so `launch.config` can build and validate a ru
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+
+@dataclass(kw_only=True)
+class SlimeRewardConfig:
+    """slime's reward function, run as it is (glue.rollout.slime_compat)."""
+
+    function: str | None = None  # slime's --custom-rm-path: async def reward_func(args, sample, **kwargs) -> float | dict, in place of the task's reward ('pkg.module:function', 'pkg.module.function' or 'path/to/file.py:function')
+
+    def __post_init__(self) -> None:
+        if self.function is not None and (not isinstance(self.function, str) or not self.function.strip()):
+            raise ValueError(f"reward.slime.function must be a path like 'pkg.module:function' or "
+                             f"'path/to/file.py:function', got {self.function!r}")
 
 
 @dataclass(kw_only=True)
@@ -15,9 +27,13 @@ class RewardConfig:
     overlong_buffer: int = 0  # DAPO soft overlong punishment: a response of L > max_len - overlong_buffer tokens gets overlong_penalty * (L - (max_len - overlong_buffer)) / overlong_buffer taken off its reward, all of overlong_penalty from max_len on (reward/overlong_penalized_frac); 0: off
     overlong_penalty: float = 1.0  # the most the overlong punishment takes off a reward (DAPO: 1.0)
     overlong_max_len: int | None = None  # max_len of the overlong punishment, in response tokens; null: rollout.sampling.max_new_tokens (set it for multi-turn rollouts, whose response spans several generate calls)
+    on_error: Literal["fail_sample", "fail_group"] = "fail_sample"  # a reward function that raises: fail_sample marks that sample FAILED and its group trains on the rest (if two or more are left); fail_group fails the whole group
+    slime: SlimeRewardConfig = field(default_factory=SlimeRewardConfig)  # slime's reward function, run unchanged
     task_weight: float = 1.0  # with judge: or reward_model:, the reward's "score" is task_weight x the task's score + each model's weight x its score (0: the models' scores alone)
 
     def __post_init__(self) -> None:
+        if self.on_error not in ("fail_sample", "fail_group"):
+            raise ValueError(f"reward.on_error must be 'fail_sample' or 'fail_group', got {self.on_error!r}")
         if self.overlong_buffer < 0:
             raise ValueError(f"reward.overlong_buffer must be >= 0 (0: no overlong punishment), got {self.overlong_buffer}")
         if not self.overlong_penalty > 0:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from glue.fleet.engine_client import EngineHTTPError, GenerateClient, weight_version_to_int
 from glue.plugins import check_signature, load_object
+from glue.rollout.errors import RolloutErrors
 from glue.rollout.routed_experts import RoutedExpertsLayout, append_routed_experts, lost_routing, start_len_for
 from glue.types import Group, Sample, SampleStatus
 
@@ -41,7 +41,12 @@ class RolloutContext:
     routed_experts: RoutedExpertsLayout | None = None  # rollout.return_routed_experts: ask for MoE routing (R3)
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
+    slime: Any = None  # rollout.slime / reward.slime: the run's glue.rollout.slime_compat.SlimeFunctions, else None
     judge: Any = None  # the run's LLM judge (judge: section, glue.rewards.judge.Judge): `await ctx.judge.judge(SampleText(...))`; None without one
+    # reward.on_error: a reward function that raises fails its sample ("fail_sample": FAILED, the group trains on
+    # the rest) or the whole group ("fail_group": `score` raises)
+    reward_on_error: str = "fail_group"
+    errors: RolloutErrors = field(default_factory=RolloutErrors)  # where a failure is reported (console, log file)
 
     def track(self, sample: Sample) -> Sample:
         """Register a sample being generated, so a checkpoint taken while its group is in flight keeps its tokens
@@ -76,7 +81,21 @@ def resume_limit(max_staleness: int) -> int:
 async def score(ctx: RolloutContext, sample: Sample) -> None:
     """Set `sample.reward` from the task's reward function. An async one runs on the event loop; a plain function
     runs on one of `REWARD_THREADS` threads, so a slow verifier (Math-Verify, a sandbox call) never stalls the
-    other groups' generation, and must therefore be safe to call from several threads at once."""
+    other groups' generation, and must therefore be safe to call from several threads at once. A reward function
+    that raises is reported with its traceback (`ctx.errors`); with `ctx.reward_on_error == "fail_sample"` the
+    sample is marked FAILED (metadata "error", "reward_error") instead of the error failing the group."""
+    try:
+        await _score(ctx, sample)
+    except Exception as err:  # noqa: BLE001 - reward.on_error fail_sample: a verifier bug costs its sample
+        if ctx.reward_on_error != "fail_sample":
+            raise
+        where = f"reward function {_name(ctx.reward_fn)}"
+        line = ctx.errors.record(err, where=where, group_id=ctx.group_id, sample_index=sample.index)
+        sample.status, sample.reward = SampleStatus.FAILED, None
+        sample.metadata.update(error=line, reward_error=1)
+
+
+async def _score(ctx: RolloutContext, sample: Sample) -> None:
     if inspect.iscoroutinefunction(ctx.reward_fn):
         reward = await ctx.reward_fn(sample)
     else:
@@ -159,7 +178,9 @@ class RolloutManager:
                  deterministic: bool = False, error_masking: bool = False,
                  routed_experts: RoutedExpertsLayout | None = None,
                  reward_shaping: Callable[[list[Sample]], None] | None = None,
-                 group_rewards: Callable[[list[Sample]], Awaitable[None]] | None = None):
+                 group_rewards: Callable[[list[Sample]], Awaitable[None]] | None = None,
+                 reward_on_error: str = "fail_sample", errors: RolloutErrors | None = None,
+                 reward_fn: Callable[[Sample], Any] | None = None, slime: Any = None):
         self.function_path, self.task_path = function_path, task_path
         self.fn = load_object(function_path, what="rollout function")
         check_signature(self.fn, ROLLOUT_FUNCTION_PARAMS, what=f"rollout function {function_path!r}")
@@ -173,6 +194,10 @@ class RolloutManager:
         self.routed_experts = routed_experts  # rollout.return_routed_experts: the model's routing layout, or None
         self.reward_shaping = reward_shaping  # reward: section (glue.rewards.shaping), applied to each scored group
         self.group_rewards = group_rewards  # judge: / reward_model: (glue.rewards.models), awaited on each group first
+        self.reward_on_error = reward_on_error  # reward.on_error: "fail_sample" or "fail_group"
+        self.errors = errors if errors is not None else RolloutErrors()  # console + rollout_errors.log
+        self.reward_fn = reward_fn or self.task.reward  # the task's reward, unless reward.slime.function replaces it
+        self.slime = slime  # rollout.slime / reward.slime: glue.rollout.slime_compat.SlimeFunctions, or None
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
@@ -240,26 +265,43 @@ class RolloutManager:
 
     async def _generate_group(self, group_id: int, prompt: dict) -> Group:
         """Run the rollout function for one prompt. If it raises, returns something that is not a group of valid
-        samples, or runs past `group_timeout_s`, the group comes back with every sample FAILED and `error` set (its
-        first line is printed once, with the group id): one bad group does not end the run."""
+        samples, or runs past `group_timeout_s`, the group comes back with every sample FAILED and `error` set
+        (reported by `self.errors`: the traceback on the console for the first of its kind, every one in the
+        log): one bad group does not end the run. So does a group whose reward failures (reward.on_error
+        fail_sample) left fewer than two samples to train."""
         where = f"rollout function {self.function_path!r} (task {self.task_path!r}, group {group_id})"
         try:
             samples = await asyncio.wait_for(self._run_function(group_id, prompt, where), self.group_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            return self._failed(group_id, prompt, f"{where} timed out after rollout.group_timeout_s="
-                                                  f"{self.group_timeout_s:g} s")
+            line = f"{where} timed out after rollout.group_timeout_s={self.group_timeout_s:g} s"
+            self.errors.record_line(line, group_id=group_id, kind="group_timeout")
+            return self._failed(group_id, prompt, line)
         except Exception as err:  # noqa: BLE001 - any error of user code fails its group, not the run
-            return self._failed(group_id, prompt, f"{where}: {type(err).__name__}: {err}", lost=is_fleet_error(err))
+            line = self.errors.record(err, where=where, group_id=group_id)
+            return self._failed(group_id, prompt, line, lost=is_fleet_error(err))
+        reward_failures = sum(1 for s in samples if s.metadata.get("reward_error"))
+        left = sum(1 for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED))
+        if reward_failures and left < 2:
+            line = (f"{where}: {reward_failures} of its {len(samples)} rewards failed, leaving {left} sample(s) to "
+                    "train (a group needs two); first: " + next(s.metadata["error"] for s in samples
+                                                              if s.metadata.get("reward_error")))
+            self.errors.record_line(line, group_id=group_id, kind="too_few_scored")
+            return self._failed(group_id, prompt, line)
+        empty = sum(1 for s in samples if not s.response_tokens
+                    and s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED))
+        if empty:
+            self.errors.warn_empty(group_id, empty)
         return Group(group_id=group_id, samples=samples)
 
     async def _run_function(self, group_id: int, prompt: dict, where: str) -> list[Sample]:
         ctx = RolloutContext(client=self.client, sampling_params=dict(self.sampling_params),
-                             reward_fn=self.task.reward, group_id=group_id, partial_rollouts=self.partial_rollouts,
+                             reward_fn=self.reward_fn, group_id=group_id, partial_rollouts=self.partial_rollouts,
                              max_resumes=self.max_resumes,
                              seed=(self.seed * 1_000_003 + group_id) % (2**31 - 1) if self.deterministic else None,
                              error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
                              resumed=self._resumed.pop(group_id, {}),
-                             judge=getattr(self.group_rewards, "judge", None))
+                             judge=getattr(self.group_rewards, "judge", None), slime=self.slime,
+                             reward_on_error=self.reward_on_error, errors=self.errors)
         self._contexts[group_id] = ctx
         try:
             return await self._call_function(ctx, prompt)
@@ -284,7 +326,6 @@ class RolloutManager:
 
     def _failed(self, group_id: int, prompt: dict, error: str, lost: bool = False) -> Group:
         first_line = (error.strip().splitlines() or [""])[0]
-        print(f"sluice: group {group_id} failed: {first_line}", file=sys.stderr, flush=True)
         samples = [Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=group_id, index=i,
                           status=SampleStatus.FAILED, metadata={"error": first_line})
                    for i in range(self.samples_per_prompt)]
@@ -322,6 +363,12 @@ def build_task(task_path: str, task_args: dict) -> Any:
         raise TypeError(f"task {task_path!r} lacks {missing}; a task needs prompts(seed) -> Iterator[dict] and "
                         "reward(sample) -> float")
     return obj
+
+
+def _name(fn: Any) -> str:
+    """`module:qualname` of a function or bound method, for messages."""
+    target = getattr(fn, "__func__", fn)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(fn).__name__)}"
 
 
 def _describe(value: Any) -> str:

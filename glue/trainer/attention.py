@@ -107,26 +107,43 @@ class SluiceCoreAttention(MegatronModule):
 
             return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=self.scale,
                                **_varlen_kwargs())
-        return self._thd_as_batch(query, key, value, cu_seqlens.tolist())  # one host read per micro-batch
+        return self._thd_as_batch(query, key, value, _batch_layout(cu_seqlens))
 
     def _thd_as_batch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      bounds: list[int]) -> torch.Tensor:
+                      layout: tuple[list[int], torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
         """THD attention as one causal SDPA call over the spans laid out as rows [N, heads, L, hn] (L the longest):
         each span's padding sits after its last token, so causality keeps every real query off it, and padded
         queries are dropped (their outputs get no gradient, so neither do the slots they read). Rows of very
-        unequal spans would pad more than the row holds: those go span by span instead."""
-        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
-        longest = max(lengths)
-        if len(lengths) * longest > 2 * bounds[-1]:
+        unequal spans would pad more than the row holds: those go span by span instead (`index` None)."""
+        bounds, index, is_real = layout
+        if index is None:
             spans = [self._sdpa(*(x[start:end].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(0, 1)
                      for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
             return torch.cat(spans)
-        starts = torch.tensor([s for s, e in zip(bounds[:-1], bounds[1:]) if e > s], device=query.device)
-        offsets = torch.arange(longest, device=query.device)
-        is_real = offsets[None, :] < torch.tensor(lengths, device=query.device)[:, None]
-        index = torch.where(is_real, starts[:, None] + offsets[None, :], 0)  # [N, L] rows of the THD tensors
         out = self._sdpa(*(x[index].transpose(1, 2) for x in (query, key, value)))  # [N, heads, L, hn]
         return out.transpose(1, 2)[is_real]
+
+
+_layout_cache: dict[str, Any] = {}  # the last packed row's cu_seqlens and its batch layout: every layer reuses it
+
+
+def _batch_layout(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """The span bounds of a packed row (one host read per micro-batch, not per layer) and the gather index [N, L]
+    and real-token mask that lay its spans out as rows, or None for both when that would pad more than the row."""
+    if _layout_cache.get("cu_seqlens") is cu_seqlens:
+        return _layout_cache["layout"]
+    bounds = cu_seqlens.tolist()
+    spans = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    longest = max(end - start for start, end in spans)
+    index = is_real = None
+    if len(spans) * longest <= 2 * bounds[-1]:
+        device = cu_seqlens.device
+        starts = torch.tensor([start for start, _ in spans], device=device)
+        offsets = torch.arange(longest, device=device)
+        is_real = offsets[None, :] < torch.tensor([end - start for start, end in spans], device=device)[:, None]
+        index = torch.where(is_real, starts[:, None] + offsets[None, :], 0)  # [N, L] rows of the THD tensors
+    _layout_cache.update(cu_seqlens=cu_seqlens, layout=(bounds, index, is_real))
+    return _layout_cache["layout"]
 
 
 def _reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

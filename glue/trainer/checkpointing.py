@@ -79,7 +79,7 @@ def _load_weights_only(worker: Any, directory: str, saved: dict[str, Any]) -> No
     from megatron.core import dist_checkpointing
 
     dist = os.path.join(directory, DIST)
-    _load_module(worker.model, dist_checkpointing.load({"model": worker.model.sharded_state_dict()}, dist)["model"],
+    load_module(worker.model, dist_checkpointing.load({"model": worker.model.sharded_state_dict()}, dist)["model"],
                  dist)
     worker.training.restart_from_weights(saved["scheduler"])
     if worker.rank == 0:
@@ -103,11 +103,11 @@ def load_sharded(module: torch.nn.Module, training: Any, dist: str, scheduler_st
     model_sharded = module.sharded_state_dict()
     wanted = {"model": model_sharded, "optimizer": training.sharded_state_dict(model_sharded, is_loading=True)}
     loaded = dist_checkpointing.load(wanted, dist)
-    _load_module(module, loaded["model"], dist)
+    load_module(module, loaded["model"], dist)
     training.load_sharded_state_dict(loaded["optimizer"], scheduler_state)
 
 
-def _load_module(module: torch.nn.Module, loaded: dict[str, Any], dist: str) -> None:
+def load_module(module: torch.nn.Module, loaded: dict[str, Any], dist: str) -> None:
     missing, unexpected = module.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -54,6 +54,7 @@ class TrainerConfig:
     temperature: float = 1.0  # logits are divided by this before log-softmax, to match the engines' sampling
     old_logprobs: Literal["recompute", "snapshot"] = "recompute"  # when loss.old_logprobs_from is given: recompute with the current weights before the update, or snapshot (host copies of the last max_staleness + 1 versions: each token's exact old logprob at its own version)
     num_cpus_per_worker: float = 0.5  # Ray CPUs reserved per trainer actor (fractional so actors never starve)
+    ref_load: str | None = None  # the reference policy of the KL loss term (slime's --ref-load; read only when loss.kl_loss_coef > 0): an HF checkpoint directory or a sluice checkpoint (a step_<N> folder, or a run's checkpoints/ or run folder: the newest); null: the initial policy, model.path
     master_port: int = 0  # rendezvous port of the trainer's torch.distributed group (0 = pick a free one)
 
     def __post_init__(self) -> None:
@@ -90,6 +91,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.temperature must be > 0 (it must equal the sampling temperature), got {self.temperature}")
         if not self.num_cpus_per_worker > 0:
             raise ValueError(f"trainer.num_cpus_per_worker must be > 0, got {self.num_cpus_per_worker}")
+        if self.ref_load is not None and (not isinstance(self.ref_load, str) or not self.ref_load.strip()):
+            raise ValueError(f"trainer.ref_load must be a checkpoint directory or null (the initial policy), got "
+                             f"{self.ref_load!r}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"trainer.master_port must be a TCP port or 0, got {self.master_port}")
         self._check_parallel_layout()

@@ -1,42 +1,24 @@
 """The trainer's megatron-core layer spec: the local (no Transformer Engine) spec, with megatron's apex-less norm
-swapped for an RMSNorm that also runs under sequence parallelism (without apex, megatron's local spec builds
-`torch.nn.RMSNorm` and refuses `--sequence-parallel`, which megatron requires for MoE with TP and EP > 1), and its
-unfused DotProductAttention swapped for sluice's fused core attention unless `--attention-backend local` asks for it.
+swapped for sluice's RMSNorm (glue.trainer.norm: sequence parallelism, a fused backward), and its unfused
+DotProductAttention swapped for sluice's fused core attention unless `--attention-backend local` asks for the
+unfused reference (megatron's attention and RoPE, torch's norm).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import torch
-
 from glue.trainer import rope
+from glue.trainer.norm import ReferenceRMSNorm, RMSNorm
 from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_layer_spec
-
-
-class RMSNorm(torch.nn.Module):
-    """RMSNorm over the last dimension with a learnt scale named `weight` (the name the converter knows). Under
-    sequence parallelism each TP rank normalises its own slice of the sequence, so the scale's gradient is partial:
-    the `sequence_parallel` mark makes the trainer sum it over TP, as megatron does for its own norms."""
-
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any):
-        super().__init__()
-        if config.normalization != "RMSNorm":
-            raise ValueError(f"sluice's local layer spec builds RMSNorm models only, got normalization="
-                             f"{config.normalization!r}")
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def layer_spec(config: Any, choice: str = "auto") -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
     (glue.trainer.te_spec). Else the local one: MoE models get megatron's per-layer block spec (dense or MoE by
     `moe_layer_freq`, SequentialMLP experts), dense ones the local layer spec on every layer; then every apex-less
-    megatron norm is replaced by `RMSNorm` and the core attention is the one `config.attention_backend` names
+    megatron norm is replaced by sluice's `RMSNorm` (torch's function on the reference spec) and the core
+    attention is the one `config.attention_backend` names
     (glue.trainer.attention). Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
@@ -58,9 +40,12 @@ def layer_spec(config: Any, choice: str = "auto") -> Any:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     core_attention = core_attention_class(config.attention_backend)
-    if core_attention is not DotProductAttention:  # the unfused reference keeps megatron's own RoPE too
+    norm = RMSNorm
+    if core_attention is DotProductAttention:  # the unfused reference keeps megatron's RoPE and torch's norm too
+        norm = ReferenceRMSNorm
+    else:
         rope.install()
-    return _swap(spec, {WrappedTorchNorm: RMSNorm, DotProductAttention: core_attention})
+    return _swap(spec, {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention})
 
 
 def _swap(node: Any, swaps: dict[type, type]) -> Any:

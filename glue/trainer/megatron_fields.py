@@ -1,7 +1,9 @@
 """megatron-core's config dataclasses as pass-through fields: the launcher builds `--<field-name>` flags from them
 and stores YAML-safe values in `trainer.megatron`; the trainer turns those values back into typed config fields.
 
-Nothing here imports megatron at import time; the field tables are read from the installed megatron-core on use.
+Nothing here imports megatron at import time; the field tables are read from the installed megatron-core on use, or
+from megatron_fields.json, their snapshot for one megatron-core version (importing megatron-core costs seconds of CPU,
+which `sluice --help` and a dry run need not pay): `python -m glue.trainer.megatron_fields` rewrites it.
 """
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import ast
 import dataclasses
 import enum
 import functools
+import importlib.metadata
 import inspect
+import json
 import textwrap
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from glue.plugins import load_object
@@ -120,9 +125,45 @@ def _yaml_default(field: dataclasses.Field, kind: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+SNAPSHOT = Path(__file__).with_name("megatron_fields.json")
+SCALARS = {t.__name__: t for t in (bool, int, float, str)}
+
+
 @functools.cache
 def megatron_fields() -> dict[str, MegatronField]:
-    """Every public field of the pass-through configs, by field name (shared fields merged, owners listed)."""
+    """Every public field of the pass-through configs, by field name (shared fields merged, owners listed): the
+    snapshot when it was taken of the installed megatron-core version, else read from megatron-core itself."""
+    snapshot = snapshot_fields()
+    return snapshot if snapshot is not None else live_megatron_fields()
+
+
+def installed_megatron_version() -> str | None:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def snapshot_fields() -> dict[str, MegatronField] | None:
+    """The fields stored in SNAPSHOT, or None when it is absent or of another megatron-core version."""
+    if not SNAPSHOT.is_file():
+        return None
+    data = json.loads(SNAPSHOT.read_text())
+    if data.get("megatron_core") != installed_megatron_version():
+        return None
+    return {name: MegatronField(**{**f, "scalar": SCALARS[f["scalar"]], "owners": tuple(f["owners"]),
+                                   "choices": None if f["choices"] is None else tuple(f["choices"])})
+            for name, f in data["fields"].items()}
+
+
+def write_snapshot(path: Path = SNAPSHOT) -> None:
+    """Store the installed megatron-core's fields in `path`, tagged with its version."""
+    fields = {name: {**dataclasses.asdict(f), "scalar": f.scalar.__name__} for name, f in live_megatron_fields().items()}
+    path.write_text(json.dumps({"megatron_core": installed_megatron_version(), "fields": fields}, indent=1) + "\n")
+
+
+def live_megatron_fields() -> dict[str, MegatronField]:
+    """`megatron_fields` read from the installed megatron-core's config classes (imports megatron-core)."""
     import warnings
 
     out: dict[str, MegatronField] = {}
@@ -205,3 +246,8 @@ def to_megatron(cls: type, values: dict[str, Any]) -> dict[str, Any]:
         else:
             out[f.name] = value
     return out
+
+
+if __name__ == "__main__":
+    write_snapshot()
+    print(f"wrote {SNAPSHOT} (megatron-core {installed_megatron_version()})")

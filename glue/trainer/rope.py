@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 _installed = False
-_cache: dict[str, Any] = {"freqs": None}  # the last angle table and its cos/sin in the tensors' dtype
+_cache: dict[str, Any] = {}  # the last angle table (key: table, dtype, layout) and its cos/signed sin
 
 
 def install() -> None:
@@ -31,7 +31,7 @@ def install() -> None:
             return rotate(t, freqs)
         if freqs.shape[0] != t.shape[0]:  # a position table, not one row per token: megatron's per-sample path
             return megatron_rope(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        return rotate(t[:, None], freqs)[:, 0]  # THD [T, heads, d] with one angle row per token [T, 1, 1, d]
+        return rotate(t, freqs, packed=True)  # THD [T, heads, d] with one angle row per token [T, 1, 1, d]
 
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
     _installed = True
@@ -43,10 +43,16 @@ def _is_plain(config: Any, freqs: torch.Tensor, t: torch.Tensor, mscale: float, 
             and mscale == 1.0 and freqs.shape[-1] == t.shape[-1] and (cp_group is None or cp_group.size() == 1))
 
 
-def rotate(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """t * cos + rotate_half(t) * sin, [S, B, heads, d] by angles broadcasting to it ([S, 1 or B, 1, d]); the
-    cos/sin of one forward's angle table are reused by every layer (and by q and k)."""
-    if _cache["freqs"] is not freqs or _cache["dtype"] != t.dtype:
-        _cache.update(freqs=freqs, dtype=t.dtype, cos=freqs.cos().to(t.dtype), sin=freqs.sin().to(t.dtype))
-    first, second = t.chunk(2, dim=-1)
-    return t * _cache["cos"] + torch.cat((-second, first), dim=-1) * _cache["sin"]
+def rotate(t: torch.Tensor, freqs: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """t * cos + rotate_half(t) * sin, [S, B, heads, d] by angles broadcasting to it ([S, 1 or B, 1, d]), or
+    `packed` THD [T, heads, d] by one angle row per token [T, 1, 1, d]. rotate_half(t) = cat(-t2, t1) is computed
+    as roll(t, d/2) times a sin whose first half is negated: three ops forward, four backward, no cat. The cos/sin
+    of one forward's angle table are reused by every layer (and by q and k)."""
+    key = (freqs, t.dtype, packed)
+    if _cache.get("key") is None or any(a is not b for a, b in zip(_cache["key"], key)):
+        angles = freqs[:, 0] if packed else freqs
+        half = angles.shape[-1] // 2
+        sin = angles.sin()
+        _cache.update(key=key, cos=angles.cos().to(t.dtype),
+                      sin=torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(t.dtype))
+    return torch.addcmul(t * _cache["cos"], t.roll(t.shape[-1] // 2, dims=-1), _cache["sin"])

@@ -22,6 +22,7 @@ from glue.trainer.optim import unwrap
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import RankPlace, full_hf_state, hf_weight_specs, sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
+from glue.trainer.reference import RefCheckpoint, load_reference, resolve_ref_load
 from glue.trainer.routing_replay import RoutingReplay, logprob_gaps, replay_args
 from glue.trainer.snapshots import PolicySnapshots, pre_update_metrics
 from glue.trainer.token_budget import resolve_token_budget
@@ -89,10 +90,11 @@ class TrainerWorker:
         self.place = RankPlace.from_parallel_state(self.model)
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())
         self.model.to(self.device)
-        self.reference = None  # the frozen initial policy, for the KL loss term
+        self.reference = None  # the frozen reference policy of the KL loss term (glue.trainer.reference)
         if self.loss_cfg.kl_loss_coef > 0:
             self.reference = model.build_model(self.hf_config, **build)
-            model.load_hf_weights(self.reference, self.model_path, self.hf_config, self.place.layout())
+            ref = resolve_ref_load(self.cfg.ref_load) if self.cfg.ref_load else RefCheckpoint("hf", self.model_path)
+            load_reference(self.reference, ref, self.hf_config, self.place.layout())
             self.reference.requires_grad_(False).to(self.device)
         # megatron's DDP (its gradient and parameter buffers now back self.model's parameters) and optimizer
         self.training = optim.build(self.model, self.cfg, self.precision)

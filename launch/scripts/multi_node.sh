@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-CONFIG=${CONFIG:-examples/configs/qwen3_30b_a3b.yaml}
+CONFIG=${CONFIG-examples/configs/qwen3_30b_a3b.yaml}   # CONFIG="": none (a slime-style script's arguments)
 source launch/scripts/common.bash
 SLUICE=${SLUICE:-$(find_tool sluice)}            # PATH, else .venv/bin/sluice
 ROLE=${ROLE:-head}
@@ -34,7 +34,7 @@ export TOKENIZERS_PARALLELISM=false
 cluster=(cluster.num_nodes="$NUM_NODES" cluster.gpus_per_node="$GPUS_PER_NODE" cluster.node_wait_s="$NODE_WAIT_S")
 [[ -n "$NODE_IP" ]] && cluster+=(cluster.node_ip="$NODE_IP")
 if [[ " $* " == *" --dry-run "* ]]; then       # validation only: no Ray, no processes
-  exec "$SLUICE" --config "$CONFIG" "${cluster[@]}" "$@"
+  exec "$SLUICE" ${CONFIG:+--config "$CONFIG"} "${cluster[@]}" "$@"
 fi
 
 RAY=${RAY:-$(find_tool ray)}
@@ -62,7 +62,7 @@ if [[ "$ROLE" == worker ]]; then
 fi
 
 # The config is checked before anything starts: a bad key fails here in seconds, not after Ray is up.
-"$SLUICE" --config "$CONFIG" "${cluster[@]}" "$@" --dry-run >/dev/null
+"$SLUICE" ${CONFIG:+--config "$CONFIG"} "${cluster[@]}" "$@" --dry-run >/dev/null
 
 "$RAY" start --head --port="$RAY_PORT" "${node[@]}" --disable-usage-stats --include-dashboard=false --block &
 ray_pid=$!
@@ -73,4 +73,4 @@ trap 'exit 143' TERM
 HEAD=${NODE_IP:-127.0.0.1}
 wait_for_port "$HEAD" "$RAY_PORT" "the Ray head did not come up" "see the ray start output above"
 # sluice waits for NUM_NODES nodes (cluster.node_wait_s), saying which have joined, then runs.
-"$SLUICE" --config "$CONFIG" run.ray_address="$HEAD:$RAY_PORT" "${cluster[@]}" "$@"
+"$SLUICE" ${CONFIG:+--config "$CONFIG"} run.ray_address="$HEAD:$RAY_PORT" "${cluster[@]}" "$@"

@@ -4,6 +4,7 @@ one megatron-core rank on gloo. Writes bench-results/trainer_speed.json:
   (target 0), with megatron's unfused attention's figure beside it;
 - `ops_per_layer`: aten ops per transformer layer per micro-batch, forward + backward, megatron's unfused path
   (`before`) vs sluice's (`after`), from the op counts of a 2- and a 4-layer model (target after <= 0.5 x before);
+  `kernel_ops_per_layer` the same without view ops (which launch no kernel on a GPU);
 - `logprob_peak_extra_bytes` vs `logprob_full_fp32_bytes` (tokens x vocab / TP x 4; target ratio <= 0.25);
 - `packed_vs_padded`: train tokens/s of the same spread batch packed and padded.
 """
@@ -29,15 +30,21 @@ MODEL = dict(family="qwen3", vocab_size=1024, hidden_size=128, num_heads=4, num_
 OPS_ROW, OPS_SAMPLES = 512, 4  # the op-count micro-batch: one packed row of four samples
 
 
+# ops that only make a new view of a tensor's storage: counted in `ops_per_layer`, but they launch no GPU kernel
+VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "unsqueeze", "squeeze", "expand", "detach", "slice",
+            "select", "split", "split_with_sizes", "alias", "lift_fresh", "as_strided", "_reshape_alias"}
+
+
 class OpCount(TorchDispatchMode):
-    """Counts aten ops dispatched while entered (views and in-place ops included: each is a launch on a GPU)."""
+    """Counts aten ops dispatched while entered (in-place ops included), and those of them that are not views."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.count = self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.kernels += func.overloadpacket.__name__ not in VIEW_OPS
         return func(*args, **(kwargs or {}))
 
 
@@ -76,8 +83,9 @@ def _start(model_dir: str, **fields):
     return start_worker(model_dir, LossConfig(old_logprobs_from="rollout"), **fields)
 
 
-def _ops_scenario(model_dir: str, backend: str) -> int:
-    """aten ops of one packed micro-batch's forward + backward (logprobs summed) with `backend`."""
+def _ops_scenario(model_dir: str, backend: str) -> tuple[int, int]:
+    """aten ops (all, and those not views) of one packed micro-batch's forward + backward (logprobs summed) with
+    `backend`."""
     from glue.trainer import model as trainer_model
     from helpers.trainer_process import stop_worker
 
@@ -93,7 +101,7 @@ def _ops_scenario(model_dir: str, backend: str) -> int:
             if counting:
                 trainer_model.token_logprobs(logits, tokens, 1.0, seq_ids).sum().backward()
     stop_worker(worker)
-    return counter.count
+    return counter.count, counter.kernels
 
 
 def _census_scenario(model_dir: str, backend: str) -> int:
@@ -148,8 +156,8 @@ def test_trainer_speed(tmp_path):
     dirs = {n: save_tiny_model(str(tmp_path / f"l{n}"), num_layers=n, **MODEL) for n in (2, 4)}
     counts = {backend: {n: run_in_trainer_process(_ops_scenario, dirs[n], backend) for n in (2, 4)}
               for backend in ("local", "auto")}
-    ops = {name: (counts[backend][4] - counts[backend][2]) / 2 for name, backend in (("before", "local"),
-                                                                                      ("after", "auto"))}
+    ops, kernel_ops = ({name: (counts[backend][4][i] - counts[backend][2][i]) / 2
+                        for name, backend in (("before", "local"), ("after", "auto"))} for i in (0, 1))
     t2 = {backend: run_in_trainer_process(_census_scenario, dirs[2], backend) for backend in ("auto", "local")}
     lengths = [64, 96, 128, 192, 256, 384, 512, 512, 80, 160, 320, 448]
     throughput = {"packed_2048": run_in_trainer_process(_throughput_scenario, dirs[2],
@@ -158,7 +166,8 @@ def test_trainer_speed(tmp_path):
     memory = run_in_trainer_process(_logprob_memory_scenario, 16384, 32000)  # the budget auto gave on a GPU
     report = {
         "packed_t2_bytes": t2["auto"], "packed_t2_bytes_unfused_reference": t2["local"], "packed_row_tokens": ROW,
-        "ops_per_layer": ops, "ops_micro_batch": f"one packed row of {OPS_ROW} tokens, {OPS_SAMPLES} samples",
+        "ops_per_layer": ops, "kernel_ops_per_layer": kernel_ops,
+        "ops_micro_batch": f"one packed row of {OPS_ROW} tokens, {OPS_SAMPLES} samples",
         **memory, "logprob_ratio": memory["logprob_peak_extra_bytes"] / memory["logprob_full_fp32_bytes"],
         "packed_vs_padded": {k: round(v, 1) for k, v in throughput.items()},
         "targets": {"packed_t2_bytes": 0, "ops_after_over_before": 0.5, "logprob_ratio": 0.25},

@@ -13,6 +13,7 @@ import torch
 from glue.trainer.config import TrainerConfig
 from glue.types import Sample, TrainBatch
 from loss import LossConfig
+from .forkserver import rank_context
 
 PROMPT_LEN, RESPONSE_LEN, BATCH = 5, 7, 6
 ENTROPY_COEF = 0.01  # the spawned runs also train through the vocab-parallel entropy bonus
@@ -73,7 +74,7 @@ def run_trainer_ranks(model_path: str, tp_size: int, batch: TrainBatch, *, loss_
     """Spawn TP x DP ranks (`layout`: more TrainerConfig fields, e.g. data_parallel_size), train `steps` steps,
     collect rank 0's results ("metrics": the last step's, "all_metrics": every step's); every process is stopped
     by its own handle."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     cfg = TrainerConfig(**{"tensor_model_parallel_size": tp_size, "micro_batch_size": 4, "lr": 1e-2,
                            "num_cpus_per_worker": 1, **layout})

@@ -12,6 +12,7 @@ import torch
 
 from glue.trainer.config import TrainerConfig
 from loss import LossConfig
+from .forkserver import rank_context
 
 
 def _free_port() -> int:
@@ -27,7 +28,7 @@ def _child(scenario: Callable[..., dict], args: tuple, results: mp.Queue) -> Non
 def run_in_trainer_process(scenario: Callable[..., dict], *args: Any) -> dict:
     """`scenario(*args)` in a spawned process, so megatron's global parallel state never enters pytest's; its
     traceback, if it raises, is in the captured stderr."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     proc = ctx.Process(target=_child, args=(scenario, args, results))
     proc.start()

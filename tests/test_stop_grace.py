@@ -1,0 +1,173 @@
+"""Ctrl-C is bounded: the first signal's grace (run.stop_grace_s) running out cuts a step that waits on a hung group,
+checkpointing the finished groups and the hung group's samples so far for a resume; the run's event loop closes with
+no task left pending (no "Task was destroyed", "Event loop is closed"). The real-process runs are in
+test_stop_grace_runs.py."""
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from glue.loop.buffer import RolloutBuffer
+from glue.loop.checkpoint import Checkpoints
+from glue.loop.colocation import Disaggregated
+from glue.loop.controller import LoopHooks, LoopParts, run_loop
+from glue.loop.staleness import StalenessGate
+from glue.loop.stream import RolloutStream
+from glue.metrics.logger import MetricsLogger
+from glue.rollout.manager import RolloutManager, score
+from glue.types import Sample
+from launch.config import RunConfig
+from launch.stopping import StopSignals, cancel_tasks, close_loop
+from loss import LossConfig
+
+
+class HungSecondGroupTask:
+    """Prompts [0, n], reward 1.0; the tool of group 1 never returns."""
+
+    def prompts(self, seed):
+        n = 0
+        while True:
+            n += 1
+            yield {"prompt_tokens": [0, n]}
+
+    def reward(self, sample):
+        return 1.0
+
+    async def tool(self, group_id):
+        if group_id == 1:
+            await asyncio.Event().wait()
+
+
+async def tracked_group(ctx, prompt, num_samples):
+    samples = []
+    for i in range(num_samples):
+        sample = ctx.track(Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=i))
+        sample.append_response([5 + i, 6], [-0.5, -0.5], version=0)
+        await score(ctx, sample)
+        samples.append(sample)
+    await ctx.task.tool(ctx.group_id)
+    return samples
+
+
+class Fleet:
+    def __init__(self):
+        self.calls = []
+
+    def pause_generation(self, mode="retract"):
+        self.calls.append(f"pause {mode}")
+
+    def continue_generation(self):
+        self.calls.append("continue")
+
+    async def calls_settled(self):
+        return True
+
+
+class Trainer:
+    version = 0
+
+    def train_step(self, batch):
+        raise AssertionError("the cut step must not train")
+
+    def save_checkpoint(self, directory):
+        with open(os.path.join(directory, "trainer.txt"), "w") as handle:
+            handle.write("v0")
+
+
+async def grace_over_after(seconds):
+    await asyncio.sleep(seconds)
+
+
+def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_groups_had(tmp_path):
+    manager = RolloutManager(function_path="test_stop_grace:tracked_group",
+                             task_path="test_stop_grace:HungSecondGroupTask", client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
+    stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
+                           buffer=RolloutBuffer(groups_per_step=2), max_groups=4)
+    fleet = Fleet()
+    parts = LoopParts(stream=stream, trainer=Trainer(), fleet=fleet, phases=Disaggregated(None),
+                      logger=MetricsLogger(tmp_path / "metrics.jsonl"), checkpoints=Checkpoints(tmp_path / "ckpt"),
+                      hooks=LoopHooks(stop=lambda: True, stop_grace_over=lambda: grace_over_after(0.3)))
+    started = time.monotonic()
+    last = asyncio.run(run_loop(parts, num_steps=2, loss_cfg=LossConfig()))
+    assert last == 0 and time.monotonic() - started < 5
+    checkpoint = tmp_path / "ckpt" / "step_00000000"
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert (checkpoint / "trainer.txt").read_text() == "v0"
+    assert [e["group"]["group_id"] for e in state["finished"]] == [0]  # back in the buffer on resume
+    assert state["reissue"] == [1] and state["groups_drawn"] == 2
+    partial = {int(gid): [(d["index"], d["response_tokens"], d["reward"]) for d in samples]
+               for gid, samples in state["partial"].items()}
+    assert partial == {1: [(0, [5, 6], 1.0), (1, [6, 6], 1.0)]}  # the hung group's finished samples, kept
+    assert fleet.calls == ["pause abort", "continue"]
+    assert not stream._tasks, "the hung group is cancelled when the loop ends"
+
+
+def test_the_first_signal_starts_the_grace_and_a_second_stops_at_once():
+    with StopSignals(grace_s=0.3) as stop:
+        stop.armed = True
+
+        async def first_signal_then_grace():
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(0)
+            sent = time.monotonic()
+            await stop.grace_over()
+            return time.monotonic() - sent
+
+        waited = asyncio.run(first_signal_then_grace())
+        assert stop.requested == "SIGINT" and 0.2 <= waited < 3
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+
+
+def test_closing_the_run_loop_unwinds_every_pending_task_first():
+    loop = asyncio.new_event_loop()
+    unwound = []
+
+    async def hung(name):
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.01)  # a clean-up that itself awaits: needs the loop still open
+            unwound.append(name)
+
+    async def parent():
+        child = asyncio.ensure_future(hung("child"))
+        await asyncio.wait({child})
+
+    tasks = [loop.create_task(hung("a")), loop.create_task(parent())]
+    loop.run_until_complete(asyncio.sleep(0.05))
+    close_loop(loop)
+    assert loop.is_closed() and sorted(unwound) == ["a", "child"] and all(t.done() for t in tasks)
+
+
+def test_cancel_tasks_gives_up_on_a_task_that_ignores_cancellation_after_its_timeout():
+    loop = asyncio.new_event_loop()
+    ignoring = [True]
+
+    async def stubborn():
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not ignoring[0]:
+                    raise
+
+    task = loop.create_task(stubborn())
+    loop.run_until_complete(asyncio.sleep(0))
+    started = time.monotonic()
+    cancel_tasks(loop, timeout_s=0.3)
+    assert not task.done() and time.monotonic() - started < 3
+    ignoring[0] = False  # let the test's own loop go cleanly
+    task.cancel()
+    loop.run_until_complete(asyncio.wait({task}))
+    loop.close()
+
+
+def test_stop_grace_s_defaults_to_30_s_and_is_checked():
+    assert RunConfig().stop_grace_s == 30.0
+    with pytest.raises(ValueError, match="run.stop_grace_s must be >= 0"):
+        RunConfig(stop_grace_s=-1)

@@ -1,0 +1,79 @@
+"""sluice's RMSNorm (glue.trainer.norm) and RoPE rotation (glue.trainer.rope): the same values and gradients as
+torch's `rms_norm` and megatron's rotate-half, in fewer ops."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from glue.trainer.norm import rms_norm
+from glue.trainer.rope import rotate
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _norm_and_grads(fn, x, weight, grad):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    counter = OpCount()
+    with counter:
+        out = fn(x, weight)
+        out.backward(grad)
+    return out.detach(), x.grad, weight.grad, sum(counter.ops.values())
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 32), (5, 2, 4, 16)])
+def test_rms_norm_equals_torch_in_fp32_with_gradients_in_fewer_ops(shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen)
+    grad = torch.randn(*shape, generator=gen)
+    ours = _norm_and_grads(lambda a, w: rms_norm(a, w, 1e-6), x, weight, grad)
+    torchs = _norm_and_grads(lambda a, w: torch.nn.functional.rms_norm(a, (shape[-1],), w, 1e-6), x, weight, grad)
+    for mine, theirs in zip(ours[:3], torchs[:3]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert ours[3] < torchs[3], f"{ours[3]} ops vs torch's {torchs[3]}"
+
+
+def test_rms_norm_in_bf16_is_torchs_forward_exactly_and_its_gradients_within_bf16():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(48, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    ours = _norm_and_grads(lambda a, w: rms_norm(a, w, 1e-6), x, weight, grad)
+    torchs = _norm_and_grads(lambda a, w: torch.nn.functional.rms_norm(a, (48,), w, 1e-6), x, weight, grad)
+    assert ours[0].dtype == torch.bfloat16 and torch.equal(ours[0], torchs[0])
+    torch.testing.assert_close(ours[1], torchs[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours[2].float(), torchs[2].float(), rtol=2e-2, atol=5e-2)
+
+
+def _rotate_half_reference(t, freqs):
+    first, second = t.chunk(2, dim=-1)
+    return t * freqs.cos() + torch.cat((-second, first), dim=-1) * freqs.sin()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rope_rotation_by_roll_equals_megatrons_rotate_half_with_gradients(packed):
+    gen = torch.Generator().manual_seed(2)
+    freqs = torch.rand(7, 1, 1, 16, generator=gen) * 50
+    t = torch.randn(*((7, 3, 16) if packed else (7, 2, 3, 16)), generator=gen)
+    grad = torch.randn(t.shape, generator=gen)
+    outs = []
+    for fn in (lambda a: rotate(a, freqs, packed=packed),
+               lambda a: _rotate_half_reference(a[:, None] if packed else a, freqs)[:, 0] if packed
+               else _rotate_half_reference(a, freqs)):
+        a = t.clone().requires_grad_()
+        out = fn(a)
+        out.backward(grad)
+        outs.append((out.detach(), a.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
