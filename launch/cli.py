@@ -318,11 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"sluice: config error: {err}", file=sys.stderr)
             return 2
-        from launch.memory_plan import memory_plan  # lazy: --dry-run only; pulls glue.trainer.model (torch)
+        from launch.memory_plan import fleet_lines, memory_plan  # lazy: --dry-run only; pulls glue.trainer.model (torch)
         from launch.weight_groups import weight_sync_plan  # lazy: --dry-run only; pulls glue.trainer (torch)
 
         sync = weight_sync_plan(cfg, plan) if plan.engines else "none: no engines (run.mode sft)"
-        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "weight_sync": sync, "memory": memory_plan(cfg)},
+        shown = {**to_dict(cfg), "plan": {**plan.to_dict(), "fleets": fleet_lines(cfg, plan), "weight_sync": sync,
+                                          "memory": memory_plan(cfg)},
                  "checked": checked}
         print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")
         return 0

@@ -164,10 +164,13 @@ def start_cluster(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack)
 
 def describe_placement(plan: RunPlan, placement) -> str:
     """Which engines and trainer ranks landed on which node, e.g. `10.0.0.1: engine 0, engine 1; 10.0.0.2: trainer
-    rank 0`."""
+    rank 0, teacher engine 0`."""
     by_node: dict[str, list[str]] = {}
     for e in plan.engines:
         by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"engine {e.index}")
     for r in plan.trainer:
         by_node.setdefault(placement.node_ip[r.bundle], []).append(f"trainer rank {r.rank}")
+    for fleet in plan.side_fleets:
+        for e in fleet.engines:
+            by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"{fleet.name} engine {e.index}")
     return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())

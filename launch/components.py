@@ -21,13 +21,13 @@ from glue.trainer.group import TrainerGroup
 from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.cluster import check_paths
 from launch.config import SluiceConfig
+from launch.fleets import SideFleetRun, engine_env, engine_host_options, planned_devices_env
 from launch.plan import RunPlan
 from launch.reward_models import start_model_rewards
 from launch.stopping import close_loop
 from launch.tasks import task_args_for
 from launch.teacher import start_teacher
 import weight_sync
-from weight_sync.process_group import PLANNED_DEVICES
 
 
 def make_phases(cfg: SluiceConfig, plan: RunPlan, *, trainer, bridge, fleet):
@@ -51,30 +51,14 @@ def trainer_actor_options(cfg: SluiceConfig, plan: RunPlan, placement) -> list[d
     return options
 
 
-def planned_devices_env(plan: RunPlan, bundles: list[int]) -> dict[str, str]:
-    """Where the plan models devices (strict engines on CPU bundles that stand for GPUs), the environment that tells
-    a trainer rank or an engine the devices of its weight-group members (weight_sync.process_group); {} elsewhere."""
-    if not plan.models_devices:
-        return {}
-    return {PLANNED_DEVICES: ",".join(plan.device_of(b) for b in bundles)}
-
-
-def engine_env(plan: RunPlan, placement, engine) -> dict[str, str]:
-    """An engine's environment: the GPUs of its bundles, or the devices its bundles stand for."""
-    return {**placement.engine_env(engine), **planned_devices_env(plan, engine.bundles)}
-
-
-def engine_host_options(placement, engine) -> dict:
-    """An engine's host actor sits on its first bundle and reserves nothing: the engine process uses the bundle's
-    devices through CUDA_VISIBLE_DEVICES, and in colocated placement the trainer rank holds the bundle's GPU."""
-    return placement.actor_options(engine.bundles[0], num_cpus=0)
-
-
 def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, run_dir: Path,
-                     stack: contextlib.ExitStack, clock=lambda phase, detail: None):
+                     stack: contextlib.ExitStack, clock=lambda phase, detail: None,
+                     side_fleets: list[SideFleetRun] | None = None):
     """Fleet, engine client, trainer, weight bridge, rollout manager and the event loop. `run.debug` leaves one
     side out: train_only starts no engines (fleet, client, bridge and manager are None), rollout_only no trainer
-    and no bridge (glue.loop.replay.NoTrainer stands in for the trainer)."""
+    and no bridge (glue.loop.replay.NoTrainer stands in for the trainer). The fleets beside the policy's (teacher,
+    judge) are appended to `side_fleets`, for the watch."""
+    side_fleets = [] if side_fleets is None else side_fleets
     check_paths(placement, {"the model directory": model_path, **reference_paths(cfg, model_path)})
     loop = asyncio.new_event_loop()
     stack.callback(close_loop, loop)  # its pending tasks cancelled first: no asyncio noise on any exit
@@ -86,10 +70,11 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     if cfg.run.debug == "off":
         bridge = start_bridge(cfg, trainer, fleet, run_dir, stack, clock)
     if fleet is not None:
-        manager = make_manager(cfg, client, model_path,
-                               start_model_rewards(cfg, plan, model_path, run_dir, stack, loop, clock))
+        manager = make_manager(cfg, client, model_path, start_model_rewards(
+            cfg, plan, placement, model_path, run_dir, stack, loop, clock, started=side_fleets))
     if fleet is not None and cfg.teacher is not None:  # on-policy distillation: the teacher scores every group
-        manager = start_teacher(cfg, plan, manager, model_path, run_dir, stack, loop, clock)
+        manager = start_teacher(cfg, plan, placement, manager, model_path, run_dir, stack, loop, clock,
+                                started=side_fleets)
     return fleet, client, trainer, bridge, manager, loop
 
 

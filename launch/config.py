@@ -60,12 +60,35 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class JudgeSection(JudgeConfig):
+class FleetDevices:
+    """Where a fleet beside the policy's (teacher, judge) runs: bundles of the placement group of its own, after the
+    trainer's and the policy engines' (launch.fleet_plan), never shared with them."""
+
+    tensor_parallel_size: int | None = None  # SGLang --tp-size of each of this fleet's engines; null: cluster.engine_tensor_parallel_size
+    gpus: int | None = None  # devices of this whole fleet (its own bundles); null: num_engines x tensor_parallel_size, and when set it must equal that
+
+    def check_devices(self, section: str) -> None:
+        for name in ("tensor_parallel_size", "gpus"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{section}.{name} must be >= 1 or null, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class JudgeSection(JudgeConfig, FleetDevices):
     model: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig(tokenizer=True, vocab_size=272)))  # the judge's checkpoint (path), or a tiny random text model (tiny, tokenizer: true)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_devices("judge")
         check_text_model("judge.model", self.model)
+
+
+@dataclass(kw_only=True)
+class TeacherSection(TeacherConfig, FleetDevices):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_devices("teacher")
 
 
 @dataclass(kw_only=True)
@@ -212,14 +235,10 @@ class SluiceConfig:
     sft: SftConfig = field(default_factory=SftConfig)  # the chat data of a run.mode sft run
     sglang: dict[str, Any] = field(default_factory=dict)  # SGLang server options (--sglang-*), for every engine
     router: dict[str, Any] = field(default_factory=dict)  # sgl-router options (--router-*)
-    teacher: TeacherConfig | None = None  # on-policy distillation: the teacher's model and fleet (docs/distillation.md); null: none
+    teacher: TeacherSection | None = None  # on-policy distillation: the teacher's model and fleet (docs/distillation.md); null: none
 
     def __post_init__(self) -> None:
         self.reward.check_against(self.rollout.sampling.max_new_tokens)
-        if self.teacher is not None and self.cluster.uses_gpus:
-            raise ValueError("teacher: the teacher's engines run beside the driver, outside the placement group, "
-                             "which suits CPU runs only; on GPUs (cluster.gpus_per_node > 0) they would need bundles of "
-                             "their own, not planned yet: run distillation with cluster.gpus_per_node: 0")
         if self.run.debug == "train_only" and self.eval.enabled:
             raise ValueError(f"eval.interval={self.eval.interval} needs engines, which run.debug=train_only does not "
                              "start; set eval.interval: 0")

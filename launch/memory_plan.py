@@ -12,7 +12,8 @@ from glue.trainer.token_budget import activation_bytes_per_token, budget_from_me
 from launch.config import ConfigError, SluiceConfig
 from launch.memory import (Layout, RankMemory, Settings, fitting_layout, layout_change, model_params, rank_memory,
                            stage_layers)
-from launch.model_check import model_config, num_experts, format_bytes
+from launch.fleet_plan import devices_text, fleet_sizes
+from launch.model_check import format_bytes, model_config, num_experts, section_model_config
 
 GiB = 2**30
 # SGLang 0.5.23 with --mem-fraction-static unset keeps back at least this much of a GPU over 60 GiB for activations
@@ -110,13 +111,13 @@ def micro_batch_tokens(cfg: SluiceConfig) -> tuple[int | None, str]:
                                           f"tokens of {counted}")
 
 
-def engine_memory(cfg: SluiceConfig, count: int) -> tuple[int, float, str]:
-    """(weights, KV pool, where the pool's fraction comes from) per GPU of an SGLang engine: the parameters split
-    over engine TP at the dtype the engines serve, and mem_fraction_static x the GPU - the weights (SGLang's
-    meaning); with the fraction unset, the most SGLang's own choice can be."""
-    c, gpu = cfg.cluster, gpu_bytes(cfg)
+def engine_memory(cfg: SluiceConfig, count: int, tp: int | None = None) -> tuple[int, float, str]:
+    """(weights, KV pool, where the pool's fraction comes from) per GPU of an SGLang engine of TP `tp` (default: the
+    policy engines'): the parameters split over engine TP at the dtype the engines serve, and mem_fraction_static x
+    the GPU - the weights (SGLang's meaning); with the fraction unset, the most SGLang's own choice can be."""
+    gpu = gpu_bytes(cfg)
     wide = str(cfg.sglang.get("dtype", "")) in ("float32", "float")
-    weights = count * (4 if wide else 2) // c.engine_tensor_parallel_size
+    weights = count * (4 if wide else 2) // (tp or cfg.cluster.engine_tensor_parallel_size)
     given = cfg.sglang.get("mem_fraction_static")
     if given is not None:
         return weights, float(given) * gpu - weights, f"sglang.mem_fraction_static {float(given):g}"
@@ -155,6 +156,15 @@ def check_memory(cfg: SluiceConfig) -> str:
                               f"{cfg.cluster.engine_tensor_parallel_size}), which leaves no KV pool ({how}, x "
                               f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); raise "
                               "cluster.engine_tensor_parallel_size or sglang.mem_fraction_static")
+    for name, (_, tp) in fleet_sizes(cfg).items():
+        count = side_parameters(cfg, name)
+        if count is not None and cfg.cluster.engine_server == "sglang":
+            weights, kv, how = engine_memory(cfg, count, tp)
+            if kv <= 0:
+                raise ConfigError(f"a {name} engine's weights take {format_bytes(weights)} per GPU ({name}."
+                                  f"tensor_parallel_size {tp}), which leaves no KV pool ({how}, x cluster."
+                                  f"gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); raise {name}."
+                                  "tensor_parallel_size or sglang.mem_fraction_static")
     return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state of "
             f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb), activations on top (plan.memory)")
 
@@ -187,3 +197,41 @@ def too_large(cfg: SluiceConfig, hf_config: Any, params: Any, layout: Layout, se
     return (f"{where} ({layout.describe()}) would hold {format_bytes(peak.total)} of training state for its "
             f"{peak.parameters:,} parameters ({parts}), more than cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g} "
             f"before any activations; {fits}")
+
+
+def side_parameters(cfg: SluiceConfig, name: str) -> int | None:
+    """Parameters of the model the fleet of section `name` (teacher, judge) serves; None for a teacher that
+    `teacher.build` writes at start-up (its size is known only then)."""
+    if name == "judge":
+        return model_params(section_model_config(cfg.judge.model, "judge.model")).total
+    if cfg.teacher.path is None:
+        return None
+    return model_params(section_model_config(cfg.teacher, "teacher")).total
+
+
+def fleet_lines(cfg: SluiceConfig, plan: Any) -> list[str]:
+    """`plan.fleets` of `--dry-run`: one line per engine fleet (the policy's, then the teacher's and the judge's):
+    its engines, the devices of their bundles, and what each engine holds per GPU."""
+    lines = []
+    if plan.engines:
+        count = model_params(model_config(cfg)).total
+        bundles = [b for e in plan.engines for b in e.bundles]
+        lines.append(fleet_line(cfg, plan, "policy", len(plan.engines), cfg.cluster.engine_tensor_parallel_size,
+                                bundles, count))
+    for fleet in plan.side_fleets:
+        lines.append(fleet_line(cfg, plan, fleet.name, len(fleet.engines), fleet.tp, fleet.bundles,
+                                side_parameters(cfg, fleet.name)))
+    return lines
+
+
+def fleet_line(cfg: SluiceConfig, plan: Any, name: str, engines: int, tp: int, bundles: list[int],
+               count: int | None) -> str:
+    """`teacher: 1 engine x TP 2 on node 0 gpus 4-5 (bundles 4-5); per GPU: weights 8.2 GB + KV pool 60.1 GB`."""
+    where = f"{name}: {engines} engine{'s' if engines > 1 else ''} x TP {tp} on {devices_text(plan, bundles)}"
+    if count is None:
+        return f"{where}; per GPU: the weights teacher.build writes at start-up (size known only then) + KV pool"
+    if cfg.cluster.engine_server != "sglang" or not cfg.cluster.uses_gpus:
+        return f"{where}; {count:,} parameters, embedded engines on CPU: no GPU memory"
+    weights, kv, how = engine_memory(cfg, count, tp)
+    return (f"{where}; per GPU: weights {format_bytes(weights)} ({count:,} parameters / TP {tp}) + KV pool "
+            f"{format_bytes(max(kv, 0))} ({how})")

@@ -24,23 +24,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def model_config(cfg: SluiceConfig) -> Any:
     """The HF config of the model the run trains: model.path's config.json (a family the trainer builds), or, with
     model.path null, the tiny model's, built in memory (its weights are written at start-up)."""
-    if cfg.model.path is None:
-        tiny = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k not in ("seed", "tokenizer")}
+    return section_model_config(cfg.model, "model")
+
+
+def section_model_config(model: Any, key: str) -> Any:
+    """The HF config of a `ModelConfig` section at `key` (model, judge.model): its path's config.json, or its tiny
+    model's, built in memory."""
+    if model.path is None:
+        tiny = {k: v for k, v in dataclasses.asdict(model.tiny).items() if k not in ("seed", "tokenizer")}
         try:
             return tiny_config(**tiny)
         except ValueError as err:
-            raise ConfigError(f"model.tiny: {err}") from None
-    path = Path(cfg.model.path)
+            raise ConfigError(f"{key}.tiny: {err}") from None
+    path = Path(model.path)
     if not (path / "config.json").is_file():
         what = "has no config.json" if path.is_dir() else "does not exist"
-        raise ConfigError(f"model.path {cfg.model.path!r} {what}: point it at a local HF checkpoint directory "
+        raise ConfigError(f"{key}.path {model.path!r} {what}: point it at a local HF checkpoint directory "
                           "(config.json, *.safetensors, tokenizer files)")
 
     try:
         return read_hf_config(str(path))
     except Exception as err:  # transformers' own message says what is wrong with config.json
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model.path {cfg.model.path!r}: its config.json does not load: {first}") from None
+        raise ConfigError(f"{key}.path {model.path!r}: its config.json does not load: {first}") from None
 
 
 def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:

@@ -16,10 +16,10 @@ from glue.embedded_engine.__main__ import parse_args
 from glue.fleet.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
 from launch import router_args, sglang_args
 from launch.config import ConfigError, SluiceConfig
+from launch.fleet_plan import (HOST, PORT, EngineLaunch, SideFleet, check_side_fleets, plan_side_fleets,
+                               side_fleet_gpus)
 from launch.megatron_args import check_megatron
 from launch.options import check_values, to_argv
-
-HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
 
 
 @dataclass
@@ -29,15 +29,6 @@ class TrainerRank:
     node: int | None  # None: CPU bundles spread over several nodes, Ray picks which
     device: int | None  # GPU index on the node; None for a CPU bundle
     coords: dict[str, int]  # tp / cp / dp / pp coordinate (megatron's default tp-cp-ep-dp-pp order)
-
-
-@dataclass
-class EngineLaunch:
-    index: int
-    bundles: list[int]
-    node: int | None
-    devices: list[int] | None  # GPU indices on the node (CUDA_VISIBLE_DEVICES), None on CPU
-    command: list[str]  # full command line, with HOST / PORT placeholders
 
 
 @dataclass
@@ -56,6 +47,13 @@ class RunPlan:
     router_args: list[str]  # the --router-* pass-through
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
     models_devices: bool = False  # CPU bundles stand for an SGLang run's GPUs (strict engines): see `device_of`
+    side_fleets: list[SideFleet] = field(default_factory=list)  # teacher / judge fleets, on bundles of their own
+
+    def side_fleet(self, name: str) -> SideFleet:
+        """The fleet of section `name` ("teacher" or "judge")."""
+        found = [f for f in self.side_fleets if f.name == name]
+        assert found, f"the plan has no {name} fleet (fleets: {[f.name for f in self.side_fleets]})"
+        return found[0]
 
     def device_of(self, bundle: int) -> str:
         """The device bundle `bundle` is (`node 0 gpu 3`) or, on CPU, stands for (`cpu bundle 3`: one bundle per
@@ -70,14 +68,19 @@ class RunPlan:
             "placement_group": {"bundles": len(self.bundles), "bundle": self.bundles[0] if self.bundles else {}},
             "trainer": [f"rank {r.rank}: bundle {r.bundle}, node {_node(r.node)}, {_where(r.device)}, "
                         + " ".join(f"{k}={v}" for k, v in r.coords.items()) for r in self.trainer],
-            "engines": [{"engine": e.index, "bundles": e.bundles, "node": _node(e.node),
-                         "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command)}
-                        for e in self.engines],
+            "engines": _engine_dicts(self.engines),
             "router": shlex.join(self.router_command),
+            **{f"{f.name}_engines": _engine_dicts(f.engines) for f in self.side_fleets},
             **({"devices": "modeled: each weight-group member carries its bundle's device and a group refuses two "
                            "members on one, as NCCL does on GPU"} if self.models_devices else {}),
             "notes": self.notes,
         }
+
+
+def _engine_dicts(engines: list[EngineLaunch]) -> list[dict[str, Any]]:
+    return [{"engine": e.index, "bundles": e.bundles, "node": _node(e.node),
+             "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command)}
+            for e in engines]
 
 
 def _where(device: int | None) -> str:
@@ -216,13 +219,15 @@ def _check_layout(cfg: SluiceConfig) -> None:
         raise ValueError("run.mode=async needs cluster.placement=disaggregated: colocated engines and trainer take "
                          "turns on the same devices, so they cannot run at the same time")
     _check_staleness(cfg)
+    check_side_fleets(cfg)
     if c.engine_kind == "sglang":
         _check_sglang_engines(cfg)
     if c.uses_gpus:
         _check_gpu_counts(cfg, engine_gpus)
     elif c.num_nodes > 1 and _num_bundles(cfg, engine_gpus) < c.num_nodes:
         raise ValueError(f"cluster.num_nodes={c.num_nodes} but the run has only {_num_bundles(cfg, engine_gpus)} "
-                         "CPU bundles (trainer ranks + engines): some node would get none; lower cluster.num_nodes")
+                         "CPU bundles (trainer ranks + engines of every fleet): some node would get none; lower "
+                         "cluster.num_nodes")
     if not c.uses_gpus and c.cpus_per_bundle < t.num_cpus_per_worker:
         raise ValueError(f"cluster.cpus_per_bundle={c.cpus_per_bundle:g} < trainer.num_cpus_per_worker="
                          f"{t.num_cpus_per_worker:g}: a trainer rank would never fit its bundle; raise the first")
@@ -248,6 +253,11 @@ def _engine_gpus(cfg: SluiceConfig) -> int:
 
 
 def _num_bundles(cfg: SluiceConfig, engine_gpus: int) -> int:
+    """Bundles of the trainer and the policy engines (shared when colocated), then those of the fleets beside."""
+    return _policy_bundles(cfg, engine_gpus) + sum(side_fleet_gpus(cfg).values())
+
+
+def _policy_bundles(cfg: SluiceConfig, engine_gpus: int) -> int:
     trainer = cfg.trainer.world_size
     return max(trainer, engine_gpus) if cfg.cluster.placement == "colocated" else trainer + engine_gpus
 
@@ -255,14 +265,19 @@ def _num_bundles(cfg: SluiceConfig, engine_gpus: int) -> int:
 def _check_gpu_counts(cfg: SluiceConfig, engine_gpus: int) -> None:
     c, trainer = cfg.cluster, cfg.trainer.world_size
     total = c.num_nodes * c.gpus_per_node
-    if c.placement == "colocated" and max(trainer, engine_gpus) > total:
-        raise ValueError(f"colocated placement asks for {max(trainer, engine_gpus)} GPUs (trainer {trainer}, engines "
-                         f"{engine_gpus}, shared) but cluster.num_nodes x gpus_per_node = {total}; lower the parallel "
-                         "sizes / rollout.num_engines or add nodes")
-    if c.placement == "disaggregated" and trainer + engine_gpus > total:
-        raise ValueError(f"disaggregated placement asks for trainer {trainer} + engines {engine_gpus} = "
-                         f"{trainer + engine_gpus} GPUs but cluster.num_nodes x gpus_per_node = {total}; lower the "
-                         "parallel sizes / rollout.num_engines, add nodes, or use cluster.placement=colocated")
+    side = side_fleet_gpus(cfg)
+    beside = "".join(f" + {name} {gpus}" for name, gpus in side.items())
+    lower = "".join(f" / {name}.num_engines" for name in side)
+    asked = _num_bundles(cfg, engine_gpus)
+    if c.placement == "colocated" and asked > total:
+        shared = (f"max(trainer {trainer}, engines {engine_gpus}){beside} = {asked} GPUs" if side else
+                  f"{asked} GPUs (trainer {trainer}, engines {engine_gpus}, shared)")
+        raise ValueError(f"colocated placement asks for {shared} but cluster.num_nodes x gpus_per_node = {total}; lower "
+                         f"the parallel sizes / rollout.num_engines{lower} or add nodes")
+    if c.placement == "disaggregated" and asked > total:
+        raise ValueError(f"disaggregated placement asks for trainer {trainer} + engines {engine_gpus}{beside} = "
+                         f"{asked} GPUs but cluster.num_nodes x gpus_per_node = {total}; lower the parallel sizes / "
+                         f"rollout.num_engines{lower}, add nodes, or use cluster.placement=colocated")
     if c.gpus_per_node % c.engine_tensor_parallel_size:
         raise ValueError(f"cluster.engine_tensor_parallel_size={c.engine_tensor_parallel_size} does not divide "
                          f"cluster.gpus_per_node={c.gpus_per_node}: an engine would span two nodes")
@@ -335,6 +350,9 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
         cfg.router, router_args.router_options())
     router_command = [*ROUTER, "--host", HOST, "--port", PORT, "--policy", cfg.rollout.router_policy,
                       "--worker-urls", *[f"http://{HOST}:{PORT}" for _ in engines], *router_argv] if engines else []
+    side_fleets = plan_side_fleets(cfg, first_bundle=_policy_bundles(cfg, engine_gpus), slots=slots,
+                                   engine_command=engine_command, policy_args=engine_args, seed=seed,
+                                   run_dir=cfg.run_dir)
     notes = cfg.trainer.unsupported()
     if cfg.loss.kl_reward_coef > 0:
         notes.append("loss.kl_reward_coef > 0: the trainer has no reference logprobs before the advantages are "
@@ -343,7 +361,7 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                    bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
                    engines=engines, engine_command=engine_command, engine_args=engine_args, engine_seed=seed,
                    router_command=router_command, router_args=router_argv, notes=notes,
-                   models_devices=c.engine == "sglang_strict" and not c.uses_gpus)
+                   models_devices=c.engine == "sglang_strict" and not c.uses_gpus, side_fleets=side_fleets)
 
 
 def _coords(cfg: SluiceConfig, rank: int) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """Start-up of the run's reward models (`judge:`, `reward_model:`): their checkpoints (a tiny random one written
-into the run folder when no path is given), the judge's own fleet of engines behind its own sgl-router, the scalar
-reward model's worker, and the group hook (glue.rewards.models.ModelRewards) the rollout manager awaits."""
+into the run folder when no path is given), the judge's own fleet of engines on its own bundles behind its own
+sgl-router (launch.fleets), the scalar reward model's worker, and the group hook (glue.rewards.models.ModelRewards)
+the rollout manager awaits."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +9,11 @@ import secrets
 from dataclasses import asdict
 from pathlib import Path
 
-from glue.fleet.engine_client import EngineClient
-from glue.fleet.fleet import RolloutFleet
 from glue.rewards.judge import Judge, load_parser, save_tiny_judge_model
 from glue.rewards.models import ModelRewards
 from glue.rewards.scalar_rm import ScalarRewardModel, save_tiny_reward_model
 from launch.config import ModelConfig, SluiceConfig
+from launch.fleets import SideFleetRun, start_side_fleet
 from launch.plan import RunPlan
 
 
@@ -32,9 +32,11 @@ def checkpoint_dir(model: ModelConfig, out: Path, save) -> str:
     return str(out.resolve())
 
 
-def start_model_rewards(cfg: SluiceConfig, plan: RunPlan, policy_path: str, run_dir: Path,
-                        stack: contextlib.ExitStack, loop, clock=lambda phase, detail: None):
-    """The group hook for the rollout manager, or None when the run has neither a judge nor a reward model."""
+def start_model_rewards(cfg: SluiceConfig, plan: RunPlan, placement, policy_path: str, run_dir: Path,
+                        stack: contextlib.ExitStack, loop, clock=lambda phase, detail: None,
+                        started: list[SideFleetRun] | None = None):
+    """The group hook for the rollout manager, or None when the run has neither a judge nor a reward model. The
+    judge's fleet is appended to `started` (for the watch)."""
     if cfg.judge is None and cfg.reward_model is None:
         return None
     from transformers import AutoTokenizer
@@ -47,7 +49,8 @@ def start_model_rewards(cfg: SluiceConfig, plan: RunPlan, policy_path: str, run_
                          "model.tiny.tokenizer: true)") from None
     scorers = []
     if cfg.judge is not None:
-        scorers.append(start_judge(cfg, plan, run_dir, stack, loop, clock))
+        scorers.append(start_judge(cfg, plan, placement, run_dir, stack, loop, clock,
+                                   started=[] if started is None else started))
     if cfg.reward_model is not None:
         scorers.append(start_scalar_rm(cfg, run_dir, stack, loop, clock))
     rewards = ModelRewards(scorers=scorers, tokenizer=tokenizer, task_weight=cfg.reward.task_weight)
@@ -55,34 +58,26 @@ def start_model_rewards(cfg: SluiceConfig, plan: RunPlan, policy_path: str, run_
     return rewards
 
 
-def start_judge(cfg: SluiceConfig, plan: RunPlan, run_dir: Path, stack: contextlib.ExitStack, loop, clock):
-    """The judge's engines and router (same engine program and pass-through options as the policy's, as child
-    processes of the driver), and a `glue.rewards.judge.Judge` reaching them through an `EngineClient`."""
+def start_judge(cfg: SluiceConfig, plan: RunPlan, placement, run_dir: Path, stack: contextlib.ExitStack, loop, clock,
+                started: list[SideFleetRun] | None = None):
+    """The judge's engines on their own bundles and its router (launch.fleets.start_side_fleet: the policy's engine
+    program and pass-through options, its own TP), and a `glue.rewards.judge.Judge` reaching them through an
+    `EngineClient`."""
     from transformers import AutoTokenizer
 
     j = cfg.judge
     parser = load_parser(j.parser)  # a typo fails here, before any engine starts
     path = checkpoint_dir(j.model, run_dir / "judge_model", save_tiny_judge_model)
-    api_key = secrets.token_hex(24)
-    fleet = RolloutFleet(model_path=path, num_engines=j.num_engines, router_policy=cfg.rollout.router_policy,
-                         engine_startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
-                         log_dir=run_dir / "logs" / "judge", engine_command=plan.engine_command,
-                         engine_args=judge_engine_args(plan.engine_args), router_args=["--log-level", "warn"],
-                         api_key=api_key, admin_api_key=secrets.token_hex(24), seed=f"{plan.engine_seed}:judge")
-    stack.callback(fleet.stop)
-    fleet.start()
-    client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key)
-    stack.callback(lambda: loop.run_until_complete(client.close()))
-    clock("judge", f"{j.num_engines} judge engines ({path}) behind sgl-router at {fleet.router_url}, parser {j.parser}")
-    return Judge(client=client, tokenizer=AutoTokenizer.from_pretrained(path, local_files_only=True), parser=parser,
+    side = start_side_fleet(cfg, plan, placement, "judge", model_path=path, run_dir=run_dir, stack=stack, loop=loop,
+                            api_key=secrets.token_hex(24), admin_api_key=secrets.token_hex(24),
+                            startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
+                            router_args=["--log-level", "warn"], started=[] if started is None else started)
+    clock("judge", f"{j.num_engines} judge engines ({path}) behind sgl-router at {side.fleet.router_url}, "
+                   f"parser {j.parser}")
+    return Judge(client=side.client, tokenizer=AutoTokenizer.from_pretrained(path, local_files_only=True), parser=parser,
                  prompt_template=j.prompt_template, sampling_params=j.sampling_params(), timeout_s=j.timeout_s,
                  max_concurrency=j.max_concurrency, apply_chat_template=j.apply_chat_template, weight=j.weight,
                  on_failure=j.on_failure)
-
-
-def judge_engine_args(policy_args: list[str]) -> list[str]:
-    """The policy engines' flags less the ones only a trained policy needs (MoE routing replay)."""
-    return [a for a in policy_args if a != "--enable-return-routed-experts"]
 
 
 def start_scalar_rm(cfg: SluiceConfig, run_dir: Path, stack: contextlib.ExitStack, loop, clock):

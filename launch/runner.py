@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from glue.fleet.watch import FleetWatch, engine_repair
+from glue.fleet.watch import FleetWatch, engine_repair, fleet_repair
 from glue.loop.batch import build_train_batch, distillation_batch_builder
 from glue.loop.buffer import RolloutBuffer
 from glue.loop.checkpoint import Checkpoints
@@ -60,8 +60,9 @@ def run(cfg: SluiceConfig) -> Path:
         clock("ray", f"placement: {describe_placement(plan, placement)}")
         # after ray.init, which sets a SIGTERM handler of its own
         stop = stack.enter_context(StopSignals(cfg.run.stop_grace_s))
+        side_fleets = []  # the teacher's and the judge's, started beside the policy's
         fleet, client, trainer, bridge, manager, loop = start_components(cfg, plan, placement, model_path, run_dir,
-                                                                         stack, clock)
+                                                                         stack, clock, side_fleets=side_fleets)
         colocation = make_phases(cfg, plan, trainer=trainer, bridge=bridge, fleet=fleet)
         # Start-up succeeded: only now does a previous run's record give way to this one (or get cut back to the
         # checkpoint this run continues from).
@@ -71,7 +72,7 @@ def run(cfg: SluiceConfig) -> Path:
         if cfg.run.debug != "train_only":
             print(f"sluice: {group_limits(cfg)}", flush=True)
         progress = stack.enter_context(_progress_bar(cfg))
-        watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client)
+        watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client, side_fleets=side_fleets)
         evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path,
                                    slime=getattr(manager, "slime", None))
         training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
@@ -235,19 +236,23 @@ def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str, slime=None
                      reward_fn=slime.reward if slime is not None and slime.reward_fn is not None else None)
 
 
-def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client):
+def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side_fleets=()):
     """The watch that keeps engines serving (glue.fleet.watch): a dead or hung engine is replaced and brought to
     the current weights before the router sends it work. Colocated placement ends the run instead (a new engine
-    there would have to take its devices back from the trainer mid-step)."""
+    there would have to take its devices back from the trainer mid-step). The fleets beside the policy's
+    (`side_fleets`, launch.fleets.SideFleetRun: teacher, judge) are watched with it, by the same class, and an
+    engine of theirs is replaced on its own bundles (their weights never change, whatever the placement)."""
     if fleet is None:  # run.debug train_only
         return NoFleet()
     r = cfg.rollout
+    limits = dict(max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
+                  health_timeout_s=r.health_check_timeout_s)
     turn = threading.Lock()  # train steps and a repair's weight gathering (trainer collectives) take turns
-    repair = None if plan.placement == "colocated" or bridge is None else engine_repair(fleet, bridge, trainer_turn=turn, client=client,
-                                                                      pause_mode=cfg.sync.pause_mode)
-    return FleetWatch(fleet, repair=repair, client=client, trainer_turn=turn,
-                      max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
-                      health_timeout_s=r.health_check_timeout_s)
+    repair = None if plan.placement == "colocated" or bridge is None else engine_repair(
+        fleet, bridge, trainer_turn=turn, client=client, pause_mode=cfg.sync.pause_mode)
+    beside = [FleetWatch(side.fleet, repair=fleet_repair(side.fleet), client=side.client, **limits)
+              for side in side_fleets]
+    return FleetWatch(fleet, repair=repair, client=client, trainer_turn=turn, beside=beside, **limits)
 
 
 def _progress_bar(cfg: SluiceConfig):

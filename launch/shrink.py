@@ -154,17 +154,17 @@ def _shrink_cluster(edit: _Editor, engine: str) -> None:
         edit.set("cluster.num_nodes", 1, "rehearsed on one node (one local Ray); the multi-node placement is not")
     if edit.get("cluster.gpus_per_node", 0):
         edit.set("cluster.gpus_per_node", 0, "CPU bundles")
-    for key in ("trainer_gpus", "engine_gpus"):
-        if edit.get(f"cluster.{key}") is not None:
-            edit.set(f"cluster.{key}", None, "follows the shrunk layout")
+    for key in ("cluster.trainer_gpus", "cluster.engine_gpus", "teacher.gpus", "judge.gpus"):
+        if edit.get(key) is not None:
+            edit.set(key, None, "follows the shrunk layout")
     edit.drop("cluster.node_ip", "one node: the loopback address")
     edit.set("cluster.engine", engine, "SGLang semantics on CPU" if engine == "sglang_strict" else
              "the lenient embedded engine (sluice's own semantics)")
-    tp = edit.get("cluster.engine_tensor_parallel_size", 1)
-    if tp > 1:
-        to = MAX_PARALLEL if engine == "sglang_strict" else 1
-        edit.set("cluster.engine_tensor_parallel_size", to, "engine TP kept > 1, simulated by the strict engine"
-                 if to > 1 else "the embedded engine runs one process per engine; 2 under sglang_strict")
+    for key in ("cluster.engine_tensor_parallel_size", "teacher.tensor_parallel_size", "judge.tensor_parallel_size"):
+        if (edit.get(key) or 1) > 1:
+            to = MAX_PARALLEL if engine == "sglang_strict" else 1
+            edit.set(key, to, "engine TP kept > 1, simulated by the strict engine"
+                     if to > 1 else "the embedded engine runs one process per engine; 2 under sglang_strict")
 
 
 def _shrink_trainer(edit: _Editor) -> None:

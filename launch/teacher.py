@@ -1,21 +1,18 @@
 """The teacher of on-policy distillation (`teacher:` section, glue.rewards.teacher), brought up beside the policy's fleet:
-its checkpoint (a directory, or written by `teacher.build`), its own engines behind its own sgl-router (the policy's
-engine program and pass-through flags, fresh keys, no weight bridge: its weights never change), and the rollout
-manager wrapped so the teacher scores every finished group. Stopped with the run's ExitStack."""
+its checkpoint (a directory, or written by `teacher.build`), its own engines on its own bundles behind its own
+sgl-router (launch.fleets: the policy's engine program and pass-through flags, its own TP, fresh keys, no weight
+bridge: its weights never change), and the rollout manager wrapped so the teacher scores every finished group.
+Stopped with the run's ExitStack."""
 from __future__ import annotations
 
 import contextlib
 import secrets
 from pathlib import Path
 
-from glue.fleet.engine_client import EngineClient
-from glue.fleet.fleet import RolloutFleet
 from glue.rewards.teacher import TeacherScorer, TeacherScoringManager, build_teacher_model, load_build_hook
 from launch.config import ConfigError, SluiceConfig
+from launch.fleets import SideFleetRun, start_side_fleet
 from launch.plan import RunPlan
-
-# engine flags of the policy's fleet that describe the policy, not the teacher
-POLICY_ONLY_FLAGS = ("--enable-return-routed-experts",)
 
 
 def check_teacher(cfg: SluiceConfig) -> str:
@@ -54,19 +51,16 @@ def teacher_model(cfg: SluiceConfig, policy_dir: str, run_dir: Path) -> str:
     return str(Path(build_teacher_model(t.build, str(run_dir / "teacher_model"), policy_dir)).resolve())
 
 
-def start_teacher(cfg: SluiceConfig, plan: RunPlan, manager, policy_dir: str, run_dir: Path,
-                  stack: contextlib.ExitStack, loop, clock=lambda phase, detail: None):
-    """Start the teacher's fleet and return `manager` wrapped in a `glue.rewards.teacher.TeacherScoringManager`."""
+def start_teacher(cfg: SluiceConfig, plan: RunPlan, placement, manager, policy_dir: str, run_dir: Path,
+                  stack: contextlib.ExitStack, loop, clock=lambda phase, detail: None,
+                  started: list[SideFleetRun] | None = None):
+    """Start the teacher's fleet on its bundles (appended to `started`, for the watch) and return `manager` wrapped in
+    a `glue.rewards.teacher.TeacherScoringManager`."""
     model = teacher_model(cfg, policy_dir, run_dir)
-    api_key, admin_api_key = secrets.token_hex(24), secrets.token_hex(24)
-    engine_args = [a for a in plan.engine_args if a not in POLICY_ONLY_FLAGS]
-    fleet = RolloutFleet(model_path=model, num_engines=cfg.teacher.num_engines, router_policy=cfg.rollout.router_policy,
-                         engine_startup_timeout_s=cfg.teacher.startup_timeout_s, log_dir=run_dir / "logs" / "teacher",
-                         engine_command=plan.engine_command, engine_args=engine_args, router_args=plan.router_args,
-                         api_key=api_key, admin_api_key=admin_api_key, seed=f"{plan.engine_seed}:teacher")
-    stack.callback(fleet.stop)
-    fleet.start(on_phase=lambda phase, detail: clock(f"teacher {phase}", detail))
-    client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key, admin_api_key=admin_api_key)
-    stack.callback(lambda: loop.run_until_complete(client.close()))
+    side = start_side_fleet(cfg, plan, placement, "teacher", model_path=model, run_dir=run_dir, stack=stack, loop=loop,
+                            api_key=secrets.token_hex(24), admin_api_key=secrets.token_hex(24),
+                            startup_timeout_s=cfg.teacher.startup_timeout_s, router_args=plan.router_args,
+                            started=[] if started is None else started,
+                            on_phase=lambda phase, detail: clock(f"teacher {phase}", detail))
     clock("teacher", f"{model} scores every sample's tokens ({cfg.teacher.objective}, kl_coef {cfg.teacher.kl_coef:g})")
-    return TeacherScoringManager(manager, TeacherScorer(client))
+    return TeacherScoringManager(manager, TeacherScorer(side.client))

@@ -203,7 +203,7 @@ def test_an_engine_whose_routing_fails_after_its_weights_were_loaded_is_not_kept
                 self.engine_urls.remove(url)
 
     class Fleet:
-        engine_urls = ["http://a", "http://b"]
+        name, engine_urls = "", ["http://a", "http://b"]
 
         def replace_engine(self, index, prepare):
             self.engine_urls[index] = "http://c"
@@ -277,7 +277,7 @@ def test_the_watch_never_counts_a_health_probe_against_an_engine_sluice_paused()
     engine = PausableEngine()
 
     class Fleet:
-        engine_urls, api_key = [engine.url], None
+        name, engine_urls, api_key = "", [engine.url], None
 
         def exited(self):
             return []
@@ -330,7 +330,7 @@ def test_a_repair_gathers_weights_only_between_train_steps_and_pauses_generation
             calls.append(f"remove {url}")
 
     class Fleet:
-        engine_urls = ["http://a", "http://b"]
+        name, engine_urls = "", ["http://a", "http://b"]
 
         def replace_engine(self, index, prepare):
             self.engine_urls[index] = "http://c"

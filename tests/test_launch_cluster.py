@@ -13,20 +13,25 @@ from launch.plan import resolve
 DEMO = str(Path(__file__).resolve().parents[1] / "examples/configs/demo.yaml")
 
 
-def test_bundles_map_to_gpus_in_order_and_each_trainer_rank_gets_its_bundles_gpu():
+def test_bundles_map_to_gpus_in_order_and_each_trainer_rank_and_teacher_engine_gets_its_bundles_gpus():
     import ray
 
     from launch import cluster
 
-    args, overrides = parse_args(["--config", DEMO, "--tensor-model-parallel-size", "2", "cluster.gpus_per_node=4",
-                                  "cluster.cpus_per_bundle=0.5", "rollout.num_engines=2"])
+    args, overrides = parse_args(["--config", DEMO, "--tensor-model-parallel-size", "2", "cluster.gpus_per_node=6",
+                                  "cluster.cpus_per_bundle=0.5", "rollout.num_engines=2",
+                                  "teacher.build=rollout_fns.echo_teacher:build_echo_teacher",
+                                  "teacher.tensor_parallel_size=2"])
     _, plan = resolve(load_config(args.config, overrides, args.flags))
     with contextlib.ExitStack() as stack:
-        cluster.start_ray(address=None, num_cpus=4, num_gpus=4, stack=stack)  # logical GPUs: Ray sets CUDA ids
+        cluster.start_ray(address=None, num_cpus=4, num_gpus=6, stack=stack)  # logical GPUs: Ray sets CUDA ids
         placement = cluster.reserve(plan, stack)
-        assert placement.gpu_id == [0, 1, 2, 3]  # plan bundle b is GPU b of the (only) node
+        assert placement.gpu_id == [0, 1, 2, 3, 4, 5]  # plan bundle b is GPU b of the (only) node
         assert [placement.engine_env(e) for e in plan.engines] == [{"CUDA_VISIBLE_DEVICES": "0"},
                                                                     {"CUDA_VISIBLE_DEVICES": "1"}]
+        # the teacher's engine (TP 2) sees the two GPUs after the trainer's, no other
+        assert [placement.engine_env(e) for e in plan.side_fleet("teacher").engines] == [
+            {"CUDA_VISIBLE_DEVICES": "4,5"}]
 
         @ray.remote
         def gpus_seen():

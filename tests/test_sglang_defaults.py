@@ -92,6 +92,7 @@ class FleetSeen(Exception):
 def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_seed(monkeypatch, tmp_path):
     import contextlib
 
+    import launch.fleets
     import launch.reward_models
     import launch.teacher
     from glue.fleet.fleet import engine_seed
@@ -99,8 +100,15 @@ def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_se
     def fleet(**kwargs):
         raise FleetSeen(kwargs["seed"])
 
-    monkeypatch.setattr(launch.reward_models, "RolloutFleet", fleet)
-    monkeypatch.setattr(launch.teacher, "RolloutFleet", fleet)
+    class Placement:  # the bundles' devices and actor options: none on a CPU run
+        def engine_env(self, engine):
+            return {}
+
+        def actor_options(self, bundle, num_cpus):
+            return {}
+
+    monkeypatch.setattr(launch.fleets, "RolloutFleet", fleet)
+    monkeypatch.setattr(launch.fleets, "check_paths", lambda placement, paths: None)  # no Ray here
     monkeypatch.setattr(launch.reward_models, "checkpoint_dir", lambda *a: str(tmp_path))
     monkeypatch.setattr(launch.teacher, "teacher_model", lambda *a: str(tmp_path))
 
@@ -111,11 +119,11 @@ def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_se
         return seen.value.args[0], plan.engine_seed
 
     judge, policy = seed_of("judge_reward.yaml", lambda c, p, s: launch.reward_models.start_judge(
-        c, p, tmp_path, s, None, lambda *a: None), 3)
+        c, p, Placement(), tmp_path, s, None, lambda *a: None), 3)
     teacher, _ = seed_of("distill.yaml", lambda c, p, s: launch.teacher.start_teacher(
-        c, p, None, str(tmp_path), tmp_path, s, None, lambda *a: None), 3)
+        c, p, Placement(), None, str(tmp_path), tmp_path, s, None, lambda *a: None), 3)
     assert (judge, teacher) == (f"{policy}:judge", f"{policy}:teacher")
     # the judge's engine 0 draws other numbers than the policy's engine 0, and the run's seed moves both
     assert engine_seed(judge, 0) != engine_seed(policy, 0)
     assert seed_of("judge_reward.yaml", lambda c, p, s: launch.reward_models.start_judge(
-        c, p, tmp_path, s, None, lambda *a: None), 4)[0] != judge
+        c, p, Placement(), tmp_path, s, None, lambda *a: None), 4)[0] != judge

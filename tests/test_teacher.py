@@ -17,13 +17,16 @@ def test_a_bad_teacher_section_is_refused_naming_the_field(fields, named):
         TeacherConfig(**fields)
 
 
-def test_the_teacher_section_loads_from_yaml_turns_off_with_null_and_is_refused_on_gpus():
+def test_the_teacher_section_loads_from_yaml_turns_off_with_null_and_takes_gpus_of_its_own():
     cfg = load_config("examples/configs/distill.yaml")
     assert cfg.teacher.build == "rollout_fns.echo_teacher:build_echo_teacher" and cfg.teacher.center
     assert load_config("examples/configs/distill.yaml", ["teacher=null"]).teacher is None
     assert load_config("examples/configs/demo.yaml").teacher is None
-    with pytest.raises(ConfigError, match="teacher"):
-        load_config("examples/configs/distill.yaml", ["cluster.gpus_per_node=8"])
+    on_gpus = load_config("examples/configs/distill.yaml", ["cluster.gpus_per_node=8", "teacher.gpus=2",
+                                                            "teacher.num_engines=2"])
+    assert (on_gpus.teacher.gpus, on_gpus.teacher.tensor_parallel_size) == (2, None)
+    with pytest.raises(ConfigError, match="teacher.gpus must be >= 1 or null, got 0"):
+        load_config("examples/configs/distill.yaml", ["teacher.gpus=0"])
     with pytest.raises(ConfigError, match="teacher.objective"):
         load_config("examples/configs/distill.yaml", ["teacher.objective=forward_kl"])
 

@@ -61,6 +61,8 @@ class RolloutFleet:
     carry it.
     `seed` (the launcher passes run.seed) gives engine i's n-th start `--random-seed engine_seed(seed, i, n)`; without
     it engines pick their own (SGLang and the embedded engine draw a random one).
+    `name` names a fleet beside the policy's ("teacher", "judge") in its processes' names, so a line about one of
+    them (`teacher engine 0 (url) exited ...`) says whose it is; the policy's fleet has none.
     """
 
     def __init__(self, *, model_path: str, num_engines: int = 2, host: str = "127.0.0.1",
@@ -70,10 +72,12 @@ class RolloutFleet:
                  router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
                  engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = (),
                  api_key: str | None = None, admin_api_key: str | None = None, engine_bind: str | None = None,
-                 seed: int | str | None = None):
+                 seed: int | str | None = None, name: str = ""):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
+        self.name = name
+        self._prefix = f"{name} " if name else ""
         self.router_policy = router_policy
         self.engine_startup_timeout_s = engine_startup_timeout_s
         self.router_startup_timeout_s = router_startup_timeout_s
@@ -159,8 +163,8 @@ class RolloutFleet:
         args = [*self.engine_args, *([f"--random-seed={engine_seed(self.seed, i, launch)}"]
                                      if self.seed is not None else [])]
         if self.engine_hosts:
-            engine: Any = RemoteEngine(f"engine {i}", command=self.engine_command, model_path=self.model_path,
-                                       args=args, env=env, log_path=log_path,
+            engine: Any = RemoteEngine(f"{self._prefix}engine {i}", command=self.engine_command,
+                                       model_path=self.model_path, args=args, env=env, log_path=log_path,
                                        actor_options=self.engine_hosts[i % len(self.engine_hosts)],
                                        bind=self.engine_bind)
         else:
@@ -168,7 +172,7 @@ class RolloutFleet:
             url = f"http://{self.host}:{port}"
             cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
                    *args]
-            engine = ManagedProcess(f"engine {i} ({url})", cmd, log_path, env, url=url)
+            engine = ManagedProcess(f"{self._prefix}engine {i} ({url})", cmd, log_path, env, url=url)
         self.started_pids.append(engine.pid)
         return engine
 
@@ -200,7 +204,7 @@ class RolloutFleet:
         else:  # the router's metrics exporter has a fixed default port: two routers on one machine would collide
             self._metrics_port = free_ports(1, self.host)[0]
             cmd += ["--prometheus-port", str(self._metrics_port)]
-        self._router = ManagedProcess(f"router ({self.router_url})", cmd, self.log_dir / "router.log")
+        self._router = ManagedProcess(f"{self._prefix}router ({self.router_url})", cmd, self.log_dir / "router.log")
         self.started_pids.append(self._router.proc.pid)
 
     def registered_workers(self) -> dict[str, bool]:

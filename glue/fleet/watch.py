@@ -20,6 +20,11 @@ for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 
 unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count. The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
 when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
 line naming what died and its log.
+
+The fleets beside the policy's (a teacher's, a judge's) are watched by a FleetWatch each, of this same class, passed
+to the policy's watch as `beside`: its `run` watches them all. Their engines never take weights from the trainer, so
+their repair is the replacement alone (`fleet_repair`), and their faults count under their fleet's name
+(`fault/teacher_engine_restarts`).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from glue.fleet.fleet import ProcessDied, _http_get
 
@@ -38,13 +43,17 @@ HEALTH_PROBES_AT_ONCE = 64  # deep health probes in flight at once during a swee
 class FleetWatch:
     """`repair(index)` replaces engine `index` (blocking; None: faults end the run). `client` (its
     `connect_retries`) adds the client's retries to the router's in `fault/reissued_requests`; the loop pauses and
-    continues generation through the watch, which passes the calls on to `client`."""
+    continues generation through the watch, which passes the calls on to `client`. `beside`: the watches of the
+    fleets beside this one (teacher, judge), run and counted with it. A fleet with a `name` ("teacher") has its
+    lines and metrics named after it."""
 
     def __init__(self, fleet: Any, *, repair: Callable[[int], None] | None, client: Any = None,
                  max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
                  health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES,
-                 trainer_turn: threading.Lock | None = None):
+                 trainer_turn: threading.Lock | None = None, beside: Sequence["FleetWatch"] = ()):
         self.fleet, self.repair, self.client = fleet, repair, client
+        self.beside = list(beside)
+        self._prefix = f"{fleet.name} " if fleet.name else ""  # "teacher engine 0", "teacher router"
         self.trainer_turn = trainer_turn or threading.Lock()  # train steps and a repair's weight gathering take turns
         self.max_restarts, self.poll_s = max_restarts, poll_s
         self.health_interval_s, self.health_timeout_s, self.health_failures = (health_interval_s, health_timeout_s,
@@ -69,25 +78,30 @@ class FleetWatch:
         call met the death first."""
         from ray.exceptions import RayActorError
 
-        watchdog = asyncio.ensure_future(self._watch())
+        watches = [self, *self.beside]
+        watchdogs = [asyncio.ensure_future(w._watch()) for w in watches]
         try:
-            await asyncio.wait({training, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({training, *watchdogs}, return_when=asyncio.FIRST_COMPLETED)
             if not training.done():
                 training.cancel()
                 await asyncio.gather(training, return_exceptions=True)
-                watchdog.result()
+                for watchdog in watchdogs:
+                    if watchdog.done():
+                        watchdog.result()  # a watch only ends by raising: the fault it could not repair
             try:
                 return training.result()
             except RayActorError as err:
                 raise ProcessDied(f"a trainer rank died: {str(err).strip().splitlines()[0]}") from err
             except Exception as err:
-                dead = self.fleet.exited()
+                dead = [line for w in watches for line in w.fleet.exited()]
                 if dead:
                     raise ProcessDied(self._beyond_repair("; ".join(dead))) from err
                 raise
         finally:
-            watchdog.cancel()
-            await asyncio.gather(watchdog, *([self._repair] if self._repair else []), return_exceptions=True)
+            for watchdog in watchdogs:
+                watchdog.cancel()
+            repairs = [w._repair for w in watches if w._repair is not None]
+            await asyncio.gather(*watchdogs, *repairs, return_exceptions=True)
 
     def guarded_sync(self, sync: Callable[[], Any]) -> Any:
         """Run a weight sync (blocking, in a worker thread) while no repair runs; if it fails because an engine
@@ -144,9 +158,12 @@ class FleetWatch:
         return await self.client.calls_settled(**kwargs)
 
     def metrics(self) -> dict[str, float]:
-        """Run totals: engines restarted, requests sent again (by the router or the client)."""
+        """Run totals: engines restarted, requests sent again (by the router or the client); those of the fleets
+        beside as `fault/<name>_engine_restarts` and `fault/<name>_reissued_requests`."""
         reissued = self.fleet.router_retries() + (self.client.connect_retries if self.client is not None else 0)
-        return {"fault/engine_restarts": float(self.restarts), "fault/reissued_requests": float(reissued)}
+        name = self._prefix.replace(" ", "_")
+        return {f"fault/{name}engine_restarts": float(self.restarts), f"fault/{name}reissued_requests": float(reissued),
+                **{k: v for w in self.beside for k, v in w.metrics().items()}}
 
     # ---- the watch
     async def _watch(self) -> None:
@@ -159,17 +176,19 @@ class FleetWatch:
         next_check = time.monotonic() + self.health_interval_s
         while True:
             await asyncio.sleep(self.poll_s)
-            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited) if line.startswith("router")]
+            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited)
+                           if line.startswith(f"{self._prefix}router")]
             if router_gone:
                 raise ProcessDied(router_gone[0])
             for index in await asyncio.to_thread(self.fleet.dead_engines):
                 await self._replace(index, self.fleet.engine_exit(index))
             for index in sorted(self._unanswering):
-                await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) answered nothing during "
-                                           f"a weight sync, not even GET /health within {self.health_timeout_s:g} s")
+                await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered "
+                                           f"nothing during a weight sync, not even GET /health within "
+                                           f"{self.health_timeout_s:g} s")
             if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
                 for index in await asyncio.to_thread(self._hung_engines):
-                    await self._replace(index, f"engine {index} ({self.fleet.engine_urls[index]}) failed "
+                    await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) failed "
                                                f"{self.health_failures} deep health checks in a row (GET "
                                                f"/health_generate, {self.health_timeout_s:g} s each)")
                 next_check = time.monotonic() + self.health_interval_s
@@ -211,7 +230,8 @@ class FleetWatch:
         except Exception as err:
             raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
         self.recovery_s.append(time.monotonic() - started)
-        print(f"sluice: engine {index} serves again at {self.fleet.engine_urls[index]} with the current weights, "
+        weights = "its weights" if self._prefix else "the current weights"  # a fleet beside never changes them
+        print(f"sluice: {self._prefix}engine {index} serves again at {self.fleet.engine_urls[index]} with {weights}, "
               f"{self.recovery_s[-1]:.1f} s after the fault was seen", flush=True)
 
     def _beyond_repair(self, why: str) -> str:
@@ -282,5 +302,15 @@ def engine_repair(fleet: Any, bridge: Any, *, trainer_turn: threading.Lock | Non
         except BaseException:
             bridge.remove_engine(fleet.engine_urls[index])
             raise
+
+    return repair
+
+
+def fleet_repair(fleet: Any) -> Callable[[int], None]:
+    """The repair of a fleet whose weights never change (a teacher's, a judge's): the faulty engine is replaced on
+    its bundle and routed to once it serves."""
+
+    def repair(index: int) -> None:
+        fleet.replace_engine(index)
 
     return repair

@@ -10,6 +10,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from glue.fleet.engine_client import EngineHTTPError
 from glue.plugins import load_object
 from glue.rewards.config import BUILD_PARAMS
 from glue.types import Group, Sample, SampleStatus
@@ -62,7 +63,9 @@ class TeacherScorer:
 
 class TeacherScoringManager:
     """The rollout manager with each finished group scored by the teacher before the buffer sees it; everything
-    else (checkpoint state, resume, the task, the rollout function) is the wrapped manager's."""
+    else (checkpoint state, resume, the task, the rollout function) is the wrapped manager's. A group the teacher's
+    fleet cannot score (its engines gone past the client's retries, while the watch replaces them) fails, as a group
+    whose generation failed does: counted in rollout/failed_groups and replaced by another prompt, not the run's end."""
 
     def __init__(self, manager: Any, scorer: TeacherScorer):
         self.manager, self.scorer = manager, scorer
@@ -72,7 +75,20 @@ class TeacherScoringManager:
         return group_id, self._scored(generating)
 
     async def _scored(self, generating: Awaitable[Group]) -> Group:
-        return await self.scorer.score_group(await generating)
+        group = await generating
+        try:
+            return await self.scorer.score_group(group)
+        except (ConnectionError, EngineHTTPError) as err:
+            return unscored(group, f"the teacher could not score it: {(str(err).strip().splitlines() or [''])[0]}")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.manager, name)
+
+
+def unscored(group: Group, error: str) -> Group:
+    """`group` with every sample FAILED for `error` (the scores some samples got are dropped with them)."""
+    for sample in group.samples:
+        sample.status, sample.teacher_logprobs = SampleStatus.FAILED, []
+        sample.metadata["error"] = error
+    group.error, group.lost = error, True
+    return group

@@ -28,9 +28,9 @@ class ScriptedBridge:
 class StandInFleet:
     """`count` engines behind one loopback HTTP server, as `<server>/e<i>`: each answers SGLang's
     `GET /health_generate` with 200 at once, except the `hung` ones, which answer only after `hang_s`. Exposes the
-    fleet surface the watch reads (`engine_urls`, `api_key`, `exited`, `dead_engines`)."""
+    fleet surface the watch reads (`name`, `engine_urls`, `api_key`, `exited`, `dead_engines`)."""
 
-    api_key = None
+    name, api_key = "", None
 
     def __init__(self, count: int, hung: set[int], hang_s: float):
         stop = self.stop_event = threading.Event()
