@@ -16,19 +16,14 @@ from glue.rollout.errors import RolloutErrors, user_frame
 from glue.rollout.manager import RolloutManager, score
 from glue.types import Sample, SampleStatus
 from loss import LossConfig
+from helpers.managers import NumberedPrompts
 
 HERE = Path(__file__).resolve()
 RAISE_LINE = next(i for i, line in enumerate(HERE.read_text().splitlines(), 1) if line.endswith("# the verifier bug"))
 
 
-class BuggyVerifierTask:
+class BuggyVerifierTask(NumberedPrompts):
     """Prompts [0, n]; the reward is the first response token, except that sample 1 of every group raises."""
-
-    def prompts(self, seed):
-        n = 0
-        while True:
-            n += 1
-            yield {"prompt_tokens": [0, n]}
 
     def reward(self, sample):
         if sample.index == 1:

@@ -14,19 +14,14 @@ from glue.loop.stream import RolloutStream
 from glue.rollout.config import RolloutConfig
 from glue.rollout.manager import RolloutManager, score
 from glue.types import Sample
+from helpers.managers import NumberedPrompts
 
 
-class SlowToolTask:
+class SlowToolTask(NumberedPrompts):
     """Prompts [0, n], reward 1.0; its tool takes `tool_s` seconds."""
 
     def __init__(self, tool_s: float):
         self.tool_s = tool_s
-
-    def prompts(self, seed):
-        n = 0
-        while True:
-            n += 1
-            yield {"prompt_tokens": [0, n]}
 
     def reward(self, sample):
         return 1.0

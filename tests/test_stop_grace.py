@@ -22,16 +22,11 @@ from glue.types import Sample
 from launch.config import RunConfig
 from launch.stopping import StopSignals, cancel_tasks, close_loop
 from loss import LossConfig
+from helpers.managers import NumberedPrompts
 
 
-class HungSecondGroupTask:
+class HungSecondGroupTask(NumberedPrompts):
     """Prompts [0, n], reward 1.0; the tool of group 1 never returns."""
-
-    def prompts(self, seed):
-        n = 0
-        while True:
-            n += 1
-            yield {"prompt_tokens": [0, n]}
 
     def reward(self, sample):
         return 1.0

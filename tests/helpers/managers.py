@@ -7,6 +7,16 @@ import asyncio
 from glue.types import Group, Sample
 
 
+class NumberedPrompts:
+    """A task's prompt half: prompts [0, 1], [0, 2], ... for ever (whatever the seed)."""
+
+    def prompts(self, seed):
+        n = 0
+        while True:
+            n += 1
+            yield {"prompt_tokens": [0, n]}
+
+
 class NeverCheckpointed:
     """The checkpoint half of the stream's `GroupSource`, for test managers whose runs never take a checkpoint."""
 
