@@ -153,7 +153,7 @@ def test_strict_messages_and_knobs_are_sglangs_own(sglang_srt):
 
 
 def test_strict_meta_info_has_the_keys_sglang_builds_for_finished_and_queue_aborted_requests(sglang_srt):
-    from glue.embedded_engine.model_runner import Sequence
+    from glue.embedded_engine.sequence import Sequence
     from glue.embedded_engine.request_schema import parse_generate
 
     manager = sglang_srt / "managers" / "tokenizer_manager.py"

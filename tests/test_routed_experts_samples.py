@@ -107,7 +107,7 @@ def test_the_train_batch_has_no_routing_without_it_and_refuses_a_mix():
 def test_the_recorder_keeps_each_positions_first_routing_and_marks_dense_layers_minus_one():
     import transformers
 
-    from glue.embedded_engine.model_runner import Sequence
+    from glue.embedded_engine.sequence import Sequence
     from glue.embedded_engine.request_schema import GenerationRequest, SamplingSettings
     from glue.embedded_engine.routed_experts import RoutingRecorder, encode_routed_experts
 

@@ -16,7 +16,8 @@ from aiohttp import web
 
 from glue.embedded_engine.auth import key_gate
 from glue.embedded_engine.json_body import describe, read_body
-from glue.embedded_engine.model_runner import PAUSE_MODES, MemoryReleasedError, ModelRunner, Sequence
+from glue.embedded_engine.model_runner import PAUSE_MODES, ModelRunner
+from glue.embedded_engine.sequence import MemoryReleasedError, Sequence
 from glue.embedded_engine.openai_chat import ChatFront
 from glue.embedded_engine.prompt_logprobs import input_token_logprobs
 from glue.embedded_engine.request_schema import RequestError, parse_generate

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from glue.embedded_engine.json_body import Field, field
-from glue.embedded_engine.model_runner import Sequence
+from glue.embedded_engine.sequence import Sequence
 from glue.embedded_engine.prompt_logprobs import input_token_logprobs
 from glue.embedded_engine.routed_experts import encode_routed_experts
 

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from glue.embedded_engine.json_body import describe
-from glue.embedded_engine.model_runner import Sequence
+from glue.embedded_engine.sequence import Sequence
 from glue.embedded_engine.request_schema import RequestError, parse_generate
 from glue.embedded_engine.routes import ROUTES, Route
 from glue.embedded_engine.server import MEMORY_TAGS, EngineServer, memory_tags
