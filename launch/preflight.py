@@ -22,7 +22,7 @@ from launch.memory_plan import check_memory
 from launch.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, check_transformer_engine,
                                 describe_attention, has_tokenizer, weight_files)
 from launch.plan import RunPlan
-from launch.tasks import check_task_args, eval_task
+from launch.tasks import build_if_standalone, check_task_args, eval_task
 from launch.teacher import check_teacher
 from launch.user_code import plugin_files
 from launch.weight_groups import check_weight_groups
@@ -68,10 +68,13 @@ def check_plugins(cfg: SluiceConfig) -> str:
         from rollout_fns.openai_agent import NO_ROUTING  # lazy: aiohttp; loaded already when fn comes from it
 
         raise ConfigError(NO_ROUTING)
+    built = []
     for section, task_path, args in task_settings(cfg):
         _load(task_path, f"{section}.task")
         try:
             check_task_args(task_path, args, key=f"{section}.task_args")
+            if build_if_standalone(task_path, args, key=f"{section}.task_args"):
+                built.append(f"{section}.task")
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
     slime = check_slime_functions(cfg)
@@ -81,7 +84,8 @@ def check_plugins(cfg: SluiceConfig) -> str:
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
     found = [f"{key} {path} from {file or 'a module without a file'}" for key, path, file in plugin_files(cfg)]
-    return "plugins: " + "; ".join(found) + slime
+    tasks = f"; built {' and '.join(built)} from task_args" if built else ""
+    return "plugins: " + "; ".join(found) + tasks + slime
 
 
 def check_slime_functions(cfg: SluiceConfig) -> str:

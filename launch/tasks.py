@@ -73,3 +73,21 @@ def check_task_args(task_path: str, task_args: dict[str, Any], key: str) -> None
         raise ValueError(f"{key}: {task_path} needs {', '.join(missing)}; set {key}.{missing[0]}")
     if callable(getattr(task, "check_args", None)):
         task.check_args(task_args, key=key)
+
+
+def build_if_standalone(task_path: str, task_args: dict[str, Any], key: str) -> bool:
+    """Build the task from `task_args` as the run will, where it needs nothing the run only makes at start-up (a
+    task that takes a tokenizer reads the model directory's files, which a tiny or downloaded-at-start model does
+    not have yet): so a task that checks its own arguments (a `**kwargs` task, a bad value) fails the dry run. True
+    when built; ValueError, one line naming `key`, when building fails."""
+    task = load_object(task_path, what="task")
+    if inspect.isclass(task) and "tokenizer" in inspect.signature(task).parameters:
+        return False
+    from glue.rollout.manager import build_task  # lazy: the rollout side (aiohttp) only for a dry run or a run
+
+    try:
+        build_task(task_path, task_args)
+    except Exception as err:  # noqa: BLE001 - whatever the user's constructor raises, said in one line
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"{key}: building {task_path} from it failed: {type(err).__name__}: {first}") from None
+    return True

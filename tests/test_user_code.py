@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from helpers.cli import one_line_error
+import yaml
+
+from helpers.cli import DEMO, one_line_error
 
 TASK = '''
 from rollout_fns.toy_tasks import EchoTask
@@ -129,6 +131,47 @@ def test_a_misspelt_task_argument_of_a_shipped_task_fails_the_dry_run_in_one_lin
     assert len(err) == 1, err
     assert err[0].startswith(f"sluice: config error: rollout.task_args.{given}: ")
     assert f"(did you mean {meant!r}?); it takes " in err[0] and f" {meant}," in err[0]
+
+
+KWARGS_TASK = """
+class CheckedTask:
+    def __init__(self, **options):
+        unknown = set(options) - {"tool_latency_s"}
+        if unknown:
+            raise KeyError(f"unknown option(s) {sorted(unknown)}; CheckedTask takes tool_latency_s")
+        if options.get("tool_latency_s", 0) < 0:
+            raise ValueError("tool_latency_s must be >= 0")
+
+    def prompts(self, seed):
+        while True:
+            yield {"prompt_tokens": [1, 2]}
+
+    def reward(self, sample):
+        return 0.0
+"""
+
+
+@pytest.mark.parametrize("given, says", [
+    ("tool_latency=1", "KeyError: \"unknown option(s) ['tool_latency']; CheckedTask takes tool_latency_s\""),
+    ("tool_latency_s=-1", "ValueError: tool_latency_s must be >= 0"),
+])
+def test_the_dry_run_builds_a_task_that_checks_its_own_arguments(capsys, tmp_path, monkeypatch, given, says):
+    (tmp_path / "checked_task.py").write_text(KWARGS_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = one_line_error(capsys, ["rollout.task=checked_task:CheckedTask", f"rollout.task_args.{given}"])
+    assert line == (f"sluice: config error: rollout.task_args: building checked_task:CheckedTask from it failed: "
+                    f"{says}")
+
+
+def test_the_dry_run_says_which_tasks_it_built(capsys, tmp_path, monkeypatch):
+    from launch.cli import main
+
+    (tmp_path / "checked_task.py").write_text(KWARGS_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--dry-run", "--config", DEMO, "rollout.task=checked_task:CheckedTask",
+                 "rollout.task_args.tool_latency_s=0.5"]) == 0
+    plugins = next(line for line in yaml.safe_load(capsys.readouterr().out)["checked"] if line.startswith("plugins"))
+    assert plugins.endswith("; built rollout.task from task_args")
 
 
 def test_an_environment_argument_that_its_class_does_not_take_fails_the_dry_run(capsys, tmp_path):
