@@ -179,10 +179,8 @@ def _source_scenario(model_dir: str) -> dict:
 
 def _ewma_states_over_three_epochs(model_dir: str) -> list[tuple]:
     """(logprobs, rollout logprobs, mask, PPO-EWMA state passed in) of each loss call of one train_step with three
-    epochs, read by wrapping loss.compute_policy_loss (the worker looks it up at each call)."""
-    import loss
-
-    calls, real = [], loss.compute_policy_loss
+    epochs, read by wrapping loss.compute.compute_policy_loss (compute_loss looks it up there at each call)."""
+    from loss import compute as loss
 
     def recorded(cfg, **kwargs):
         state = kwargs.get("ewma_logprobs")
@@ -190,6 +188,7 @@ def _ewma_states_over_three_epochs(model_dir: str) -> list[tuple]:
                       None if state is None else state.clone()))
         return real(cfg, **kwargs)
 
+    calls, real = [], loss.compute_policy_loss
     loss.compute_policy_loss = recorded
     try:
         worker = start_worker(model_dir, LossConfig(old_logprobs_from="ewma", ewma_beta=0.5, correction="icepop"),
