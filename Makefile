@@ -72,7 +72,7 @@ gpu-check:
 # the attention kernel and its logprob gap to the unfused reference, into bench-results/gpu_bench.json (8 minutes at
 # most). Without CUDA a tiny model runs on CPU through the same code, the rest "skipped: no CUDA".
 gpu-bench:
-	$(GPU_PY) tests/gpu_bench.py --out $(or $(GPU_BENCH_JSON),bench-results/gpu_bench.json)
+	$(GPU_PY) tests/gpu_bench.py --out $(or $(GPU_BENCH_JSON),bench-results/gpu_bench.json) $(GPU_BENCH_ARGS)
 
 # What staleness costs in learning (issue 27 item 3): 6 rows x 5 seeds x 60 steps, on the slow-tool echo task and the
 # multi-turn calculator, each at lr 5e-3 and 2.5e-3 (240 runs): docs/async_learning.json and docs/async_learning_*.png.

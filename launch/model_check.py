@@ -147,9 +147,9 @@ def check_transformer_engine(trainer: Any, *, elsewhere: bool) -> str | None:
 
 REFERENCE_ATTENTION = "megatron DotProductAttention, unfused ([T, T] scores and mask per layer: the reference)"
 FAST_ATTENTION = {  # GPU nodes? -> what sluice's core attention runs there
-    True: "sluice core attention: FlashAttention varlen (torch.nn.attention.varlen) on packed THD rows in bf16, "
-          "causal SDPA on padded rows (fp32, or a torch without varlen_attn: causal SDPA over each packed row's "
-          "samples as a batch)",
+    True: "sluice core attention: FlashAttention varlen (torch.nn.attention.varlen) on packed THD rows in bf16 "
+          "(fp32, or a torch without varlen_attn: compiled flex_attention with a document-causal block mask), "
+          "causal SDPA on padded rows",
     False: "sluice core attention on CPU: causal SDPA over each packed row's samples as a batch, causal SDPA on "
            "padded rows",
 }
@@ -165,7 +165,9 @@ def describe_attention(trainer: Any, on_gpus: bool) -> str:
     if trainer.layer_spec == "te" or resolve_layer_spec(trainer.layer_spec) == "te":
         return "attention: transformer-engine DotProductAttention (packed rows as THD), every trainer rank"
     kernel = REFERENCE_ATTENTION if backend in ("local", "unfused") else FAST_ATTENTION[on_gpus]
-    return f"attention ({backend}): {kernel}, every trainer rank"
+    compiled = ("; trainer.compile: RMSNorms, RoPE, SwiGLU and residual adds under torch.compile"
+                if trainer.compile and kernel is not REFERENCE_ATTENTION else "")
+    return f"attention ({backend}): {kernel}, every trainer rank{compiled}"
 
 
 def num_experts(hf_config: Any) -> int:

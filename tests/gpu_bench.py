@@ -33,6 +33,7 @@ class BenchModel:
     peer_rows: int  # the peer's padded micro-batch, in rows
     target_mfu: float | None  # the train MFU the trainer should reach on an H100
     cap_s: float  # wall seconds this model may take, write and load included
+    compile: bool = False  # trainer.compile (--compile): the layers' elementwise work under torch.compile
 
 
 def _qwen(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -142,7 +143,7 @@ def describe(spec: BenchModel) -> dict[str, Any]:
     """What was run: the model's shape, the batch, and megatron's FLOPs per token for it."""
     train = flops_per_token(spec.hf, spec.seq_len)
     batch = {"samples": spec.samples, "tokens_per_sample": spec.seq_len, "prompt_tokens": spec.seq_len // 8,
-             "max_tokens_per_micro_batch": spec.max_tokens, "precision": "bf16"}
+             "max_tokens_per_micro_batch": spec.max_tokens, "precision": "bf16", "trainer_compile": spec.compile}
     return {"model": spec.hf, "batch": batch, "flops_per_token": {"train": train, "forward": train / 3}}
 
 
@@ -174,7 +175,7 @@ def chosen_models(args: argparse.Namespace) -> dict[str, BenchModel]:
         samples, seq_len = (int(part) for part in getattr(args, f"batch_{flag}").lower().split("x"))
         specs[name] = dataclasses.replace(MODELS[name], samples=samples, seq_len=seq_len,
                                           max_tokens=getattr(args, f"max_tokens_{flag}"),
-                                          peer_rows=getattr(args, f"peer_rows_{flag}"))
+                                          peer_rows=getattr(args, f"peer_rows_{flag}"), compile=args.compile)
     return {name: spec for name, spec in specs.items() if name in args.models}
 
 
@@ -184,6 +185,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed train steps and forward calls per model")
     parser.add_argument("--budget-s", type=float, default=420, help="wall seconds for all models together")
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS), help="comma-separated names")
+    parser.add_argument("--compile", action="store_true", help="trainer.compile for sluice's trainer (the layers' "
+                        "elementwise work under torch.compile; the warm-up step pays the compile)")
     for flag, name in MODEL_FLAGS.items():
         spec = MODELS[name]
         parser.add_argument(f"--batch-{flag}", default=f"{spec.samples}x{spec.seq_len}", help=f"{name}: SAMPLESxTOKENS")

@@ -239,7 +239,7 @@ def model_process(spec: BenchModel, model_dir: str, steps: int, deadline: float,
         batch = make_batch(spec, spec.hf["vocab_size"])
         # rollout old logprobs: train_step is one forward + backward + optimizer step, the peer's work and the work
         # megatron's FLOP count describes (the default recomputes old logprobs first, an uncounted extra forward)
-        cfg = TrainerConfig(precision="bf16", max_tokens_per_micro_batch=spec.max_tokens)
+        cfg = TrainerConfig(precision="bf16", max_tokens_per_micro_batch=spec.max_tokens, compile=spec.compile)
         worker = TrainerWorker(model_path=model_dir, cfg=cfg, loss_cfg=LossConfig(old_logprobs_from="rollout"),
                                rank=0, world_size=1)
         started = phases.run(("parameters",), lambda: {"trainer": worker.initialize(*worker.rendezvous_address()),

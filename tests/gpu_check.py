@@ -28,6 +28,9 @@ CHECKS = {
     "core_attention_cuda": ("tests/test_gpu_one_device.py::test_sluices_core_attention_on_cuda_runs_flash_kernels_"
                             "and_equals_the_unfused_reference", "sluice's core attention on CUDA: packed THD rows "
                             "through torch's varlen FlashAttention, equal to the unfused reference in bf16"),
+    "norm_cuda": ("tests/test_gpu_one_device.py::test_the_trainers_norm_on_cuda_runs_torchs_fused_kernel_and_the_"
+                  "compiled_one_equal_to_sluices", "the trainer's RMSNorm on CUDA: torch's fused kernel (the default "
+                  "there) and trainer.compile's, equal to sluice's function in bf16 with gradients"),
     "colocated_ipc_sync": ("tests/test_gpu_one_device.py::test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_"
                            "engine_on_the_same_gpu_by_cuda_ipc_bit_identically", "a colocated sync, megatron-core "
                            "trainer on CUDA to embedded engines on the same GPU through /update_weights_from_tensor "

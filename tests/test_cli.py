@@ -86,6 +86,8 @@ def test_dry_run_names_the_attention_kernel_every_trainer_rank_runs(capsys):
     assert "FlashAttention varlen" in _attention_line(capsys, ["cluster.gpus_per_node=4", "--attention-backend", "flash"])
     reference = _attention_line(capsys, ["cluster.gpus_per_node=4", "--attention-backend", "local"])
     assert reference.startswith("attention (local): megatron DotProductAttention, unfused")
+    assert "torch.compile" not in reference
+    assert "trainer.compile: RMSNorms, RoPE, SwiGLU" in _attention_line(capsys, ["trainer.compile=true"])
 
 
 def test_help_shows_sluice_keys_with_their_docs_and_the_backends_only_on_request(capsys):

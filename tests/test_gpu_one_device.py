@@ -178,6 +178,35 @@ def test_sluices_core_attention_on_cuda_runs_flash_kernels_and_equals_the_unfuse
     assert gap < 2e-2 and grad_gap < 5e-2
 
 
+def test_the_trainers_norm_on_cuda_runs_torchs_fused_kernel_and_the_compiled_one_equal_to_sluices(record_property):
+    from types import SimpleNamespace
+
+    from glue.trainer import norm
+
+    config = SimpleNamespace(normalization="RMSNorm", params_dtype=torch.bfloat16, sequence_parallel=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 1, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = 1 + 0.1 * torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    results = {}
+    for name, cls in (("sluice", norm.RMSNorm), ("torch_fused", norm.RMSNorm), ("compiled", norm.CompiledRMSNorm)):
+        module = cls(config, 1024, eps=1e-6).cuda()
+        with torch.no_grad():
+            module.weight.copy_(weight)
+        a = x.clone().requires_grad_()
+        out = norm.rms_norm(a, module.weight, 1e-6) if name == "sluice" else module(a)
+        out.backward(grad)
+        kernel = "sluice" if name == "sluice" else module.kernel("cuda")
+        results[name] = (out.float(), a.grad.float(), module.weight.grad.float(), kernel)
+    record_property("norm_kernels", {name: r[3] for name, r in results.items()})
+    assert results["torch_fused"][3] == "torch_fused", f"torch {torch.__version__} has no fused CUDA rms_norm"
+    for name in ("torch_fused", "compiled"):
+        for got, ref in zip(results[name][:3], results["sluice"][:3]):
+            gap = ((got - ref).abs().max() / ref.abs().max()).item()
+            record_property(f"norm_{name}_relative_gap", gap)
+            assert gap < 2e-2, f"{name}: {gap}"
+
+
 def _advantage_batch():
     """BATCH random samples, advantages rising with the index."""
     from glue.types import Sample, TrainBatch

@@ -91,20 +91,52 @@ def test_sluices_core_attention_equals_megatrons_unfused_attention_forward_and_b
             assert ref.abs().max().item() > 1e-3, "the check needs gradients that are not zero"
 
 
-def _model_scenario(model_dir: str, backend: str) -> dict:
-    """Logprobs and one packed train step's loss and gradient norm with `--attention-backend` `backend`."""
+def _flex_scenario() -> float:
+    """The largest gap between the compiled flex_attention THD path (the CUDA fallback for a torch without
+    varlen_attn) and the samples-as-batch SDPA path on one packed row, forward only: flex has no CPU backward."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from glue.trainer.attention import SluiceCoreAttention, _batch_layout
+
+    _init_world_of_one()
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0)
+    ours = SluiceCoreAttention(config, 1, AttnMaskType.causal, "self")
+    spans = [37, 63, 1, 69, 30]  # over one 128-token flex block and across block edges; a one-token sample
+    cu_seqlens = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(spans), n, HEAD_DIM, generator=gen) for n in (HEADS, GROUPS, GROUPS))
+    with torch.no_grad():
+        flex = ours._thd_flex(q, k, v, cu_seqlens)
+        batch = ours._thd_as_batch(q, k, v, _batch_layout(cu_seqlens))
+    return (flex - batch).abs().max().item()
+
+
+def test_the_flex_attention_fallback_equals_the_sdpa_path_on_a_packed_row():
+    assert run_in_trainer_process(_flex_scenario) < 1e-5
+
+
+def _model_scenario(model_dir: str, backend: str, compiled: bool = False) -> dict:
+    """Logprobs and one packed train step's loss and gradient norm with `--attention-backend` `backend` (and
+    trainer.compile `compiled`), with the norm class and megatron's SwiGLU fusion the model was built with."""
+    from glue.trainer import rope
+    from glue.trainer.attention import attention_kernel
+    from glue.trainer.model import unwrap
     from helpers.trainer_process import start_worker, stop_worker
 
     worker = start_worker(model_dir, LossConfig(**LOSS), max_tokens_per_micro_batch=64,
-                          megatron={"attention_backend": backend})
+                          megatron={"attention_backend": backend}, compile=compiled)
     batch = spread_batch()
-    from glue.trainer.attention import attention_kernel
-
     kernel = attention_kernel(worker.model, packed=True)
+    layer = unwrap(worker.model).decoder.layers[0]
+    built = dict(norm=type(layer.input_layernorm).__name__, rope_compiled=rope._compiled,
+                 swiglu_fused=layer.mlp.config.bias_activation_fusion)
     before = worker.compute_logprobs(batch)
     metrics = worker.train_step(batch)
     stop_worker(worker)
-    return dict(before=before, loss=metrics["train/loss"], grad_norm=metrics["train/grad_norm"], kernel=kernel)
+    return dict(before=before, loss=metrics["train/loss"], grad_norm=metrics["train/grad_norm"], kernel=kernel,
+                **built)
 
 
 def test_a_packed_model_step_with_the_fused_kernel_equals_the_unfused_reference(tiny_model_dir):
@@ -114,6 +146,19 @@ def test_a_packed_model_step_with_the_fused_kernel_equals_the_unfused_reference(
     assert (fast["before"] - reference["before"]).abs().max().item() < 1e-5
     assert abs(fast["loss"] - reference["loss"]) < 1e-5
     assert abs(fast["grad_norm"] - reference["grad_norm"]) < 1e-5 * max(1.0, reference["grad_norm"])
+
+
+def test_a_packed_step_with_trainer_compile_equals_the_eager_one(tmp_path):
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    model_dir = save_tiny_model(str(tmp_path / "qwen3"), family="qwen3", seed=3)  # q/k norms: four norms a layer
+    eager = run_in_trainer_process(_model_scenario, model_dir, "auto", False)
+    compiled = run_in_trainer_process(_model_scenario, model_dir, "auto", True)
+    assert (eager["norm"], eager["rope_compiled"], eager["swiglu_fused"]) == ("RMSNorm", False, False)
+    assert (compiled["norm"], compiled["rope_compiled"], compiled["swiglu_fused"]) == ("CompiledRMSNorm", True, True)
+    assert (compiled["before"] - eager["before"]).abs().max().item() < 1e-5
+    assert abs(compiled["loss"] - eager["loss"]) < 1e-5
+    assert abs(compiled["grad_norm"] - eager["grad_norm"]) < 1e-5 * max(1.0, eager["grad_norm"])
 
 
 def _census_scenario(model_dir: str, row_tokens: int) -> dict:
@@ -158,3 +203,20 @@ def test_a_packed_step_allocates_no_tensor_of_t_squared_elements_and_never_split
     assert out["thd_attention"] > 0, "the packed step must reach the core attention as THD"
     assert out["thd_rope"] == 0, "megatron's per-sample THD RoPE (a host read per sample) ran"
     assert 0 < out["largest_elements"] < row * row, f"a tensor of {out['largest_elements']} elements >= T^2"
+
+
+def test_a_packed_row_on_cuda_runs_varlen_then_flex_then_sdpa_by_what_torch_has(monkeypatch):
+    from types import SimpleNamespace
+
+    from glue.trainer import attention
+
+    bf16_cuda = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    monkeypatch.setattr(attention, "_varlen_kwargs", lambda: {"is_causal": True})
+    monkeypatch.setattr(attention, "_has_flex_attention", lambda: True)
+    assert attention.thd_kernel(bf16_cuda) == "varlen_attn"
+    assert attention.thd_kernel(SimpleNamespace(is_cuda=True, dtype=torch.float32)) == "flex_attention"
+    assert attention.thd_kernel(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16)) == "sdpa_samples_as_batch"
+    monkeypatch.setattr(attention, "_varlen_kwargs", lambda: None)
+    assert attention.thd_kernel(bf16_cuda) == "flex_attention"
+    monkeypatch.setattr(attention, "_has_flex_attention", lambda: False)
+    assert attention.thd_kernel(bf16_cuda) == "sdpa_samples_as_batch"

@@ -1,5 +1,6 @@
 """sluice's RMSNorm (glue.trainer.norm) and RoPE rotation (glue.trainer.rope): the same values and gradients as
-torch's `rms_norm` and megatron's rotate-half, in fewer ops."""
+torch's `rms_norm` and megatron's rotate-half, in fewer ops; and their torch.compile forms (trainer.compile) equal to
+them."""
 from __future__ import annotations
 
 import collections
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from glue.trainer import norm, rope
 from glue.trainer.norm import rms_norm
 from glue.trainer.rope import rotate
 
@@ -77,3 +79,46 @@ def test_rope_rotation_by_roll_equals_megatrons_rotate_half_with_gradients(packe
         outs.append((out.detach(), a.grad))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 32), (5, 2, 4, 16)])
+def test_the_compiled_rms_norm_equals_sluices_function_with_gradients(shape):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen)
+    grad = torch.randn(*shape, generator=gen)
+    outs = []
+    for fn in (rms_norm, norm.compiled_rms_norm):
+        a, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(a, w, 1e-6)
+        out.backward(grad)
+        outs.append((out.detach(), a.grad, w.grad))
+    for mine, theirs in zip(*outs):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_rope_rotation_equals_the_eager_one_with_gradients(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    freqs = torch.rand(9, 1, 1, 16, generator=gen) * 50
+    t = torch.randn(9, 3, 16, generator=gen)
+    grad = torch.randn(t.shape, generator=gen)
+    outs = []
+    for compiled in (False, True):
+        monkeypatch.setattr(rope, "_compiled", compiled)
+        a = t.clone().requires_grad_()
+        out = rotate(a, freqs, packed=True)
+        out.backward(grad)
+        outs.append((out.detach(), a.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
+
+
+def test_the_norm_runs_torchs_function_where_torch_fuses_it_and_sluices_elsewhere(monkeypatch):
+    config = type("Config", (), {"normalization": "RMSNorm", "params_dtype": torch.float32,
+                                 "sequence_parallel": False})()
+    fused = {"cpu": False, "cuda": True}
+    monkeypatch.setattr(norm, "torch_fuses_rms_norm", lambda device_type: fused[device_type])
+    assert norm.RMSNorm(config, 8).kernel("cpu") == "sluice"
+    assert norm.RMSNorm(config, 8).kernel("cuda") == "torch_fused"  # one fused kernel each way beats 14 launches
+    assert norm.CompiledRMSNorm(config, 8).kernel("cuda") == "compiled"
+    assert norm.ReferenceRMSNorm(config, 8).kernel("cuda") == "reference"

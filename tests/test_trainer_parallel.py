@@ -90,3 +90,17 @@ def test_packed_rows_under_sequence_parallelism_go_as_thd_and_train_like_one_pad
     two = run_trainer_ranks(model, 2, batch, **ADAM, max_tokens_per_micro_batch=40,
                             megatron={"sequence_parallel": True})
     assert_same_step(one, two, "packed rows, TP=2 with sequence parallelism")
+
+
+@pytest.mark.long  # two ranks compile at once on two cores; CI keeps the one-rank compile test (test_trainer_attention)
+@pytest.mark.parametrize("family, layout", [
+    ("qwen3", {"tensor_model_parallel_size": 2, "megatron": {"sequence_parallel": True}}),
+    ("qwen3_moe", {"data_parallel_size": 2, "expert_model_parallel_size": 2}),
+], ids=["tp2_sequence_parallel", "ep2_moe"])
+def test_trainer_compile_over_two_ranks_trains_like_one_eager_rank(tmp_path_factory, family, layout):
+    batch = make_batch(response_len=6)
+    model = save_tiny_model(str(tmp_path_factory.mktemp(f"{family}_compiled")), family=family, seed=3)
+    one = run_trainer_ranks(model, 1, batch, **ADAM)
+    layout = {"max_tokens_per_micro_batch": 40, **layout}
+    two = run_trainer_ranks(model, layout.pop("tensor_model_parallel_size", 1), batch, **ADAM, **layout, compile=True)
+    assert_same_step(one, two, f"trainer.compile, packed rows, {family} {layout}")

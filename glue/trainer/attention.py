@@ -41,14 +41,25 @@ def _varlen_kwargs() -> dict[str, Any] | None:
     return kwargs
 
 
+@functools.cache
+def _has_flex_attention() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def thd_kernel(query: torch.Tensor) -> str:
-    """The kernel a packed (THD) forward runs for `query`'s device and dtype: FlashAttention's varlen kernel on
-    CUDA in bf16/fp16 where torch has it, else causal SDPA over the row's samples laid out as a batch (CPU, fp32
-    on CUDA, older torch)."""
+    """The kernel a packed (THD) forward runs for `query`'s device and dtype: on CUDA, FlashAttention's varlen
+    kernel in bf16/fp16 where torch has it, else compiled flex_attention with a document-causal block mask where
+    torch has that; else (CPU, a torch with neither) causal SDPA over the row's samples laid out as a batch."""
     if _reference_depth:
         return "reference"
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_kwargs() is not None:
         return "varlen_attn"
+    if query.is_cuda and _has_flex_attention():
+        return "flex_attention"
     return "sdpa_samples_as_batch"
 
 
@@ -107,43 +118,86 @@ class SluiceCoreAttention(MegatronModule):
 
             return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=self.scale,
                                **_varlen_kwargs())
+        if thd_kernel(query) == "flex_attention":
+            return self._thd_flex(query, key, value, cu_seqlens)
         return self._thd_as_batch(query, key, value, _batch_layout(cu_seqlens))
 
-    def _thd_as_batch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      layout: tuple[list[int], torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
+    def _thd_flex(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
+                  ) -> torch.Tensor:
+        """THD attention by compiled flex_attention over the whole row as one sequence of [heads, T, hn], a block
+        mask keeping each token to its own span's earlier tokens (blocks wholly outside a span are skipped)."""
+        out = _compiled_flex_attention()(*(x.transpose(0, 1)[None] for x in (query, key, value)),
+                                         block_mask=_document_block_mask(cu_seqlens, query.shape[0]),
+                                         scale=self.scale, enable_gqa=self.num_groups != self.num_heads)
+        return out[0].transpose(0, 1)
+
+    def _thd_as_batch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Layout
+                      ) -> torch.Tensor:
         """THD attention as one causal SDPA call over the spans laid out as rows [N, heads, L, hn] (L the longest):
         each span's padding sits after its last token, so causality keeps every real query off it, and padded
         queries are dropped (their outputs get no gradient, so neither do the slots they read). Rows of very
         unequal spans would pad more than the row holds: those go span by span instead (`index` None)."""
-        bounds, index, is_real = layout
+        bounds, index, real = layout
         if index is None:
             spans = [self._sdpa(*(x[start:end].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(0, 1)
                      for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
             return torch.cat(spans)
         out = self._sdpa(*(x[index].transpose(1, 2) for x in (query, key, value)))  # [N, heads, L, hn]
-        return out.transpose(1, 2)[is_real]
+        return out.transpose(1, 2)[real]  # [T, heads, hn]: integer indices, so no host sync (a mask would have one)
 
 
+# a packed row's span bounds, the gather index [N, L] of its spans laid out as rows, and the (row, column) of each
+# of its T tokens in that layout; None for both when the layout would pad more than the row holds
+Layout = tuple[list[int], torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
 _layout_cache: dict[str, Any] = {}  # the last packed row's cu_seqlens and its batch layout: every layer reuses it
 
 
-def _batch_layout(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
-    """The span bounds of a packed row (one host read per micro-batch, not per layer) and the gather index [N, L]
-    and real-token mask that lay its spans out as rows, or None for both when that would pad more than the row."""
+def _batch_layout(cu_seqlens: torch.Tensor) -> Layout:
+    """The `Layout` of a packed row, built with one host read per micro-batch, not per layer."""
     if _layout_cache.get("cu_seqlens") is cu_seqlens:
         return _layout_cache["layout"]
     bounds = cu_seqlens.tolist()
     spans = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
     longest = max(end - start for start, end in spans)
-    index = is_real = None
+    index = real = None
     if len(spans) * longest <= 2 * bounds[-1]:
         device = cu_seqlens.device
         starts = torch.tensor([start for start, _ in spans], device=device)
+        lengths = torch.tensor([end - start for start, end in spans], device=device)
         offsets = torch.arange(longest, device=device)
-        is_real = offsets[None, :] < torch.tensor([end - start for start, end in spans], device=device)[:, None]
-        index = torch.where(is_real, starts[:, None] + offsets[None, :], 0)  # [N, L] rows of the THD tensors
-    _layout_cache.update(cu_seqlens=cu_seqlens, layout=(bounds, index, is_real))
+        index = torch.where(offsets[None, :] < lengths[:, None], starts[:, None] + offsets[None, :], 0)  # [N, L]
+        rows = torch.arange(len(spans), device=device).repeat_interleave(lengths, output_size=bounds[-1])
+        real = (rows, torch.arange(bounds[-1], device=device) - starts[rows])
+    _layout_cache.update(cu_seqlens=cu_seqlens, layout=(bounds, index, real))
     return _layout_cache["layout"]
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)  # flex runs as the kernel it compiles to, never eagerly
+
+
+_mask_cache: dict[str, Any] = {}  # the last packed row's cu_seqlens and its block mask: every layer reuses it
+
+
+def _document_block_mask(cu_seqlens: torch.Tensor, tokens: int) -> Any:
+    """flex_attention's BlockMask for a packed row: token q sees token kv when both lie in the same cu_seqlens
+    span and kv <= q. Built by compiled code, which never materialises the [T, T] mask."""
+    if _mask_cache.get("cu_seqlens") is cu_seqlens:
+        return _mask_cache["mask"]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    positions = torch.arange(tokens, device=cu_seqlens.device)
+    span = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # each token's span
+
+    def document_causal(batch: Any, head: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (span[q] == span[kv]) & (q >= kv)
+
+    mask = create_block_mask(document_causal, None, None, tokens, tokens, device=cu_seqlens.device, _compile=True)
+    _mask_cache.update(cu_seqlens=cu_seqlens, mask=mask)
+    return mask
 
 
 def _reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -32,6 +32,7 @@ class TrainerConfig:
     layer_spec: Literal["auto", "local", "te"] = "auto"  # megatron-core layer spec: te (Transformer Engine's fused GPU kernels; needs transformer_engine on the trainer nodes), local (plain PyTorch modules, runs anywhere) or auto (te where transformer_engine imports, else local)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16: bf16 model weights with fp32 main weights, gradients and Adam state (megatron's mixed precision); fp32: everything fp32; auto: bf16 when the checkpoint's torch_dtype is bf16/fp16 or a megatron flag asks for it (--bf16, --params-dtype bfloat16), else fp32
     bf16_rounding: Literal["nearest", "dithered"] = "nearest"  # bf16: how the fp32 main weights become the bf16 model weights after each step: nearest (megatron's cast) or dithered (a fixed per-weight dither: the bf16 weights follow updates far below bf16's spacing on average, where nearest holds them still; docs/precision.md)
+    compile: bool = False  # torch.compile the transformer layers' elementwise work (RMSNorms, RoPE, SwiGLU: inductor fuses each into a kernel or two, forward and backward) on the local layer spec (not on the unfused reference, --attention-backend local); the first micro-batches pay the compile (seconds per function); `make bench` trainer_speed counts the ops it saves, `make gpu-bench` measures it on a GPU
     use_distributed_optimizer: bool = True  # megatron's distributed optimizer: main weights and Adam state sharded over the data-parallel ranks (false: each DP rank holds all of its model shard's state)
     lr: float = 1e-3  # Adam learning rate, the peak of the schedule (tiny random models need a high one)
     critic_lr: float | None = None  # loss.advantage_estimator gae: the critic's Adam learning rate (its own optimizer and schedule; null = lr)
@@ -66,6 +67,8 @@ class TrainerConfig:
         if budget not in (None, "auto") and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"trainer.max_tokens_per_micro_batch must be an integer >= 1, auto (sized from GPU "
                              f"memory) or null / 0 (padded micro-batches of micro_batch_size rows), got {budget!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"trainer.compile must be true or false, got {self.compile!r}")
         if self.dp_balance not in ("tokens", "rows"):
             raise ValueError(f"trainer.dp_balance must be 'tokens' or 'rows', got {self.dp_balance!r}")
         if self.layer_spec not in ("auto", "local", "te"):

@@ -9,17 +9,18 @@ import dataclasses
 from typing import Any
 
 from glue.trainer import rope
-from glue.trainer.norm import ReferenceRMSNorm, RMSNorm
+from glue.trainer.norm import CompiledRMSNorm, ReferenceRMSNorm, RMSNorm
 from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_layer_spec
 
 
-def layer_spec(config: Any, choice: str = "auto") -> Any:
+def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
     (glue.trainer.te_spec). Else the local one: MoE models get megatron's per-layer block spec (dense or MoE by
     `moe_layer_freq`, SequentialMLP experts), dense ones the local layer spec on every layer; then every apex-less
     megatron norm is replaced by sluice's `RMSNorm` (torch's function on the reference spec) and the core
     attention is the one `config.attention_backend` names
-    (glue.trainer.attention). Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
+    (glue.trainer.attention). `compiled` (trainer.compile): the norms and the RoPE rotation of the fast spec run
+    under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
     if resolve_layer_spec(choice) == "te":
@@ -40,11 +41,11 @@ def layer_spec(config: Any, choice: str = "auto") -> Any:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     core_attention = core_attention_class(config.attention_backend)
-    norm = RMSNorm
+    norm = CompiledRMSNorm if compiled else RMSNorm
     if core_attention is DotProductAttention:  # the unfused reference keeps megatron's RoPE and torch's norm too
         norm = ReferenceRMSNorm
     else:
-        rope.install()
+        rope.install(compiled)
     return _swap(spec, {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention})
 
 

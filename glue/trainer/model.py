@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from glue.trainer import cpu_compat
-from glue.trainer.attention import is_mask_free
+from glue.trainer.attention import REFERENCE_BACKENDS, is_mask_free
 from glue.trainer.layer_spec import layer_spec
+from glue.trainer.te_spec import resolve_layer_spec
 from glue.trainer.logprobs import token_logprobs_and_entropy
 from glue.trainer.megatron_fields import to_megatron
 from glue.trainer.optim import unwrap
@@ -115,22 +116,30 @@ def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
 
 
 def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None,
-                precision: str = "fp32", layer_spec_choice: str = "auto") -> torch.nn.Module:
+                precision: str = "fp32", layer_spec_choice: str = "auto", compiled: bool = False) -> torch.nn.Module:
     """A megatron-core GPTModel (local spec) shaped like the HF model; this rank's TP shard of its pipeline stage
     (the embedding on the first, the output layer on the last), random weights, bf16 or fp32 per `precision`
     (glue.trainer.optim). `megatron_args` (TrainerConfig.megatron_values()) are passed-through TransformerConfig
-    fields; `layer_spec_choice` is trainer.layer_spec (auto / local / te). Options that need Transformer Engine
-    are refused in one line where it does not import (glue.trainer.te_spec)."""
+    fields; `layer_spec_choice` is trainer.layer_spec (auto / local / te). `compiled` (trainer.compile; not on the
+    unfused reference, `--attention-backend local`): the layer's elementwise work runs under torch.compile: the norms
+    and RoPE (glue.trainer.layer_spec), the SwiGLU and the residual adds (megatron's bias_activation_fusion and
+    bias_dropout_fusion, whose fused functions megatron compiles). Options that need Transformer Engine are
+    refused in one line where it does not import (glue.trainer.te_spec)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     check_te_options(megatron_args or {})
     dtype = "bfloat16" if precision == "bf16" else "float32"
-    megatron_args = {**(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
+    backend = (megatron_args or {}).get("attention_backend", "auto")
+    # the unfused reference stays megatron's path as it was; Transformer Engine's spec fuses these itself
+    compiled = (compiled and getattr(backend, "name", backend) not in REFERENCE_BACKENDS
+                and resolve_layer_spec(layer_spec_choice) == "local")
+    fused = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if compiled else {}
+    megatron_args = {**fused, **(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
                      "pipeline_dtype": dtype}
     config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
     return GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice),
+        config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice, compiled),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), parallel_output=True,

@@ -3,11 +3,14 @@
 as ~24 elementwise ops forward + backward. `RMSNorm` here takes sequence parallelism and, on the fast spec, runs
 `rms_norm` below: the same arithmetic as `torch.nn.functional.rms_norm` (fp32 inside, one cast out) with a backward
 of its own, 14 ops in all, that saves the input and the per-row scale only (no fp32 copy of the activations).
-`reference=True` keeps torch's function: the unfused reference spec (`--attention-backend local`) is megatron's path
-as it was.
+Which function a norm runs (`RMSNorm.kernel`): torch's own on the unfused reference spec (`--attention-backend
+local`: megatron's path as it was) and on devices where torch has a fused RMSNorm kernel (CUDA: one kernel each way);
+with `trainer.compile`, the plain arithmetic compiled by torch.compile (inductor fuses forward and backward into a
+kernel or two each); else the hand-written function.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,12 +48,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNormFunction.apply(x, weight, eps)
 
 
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The same arithmetic in plain ops, for torch.compile to differentiate and fuse (`trainer.compile`)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+@functools.cache
+def _compiled_plain_rms_norm() -> Any:
+    # one graph per width, layout, dtype, grad mode and weight.requires_grad (the policy's and the frozen reference's
+    # norms, the hidden and the per-head ones): more than dynamo's default 8 per function
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(plain_rms_norm, fullgraph=True)
+
+
+def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`plain_rms_norm` under torch.compile, the sequence dimension (x's first) dynamic: a packed row's length
+    changes every micro-batch."""
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    return _compiled_plain_rms_norm()(x, weight, eps)
+
+
+@functools.cache
+def torch_fuses_rms_norm(device_type: str) -> bool:
+    """True when torch's `rms_norm` runs a fused kernel on this device type (its `_fused_rms_norm` has one there:
+    CUDA builds of torch >= 2.8), rather than decomposing into elementwise ops as it does on CPU."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", device_type.upper())
+    except RuntimeError:  # a torch without the op
+        return False
+
+
 class RMSNorm(torch.nn.Module):
     """RMSNorm over the last dimension with a learnt scale named `weight` (the name the converter knows). Under
     sequence parallelism each TP rank normalises its own slice of the sequence, so the scale's gradient is partial:
     the `sequence_parallel` mark makes the trainer sum it over TP, as megatron does for its own norms."""
 
     reference = False  # True in `ReferenceRMSNorm`: torch's own function
+    compiled = False  # True in `CompiledRMSNorm` (trainer.compile)
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any):
         super().__init__()
@@ -62,12 +97,32 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reference:
+        kernel = self.kernel(x.device.type)
+        if kernel == "reference":
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if kernel == "torch_fused":  # called by name: rms_norm itself may still decompose
+            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight, self.eps)[0]
+        if kernel == "compiled":
+            return compiled_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def kernel(self, device_type: str) -> str:
+        """reference (torch's rms_norm, the unfused spec), compiled (trainer.compile), torch_fused (torch's fused
+        kernel, on a device that has one) or sluice (the hand-written function)."""
+        if self.reference:
+            return "reference"
+        if self.compiled:
+            return "compiled"
+        return "torch_fused" if torch_fuses_rms_norm(device_type) else "sluice"
 
 
 class ReferenceRMSNorm(RMSNorm):
     """`RMSNorm` on torch's `rms_norm` (the unfused reference spec)."""
 
     reference = True
+
+
+class CompiledRMSNorm(RMSNorm):
+    """`RMSNorm` on `plain_rms_norm` under torch.compile (trainer.compile)."""
+
+    compiled = True

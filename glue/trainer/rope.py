@@ -5,18 +5,22 @@ hands it one angle row per token instead, which this rotation applies directly.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 _installed = False
+_compiled = False  # trainer.compile: the rotation runs under torch.compile (one fused kernel each way)
 _cache: dict[str, Any] = {}  # the last angle table (key: table, dtype, layout) and its cos/signed sin
 
 
-def install() -> None:
-    """Route megatron's attention through `apply_rotary_pos_emb` below (idempotent). Cases it does not cover
-    (fused RoPE, interleaved, YaRN scaling, MLA, context parallelism) go to megatron's function unchanged."""
-    global _installed
+def install(compiled: bool = False) -> None:
+    """Route megatron's attention through `apply_rotary_pos_emb` below (idempotent), the rotation compiled by
+    torch.compile when `compiled` (trainer.compile). Cases it does not cover (fused RoPE, interleaved, YaRN scaling,
+    MLA, context parallelism) go to megatron's function unchanged."""
+    global _installed, _compiled
+    _compiled = compiled
     if _installed:
         return
     from megatron.core.transformer import attention
@@ -55,4 +59,18 @@ def rotate(t: torch.Tensor, freqs: torch.Tensor, packed: bool = False) -> torch.
         sin = angles.sin()
         _cache.update(key=key, cos=angles.cos().to(t.dtype),
                       sin=torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(t.dtype))
-    return torch.addcmul(t * _cache["cos"], t.roll(t.shape[-1] // 2, dims=-1), _cache["sin"])
+    if not _compiled:
+        return _rotation(t, _cache["cos"], _cache["sin"])
+    for tensor in (t, _cache["cos"], _cache["sin"]):  # the sequence dimension changes every micro-batch
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return _compiled_rotation()(t, _cache["cos"], _cache["sin"])
+
+
+def _rotation(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(t * cos, t.roll(t.shape[-1] // 2, dims=-1), signed_sin)
+
+
+@functools.cache
+def _compiled_rotation() -> Any:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # see glue.trainer.norm
+    return torch.compile(_rotation, fullgraph=True)

@@ -85,7 +85,8 @@ class TrainerWorker:
         self.hf_config = model.read_hf_config(self.model_path)
         self.precision = optim.resolve_precision(self.cfg, self.hf_config)
         build = dict(tp_size=self.cfg.tensor_model_parallel_size, megatron_args=self.cfg.megatron_values(),
-                     precision=self.precision, layer_spec_choice=self.cfg.layer_spec)
+                     precision=self.precision, layer_spec_choice=self.cfg.layer_spec,
+                     compiled=self.cfg.compile)
         self.model = model.build_model(self.hf_config, **build)
         self.place = RankPlace.from_parallel_state(self.model)
         model.load_hf_weights(self.model, self.model_path, self.hf_config, self.place.layout())

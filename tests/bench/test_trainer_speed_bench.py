@@ -2,11 +2,18 @@
 one megatron-core rank on gloo. Writes bench-results/trainer_speed.json:
 - `packed_t2_bytes`: bytes of tensors of >= T^2 elements allocated in a packed train step of 2,048-token rows
   (target 0), with megatron's unfused attention's figure beside it;
-- `ops_per_layer`: aten ops per transformer layer per micro-batch, forward + backward, megatron's unfused path
-  (`before`) vs sluice's (`after`), from the op counts of a 2- and a 4-layer model (target after <= 0.5 x before);
-  `kernel_ops_per_layer` the same without view ops (which launch no kernel on a GPU);
+- `ops_per_layer`: ops per transformer layer per micro-batch, forward + backward, from the op counts of a 2- and a
+  4-layer model, for megatron's unfused path (`before`), sluice's (`after`) and sluice's with `trainer.compile`
+  (`compiled`); counted by torch's profiler (the only counter that sees compiled code): aten ops as their callers
+  call them plus compiled kernels (target after <= 0.5 x before, `ops_ratio`);
+- `launches_per_layer`: of those, the work a GPU would launch a kernel for: aten ops that do work themselves (no
+  views, no allocations, no no-op casts) and compiled kernels;
+- `launches_per_layer_bf16`: the launches with trainer.precision bf16 (on CPU a mixed-dtype elementwise op casts
+  with a copy of its own, which a CUDA kernel does inside: the eager paths' CPU counts run high);
+- `dispatch_ops_per_layer`: the eager paths' ops as a Python dispatch mode sees them (the measure earlier runs
+  reported; it cannot see compiled code);
 - `logprob_peak_extra_bytes` vs `logprob_full_fp32_bytes` (tokens x vocab / TP x 4; target ratio <= 0.25);
-- `packed_vs_padded`: train tokens/s of the same spread batch packed and padded.
+- `packed_vs_padded`: train tokens/s of the same spread batch packed (eager and compiled) and padded.
 """
 from __future__ import annotations
 
@@ -30,22 +37,53 @@ MODEL = dict(family="qwen3", vocab_size=1024, hidden_size=128, num_heads=4, num_
 OPS_ROW, OPS_SAMPLES = 512, 4  # the op-count micro-batch: one packed row of four samples
 
 
-# ops that only make a new view of a tensor's storage: counted in `ops_per_layer`, but they launch no GPU kernel
+# ops that only make a new view of a tensor's storage: counted in `dispatch_ops_per_layer`
 VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "unsqueeze", "squeeze", "expand", "detach", "slice",
             "select", "split", "split_with_sizes", "alias", "lift_fresh", "as_strided", "_reshape_alias"}
+# aten ops that launch no kernel of their own: views, allocations, casts that may be no-ops (a real cast's copy_
+# is counted), p = 0 dropout
+NO_LAUNCH = VIEW_OPS | {"reshape", "chunk", "narrow", "view_as", "expand_as", "flatten", "unflatten", "to",
+                        "contiguous", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+                        "resolve_conj", "resolve_neg", "lift_fresh_copy", "dropout"}
 
 
 class OpCount(TorchDispatchMode):
-    """Counts aten ops dispatched while entered (in-place ops included), and those of them that are not views."""
+    """Counts aten ops dispatched while entered (in-place ops included)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = self.kernels = 0
+        self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
-        self.kernels += func.overloadpacket.__name__ not in VIEW_OPS
         return func(*args, **(kwargs or {}))
+
+
+def _is_compiled_kernel(name: str) -> bool:
+    return "cpp_fused" in name or "triton_" in name
+
+
+def profiled_counts(events) -> tuple[int, int]:
+    """(ops, launches) of a torch.profiler trace: ops are the aten ops no other aten op called plus compiled
+    kernels; launches are the events that do work themselves (a compiled kernel, or an aten op outside NO_LAUNCH
+    none of whose callees does work)."""
+    def works(event) -> bool:
+        return _is_compiled_kernel(event.name) or (event.name.startswith("aten::")
+                                                   and event.name[6:] not in NO_LAUNCH)
+
+    def callee_works(event) -> bool:
+        return any(works(child) or callee_works(child) for child in event.cpu_children)
+
+    def called_by_aten(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        return parent is not None
+
+    ops = sum(1 for e in events if _is_compiled_kernel(e.name) or (e.name.startswith("aten::")
+                                                                   and not called_by_aten(e)))
+    launches = sum(1 for e in events if works(e) and not callee_works(e))
+    return ops, launches
 
 
 class LargeAllocations(TorchDispatchMode):
@@ -83,25 +121,38 @@ def _start(model_dir: str, **fields):
     return start_worker(model_dir, LossConfig(old_logprobs_from="rollout"), **fields)
 
 
-def _ops_scenario(model_dir: str, backend: str) -> tuple[int, int]:
-    """aten ops (all, and those not views) of one packed micro-batch's forward + backward (logprobs summed) with
-    `backend`."""
+def _ops_scenario(model_dir: str, backend: str, compiled: bool = False, precision: str = "fp32") -> dict:
+    """Op counts (profiled ops and launches, and without compile the dispatched ops) of one packed micro-batch's
+    forward + backward (logprobs summed) with `backend`, trainer.compile `compiled` and trainer.precision."""
+    import torch._inductor.config
+
     from glue.trainer import model as trainer_model
     from helpers.trainer_process import stop_worker
 
-    worker = _start(model_dir, max_tokens_per_micro_batch=OPS_ROW, megatron={"attention_backend": backend})
+    torch._inductor.config.cpp.enable_kernel_profile = True  # compiled CPU kernels appear in the profiler
+    worker = _start(model_dir, max_tokens_per_micro_batch=OPS_ROW, megatron={"attention_backend": backend},
+                    compile=compiled, precision=precision)
     span = OPS_ROW // OPS_SAMPLES
     tokens = torch.randint(2, MODEL["vocab_size"], (1, OPS_ROW))
     seq_ids = torch.arange(OPS_SAMPLES).repeat_interleave(span)[None]
     positions = torch.arange(span).repeat(OPS_SAMPLES)[None]
-    for counting in (False, True):  # the first pass warms up (lazy buffers, rope tables)
+
+    def step() -> None:
+        logits = trainer_model.forward_logits(worker.model, tokens, positions, seq_ids)
+        trainer_model.token_logprobs(logits, tokens, 1.0, seq_ids).sum().backward()
+
+    for _ in range(2):  # warm-up: lazy buffers, rope tables, compiled graphs
+        step()
+    with torch.profiler.profile() as profile:
+        step()
+    counts = dict(zip(("ops", "launches"), profiled_counts(profile.events())))
+    if not compiled:  # a dispatch mode turns torch.compile off
         counter = OpCount()
-        with counter if counting else torch.no_grad():
-            logits = trainer_model.forward_logits(worker.model, tokens, positions, seq_ids)
-            if counting:
-                trainer_model.token_logprobs(logits, tokens, 1.0, seq_ids).sum().backward()
+        with counter:
+            step()
+        counts["dispatch_ops"] = counter.count
     stop_worker(worker)
-    return counter.count, counter.kernels
+    return counts
 
 
 def _census_scenario(model_dir: str, backend: str) -> int:
@@ -154,19 +205,29 @@ def test_trainer_speed(tmp_path):
     from glue.embedded_engine.tiny_model import save_tiny_model
 
     dirs = {n: save_tiny_model(str(tmp_path / f"l{n}"), num_layers=n, **MODEL) for n in (2, 4)}
-    counts = {backend: {n: run_in_trainer_process(_ops_scenario, dirs[n], backend) for n in (2, 4)}
-              for backend in ("local", "auto")}
-    ops, kernel_ops = ({name: (counts[backend][4][i] - counts[backend][2][i]) / 2
-                        for name, backend in (("before", "local"), ("after", "auto"))} for i in (0, 1))
+    paths = {"before": ("local", False), "after": ("auto", False), "compiled": ("auto", True)}
+    counts = {path: {n: run_in_trainer_process(_ops_scenario, dirs[n], *args) for n in (2, 4)}
+              for path, args in paths.items()}
+    per_layer = {measure: {path: (counts[path][4][measure] - counts[path][2][measure]) / 2
+                           for path in paths if measure in counts[path][2]}
+                 for measure in ("ops", "launches", "dispatch_ops")}
+    bf16 = {path: {n: run_in_trainer_process(_ops_scenario, dirs[n], *args, "bf16")["launches"] for n in (2, 4)}
+            for path, args in paths.items()}
+    per_layer["launches_bf16"] = {path: (bf16[path][4] - bf16[path][2]) / 2 for path in paths}
     t2 = {backend: run_in_trainer_process(_census_scenario, dirs[2], backend) for backend in ("auto", "local")}
     lengths = [64, 96, 128, 192, 256, 384, 512, 512, 80, 160, 320, 448]
     throughput = {"packed_2048": run_in_trainer_process(_throughput_scenario, dirs[2],
                                                         {"max_tokens_per_micro_batch": 2048}, lengths),
+                  "packed_2048_compiled": run_in_trainer_process(
+                      _throughput_scenario, dirs[2], {"max_tokens_per_micro_batch": 2048, "compile": True}, lengths),
                   "padded_4": run_in_trainer_process(_throughput_scenario, dirs[2], {"micro_batch_size": 4}, lengths)}
     memory = run_in_trainer_process(_logprob_memory_scenario, 16384, 32000)  # the budget auto gave on a GPU
     report = {
         "packed_t2_bytes": t2["auto"], "packed_t2_bytes_unfused_reference": t2["local"], "packed_row_tokens": ROW,
-        "ops_per_layer": ops, "kernel_ops_per_layer": kernel_ops,
+        "ops_per_layer": per_layer["ops"], "launches_per_layer": per_layer["launches"],
+        "dispatch_ops_per_layer": per_layer["dispatch_ops"], "launches_per_layer_bf16": per_layer["launches_bf16"],
+        "ops_ratio": {path: round(per_layer["ops"][path] / per_layer["ops"]["before"], 3)
+                      for path in ("after", "compiled")},
         "ops_micro_batch": f"one packed row of {OPS_ROW} tokens, {OPS_SAMPLES} samples",
         **memory, "logprob_ratio": memory["logprob_peak_extra_bytes"] / memory["logprob_full_fp32_bytes"],
         "packed_vs_padded": {k: round(v, 1) for k, v in throughput.items()},
