@@ -13,7 +13,8 @@ one megatron-core rank on gloo. Writes bench-results/trainer_speed.json:
 - `dispatch_ops_per_layer`: the eager paths' ops as a Python dispatch mode sees them (the measure earlier runs
   reported; it cannot see compiled code);
 - `logprob_peak_extra_bytes` vs `logprob_full_fp32_bytes` (tokens x vocab / TP x 4; target ratio <= 0.25);
-- `packed_vs_padded`: train tokens/s of the same spread batch packed (eager and compiled) and padded.
+- `packed_vs_padded`: train tokens/s (median of five steps) of the same spread batch packed (eager and compiled) and
+  padded.
 """
 from __future__ import annotations
 
@@ -172,11 +173,13 @@ def _throughput_scenario(model_dir: str, fields: dict, lengths: list[int]) -> fl
     worker = _start(model_dir, **fields)
     batch = batch_of(lengths, MODEL["vocab_size"])
     worker.train_step(batch)  # warm-up
-    started = time.perf_counter()
-    worker.train_step(batch)
-    seconds = time.perf_counter() - started
+    seconds = []
+    for _ in range(5):
+        started = time.perf_counter()
+        worker.train_step(batch)
+        seconds.append(time.perf_counter() - started)
     stop_worker(worker)
-    return sum(lengths) / seconds
+    return sum(lengths) / sorted(seconds)[2]  # the median step
 
 
 def _logprob_memory_scenario(tokens: int, vocab: int) -> dict:
