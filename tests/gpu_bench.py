@@ -207,6 +207,7 @@ def main() -> int:
         models = bench(chosen_models(args), args.steps, args.budget_s, env)
     else:  # the same code on a tiny model; the GPU models are only described
         name, spec = CPU_MODEL
+        spec = dataclasses.replace(spec, compile=args.compile)
         models = bench({name: spec}, args.steps, args.budget_s, env)
         models.update({name: {**describe(spec), **{key: NO_CUDA for key in FIGURES}, **score({}, spec, False)}
                        for name, spec in chosen_models(args).items()})

@@ -84,6 +84,7 @@ def test_make_gpu_bench_without_cuda_runs_a_tiny_model_through_the_trainer_and_t
     for key in ("train_mfu", "forward_mfu", "peak_bytes", "peak_bytes_per_parameter", "vs_peer"):
         assert tiny[key] == NO_CUDA, key
     assert tiny["peer"]["peer_mfu"] == NO_CUDA and tiny["meets_target"] is None
+    assert tiny["batch"]["trainer_compile"] is False
     for name in ("qwen3_265m", "qwen2_1.5b"):
         model = result["models"][name]
         assert {model[key] for key in FIGURES} == {NO_CUDA} and model["vs_peer"] == NO_CUDA, name
@@ -93,3 +94,11 @@ def test_make_gpu_bench_without_cuda_runs_a_tiny_model_through_the_trainer_and_t
     assert result["models"]["qwen2_1.5b"]["targets"]["train_mfu"] == 0.35
     lines = [line for line in done.stdout.splitlines() if line.startswith("gpu-bench ")]
     assert [line.split(":")[0] for line in lines] == [f"gpu-bench {name}" for name in result["models"]]
+
+
+def test_gpu_bench_compile_flag_turns_trainer_compile_on_for_every_model(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--compile", "--models", "qwen3_265m"])
+    specs = gpu_bench.chosen_models(gpu_bench.parse_args())
+    assert list(specs) == ["qwen3_265m"] and specs["qwen3_265m"].compile is True
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py"])
+    assert not any(spec.compile for spec in gpu_bench.chosen_models(gpu_bench.parse_args()).values())
