@@ -4,6 +4,7 @@ them."""
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -24,21 +25,27 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _norm_and_grads(fn, x, weight, grad):
+def _norm_and_grads(fn, x, weight, grad, counted: bool = True):
+    """fn's output and input gradients, and the aten ops it ran (not `counted`: 0, for compiled code, which a
+    dispatch mode would turn off)."""
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
     counter = OpCount()
-    with counter:
+    with counter if counted else contextlib.nullcontext():
         out = fn(x, weight)
         out.backward(grad)
     return out.detach(), x.grad, weight.grad, sum(counter.ops.values())
 
 
+def _inputs(shape, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations, a norm weight and an output gradient of `shape`."""
+    gen = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(*shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+    return x, weight, torch.randn(*shape, generator=gen)
+
+
 @pytest.mark.parametrize("shape", [(6, 3, 32), (5, 2, 4, 16)])
 def test_rms_norm_equals_torch_in_fp32_with_gradients_in_fewer_ops(shape):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=gen) * 3
-    weight = torch.randn(shape[-1], generator=gen)
-    grad = torch.randn(*shape, generator=gen)
+    x, weight, grad = _inputs(shape, 0)
     ours = _norm_and_grads(lambda a, w: rms_norm(a, w, 1e-6), x, weight, grad)
     torchs = _norm_and_grads(lambda a, w: torch.nn.functional.rms_norm(a, (shape[-1],), w, 1e-6), x, weight, grad)
     for mine, theirs in zip(ours[:3], torchs[:3]):
@@ -83,17 +90,10 @@ def test_rope_rotation_by_roll_equals_megatrons_rotate_half_with_gradients(packe
 
 @pytest.mark.parametrize("shape", [(6, 3, 32), (5, 2, 4, 16)])
 def test_the_compiled_rms_norm_equals_sluices_function_with_gradients(shape):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(*shape, generator=gen) * 3
-    weight = torch.randn(shape[-1], generator=gen)
-    grad = torch.randn(*shape, generator=gen)
-    outs = []
-    for fn in (rms_norm, norm.compiled_rms_norm):
-        a, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fn(a, w, 1e-6)
-        out.backward(grad)
-        outs.append((out.detach(), a.grad, w.grad))
-    for mine, theirs in zip(*outs):
+    x, weight, grad = _inputs(shape, 3)
+    eager = _norm_and_grads(lambda a, w: rms_norm(a, w, 1e-6), x, weight, grad, counted=False)
+    compiled = _norm_and_grads(lambda a, w: norm.compiled_rms_norm(a, w, 1e-6), x, weight, grad, counted=False)
+    for mine, theirs in zip(compiled[:3], eager[:3]):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
