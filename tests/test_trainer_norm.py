@@ -122,3 +122,9 @@ def test_the_norm_runs_torchs_function_where_torch_fuses_it_and_sluices_elsewher
     assert norm.RMSNorm(config, 8).kernel("cuda") == "torch_fused"  # one fused kernel each way beats 14 launches
     assert norm.CompiledRMSNorm(config, 8).kernel("cuda") == "compiled"
     assert norm.ReferenceRMSNorm(config, 8).kernel("cuda") == "reference"
+
+
+def test_torchs_fused_norm_is_taken_only_with_the_arguments_sluice_passes():
+    schema = torch.ops.aten._fused_rms_norm.default._schema
+    assert [arg.name for arg in schema.arguments] == norm.FUSED_RMS_NORM_ARGS  # this torch's op, as called
+    assert norm.torch_fuses_rms_norm("cpu") is False  # CPU builds decompose it: sluice's function runs there

@@ -69,14 +69,19 @@ def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return _compiled_plain_rms_norm()(x, weight, eps)
 
 
+FUSED_RMS_NORM_ARGS = ["input", "normalized_shape", "weight", "eps"]  # the private op's schema this module calls
+
+
 @functools.cache
 def torch_fuses_rms_norm(device_type: str) -> bool:
-    """True when torch's `rms_norm` runs a fused kernel on this device type (its `_fused_rms_norm` has one there:
-    CUDA builds of torch >= 2.8), rather than decomposing into elementwise ops as it does on CPU."""
+    """True when torch has a fused RMSNorm kernel for this device type (`aten::_fused_rms_norm`: CUDA builds) with
+    the arguments `RMSNorm` passes it; on CPU the op decomposes into elementwise ops."""
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", device_type.upper())
-    except RuntimeError:  # a torch without the op
+        schema = torch.ops.aten._fused_rms_norm.default._schema
+        fused = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", device_type.upper())
+    except (AttributeError, RuntimeError):  # a torch without the op
         return False
+    return fused and [arg.name for arg in schema.arguments] == FUSED_RMS_NORM_ARGS
 
 
 class RMSNorm(torch.nn.Module):
