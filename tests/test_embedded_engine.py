@@ -254,3 +254,23 @@ def test_an_engine_given_a_device_it_cannot_run_on_exits_2_naming_the_flag(tmp_p
                            "--device", "tpu"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--device 'tpu'" in proc.stderr and "cpu or cuda" in proc.stderr
+
+
+def test_sigterm_answers_a_paused_engines_waiting_request_with_abort_and_the_engine_exits_at_once(
+        engine_processes, tiny_model_dir):
+    # a run killed while its engines are paused for a weight sync: before, aiohttp waited its default minute for
+    # the request the pause held, and the engine outlived the run that far
+    url = engine_processes.start(tiny_model_dir)
+    proc = engine_processes.procs[-1]
+    assert call(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(generate, url, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}})
+        time.sleep(1.0)
+        assert not waiting.done(), "the pause must hold the request"
+        started = time.monotonic()
+        proc.terminate()
+        proc.wait(timeout=30)
+        seconds = time.monotonic() - started
+        answer = waiting.result(timeout=10)
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort" and answer["output_ids"] == []
+    assert seconds < 10, f"the engine took {seconds:.1f} s to exit after SIGTERM"

@@ -16,6 +16,7 @@ from glue.embedded_engine.strict_server import StrictEngineServer
 from glue.embedded_engine.weight_update import WeightReceiver
 
 SEGMENT_PRUNE_S = 2.0  # how often the engine unmaps shared segments whose ipc source has closed them
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM and the abort of every request: how long answers may take to go out
 
 
 # SGLang's --dtype choices and the torch dtype each serves; "auto" follows the checkpoint's torch_dtype (fp32 when it
@@ -112,7 +113,8 @@ class ProbeFilter(logging.Filter):
 
 
 def serve(server: EngineServer, *, host: str, port: int) -> None:
-    """Run until SIGTERM / SIGINT; the model thread and weight groups are closed on the way out."""
+    """Run until SIGTERM / SIGINT; then every request is aborted (a paused engine's waiting ones too: they would
+    otherwise hold the process for aiohttp's default minute), and the model thread and weight groups are closed."""
     logging.getLogger("aiohttp.server").addFilter(ProbeFilter())
     app = server.build_app()
 
@@ -128,6 +130,9 @@ def serve(server: EngineServer, *, host: str, port: int) -> None:
         server.runner.start()
         housekeeping.append(asyncio.create_task(unmap_closed_segments()))
 
+    async def on_shutdown(_: web.Application) -> None:
+        server.runner.abort(abort_all=True)  # every waiting handler answers "abort" now, paused or not
+
     async def on_cleanup(_: web.Application) -> None:
         for task in housekeeping:
             task.cancel()
@@ -135,7 +140,9 @@ def serve(server: EngineServer, *, host: str, port: int) -> None:
         server.receiver.close()
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     web.run_app(app, host=host, port=port, print=lambda _: print(f"embedded engine serving on http://{host}:{port}",
                                                                  flush=True),
-                access_log=None, handler_cancellation=True)  # a client that hangs up aborts its requests
+                access_log=None, handler_cancellation=True,  # a client that hangs up aborts its requests
+                shutdown_timeout=SHUTDOWN_GRACE_S)
