@@ -149,13 +149,23 @@ class SluiceCoreAttention(MegatronModule):
 # a packed row's span bounds, the gather index [N, L] of its spans laid out as rows, and the (row, column) of each
 # of its T tokens in that layout; None for both when the layout would pad more than the row holds
 Layout = tuple[list[int], torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
-_layout_cache: dict[str, Any] = {}  # the last packed row's cu_seqlens and its batch layout: every layer reuses it
+_row_cache: dict[str, tuple[torch.Tensor, Any]] = {}  # what -> (the last packed row's cu_seqlens, what was built)
+
+
+def _per_row(what: str, cu_seqlens: torch.Tensor, build: Any) -> Any:
+    """`build()` once per packed row (its cu_seqlens tensor): every layer of the micro-batch reuses it."""
+    cached = _row_cache.get(what)
+    if cached is None or cached[0] is not cu_seqlens:
+        _row_cache[what] = (cu_seqlens, build())
+    return _row_cache[what][1]
 
 
 def _batch_layout(cu_seqlens: torch.Tensor) -> Layout:
     """The `Layout` of a packed row, built with one host read per micro-batch, not per layer."""
-    if _layout_cache.get("cu_seqlens") is cu_seqlens:
-        return _layout_cache["layout"]
+    return _per_row("layout", cu_seqlens, lambda: _build_layout(cu_seqlens))
+
+
+def _build_layout(cu_seqlens: torch.Tensor) -> Layout:
     bounds = cu_seqlens.tolist()
     spans = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
     longest = max(end - start for start, end in spans)
@@ -168,8 +178,7 @@ def _batch_layout(cu_seqlens: torch.Tensor) -> Layout:
         index = torch.where(offsets[None, :] < lengths[:, None], starts[:, None] + offsets[None, :], 0)  # [N, L]
         rows = torch.arange(len(spans), device=device).repeat_interleave(lengths, output_size=bounds[-1])
         real = (rows, torch.arange(bounds[-1], device=device) - starts[rows])
-    _layout_cache.update(cu_seqlens=cu_seqlens, layout=(bounds, index, real))
-    return _layout_cache["layout"]
+    return bounds, index, real
 
 
 @functools.cache
@@ -179,14 +188,13 @@ def _compiled_flex_attention() -> Any:
     return torch.compile(flex_attention, dynamic=True)  # flex runs as the kernel it compiles to, never eagerly
 
 
-_mask_cache: dict[str, Any] = {}  # the last packed row's cu_seqlens and its block mask: every layer reuses it
-
-
 def _document_block_mask(cu_seqlens: torch.Tensor, tokens: int) -> Any:
     """flex_attention's BlockMask for a packed row: token q sees token kv when both lie in the same cu_seqlens
-    span and kv <= q. Built by compiled code, which never materialises the [T, T] mask."""
-    if _mask_cache.get("cu_seqlens") is cu_seqlens:
-        return _mask_cache["mask"]
+    span and kv <= q. Built by compiled code, which never materialises the [T, T] mask; once per row."""
+    return _per_row("block_mask", cu_seqlens, lambda: _build_block_mask(cu_seqlens, tokens))
+
+
+def _build_block_mask(cu_seqlens: torch.Tensor, tokens: int) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     positions = torch.arange(tokens, device=cu_seqlens.device)
@@ -195,9 +203,7 @@ def _document_block_mask(cu_seqlens: torch.Tensor, tokens: int) -> Any:
     def document_causal(batch: Any, head: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (span[q] == span[kv]) & (q >= kv)
 
-    mask = create_block_mask(document_causal, None, None, tokens, tokens, device=cu_seqlens.device, _compile=True)
-    _mask_cache.update(cu_seqlens=cu_seqlens, mask=mask)
-    return mask
+    return create_block_mask(document_causal, None, None, tokens, tokens, device=cu_seqlens.device, _compile=True)
 
 
 def _reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from glue.trainer import cpu_compat
-from glue.trainer.attention import REFERENCE_BACKENDS, is_mask_free
+from glue.trainer.attention import SluiceCoreAttention, core_attention_class, is_mask_free
 from glue.trainer.layer_spec import layer_spec
 from glue.trainer.te_spec import resolve_layer_spec
 from glue.trainer.logprobs import token_logprobs_and_entropy
@@ -130,10 +130,10 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
 
     check_te_options(megatron_args or {})
     dtype = "bfloat16" if precision == "bf16" else "float32"
-    backend = (megatron_args or {}).get("attention_backend", "auto")
-    # the unfused reference stays megatron's path as it was; Transformer Engine's spec fuses these itself
-    compiled = (compiled and getattr(backend, "name", backend) not in REFERENCE_BACKENDS
-                and resolve_layer_spec(layer_spec_choice) == "local")
+    # only sluice's fast local spec: the unfused reference stays megatron's path as it was, and Transformer
+    # Engine's spec fuses these itself
+    compiled = (compiled and resolve_layer_spec(layer_spec_choice) == "local"
+                and core_attention_class((megatron_args or {}).get("attention_backend", "auto")) is SluiceCoreAttention)
     fused = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if compiled else {}
     megatron_args = {**fused, **(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
                      "pipeline_dtype": dtype}

@@ -54,12 +54,17 @@ def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
+def compile_elementwise(fn: Any) -> Any:
+    """`fn` (plain tensor arithmetic) under torch.compile (trainer.compile), one whole graph. Dynamo keeps one graph
+    per width, layout, dtype, grad mode and requires_grad (the policy's and the frozen reference's norms, the hidden
+    and the per-head ones): more than its default 8 per function, so the limit is raised."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, fullgraph=True)
+
+
 @functools.cache
 def _compiled_plain_rms_norm() -> Any:
-    # one graph per width, layout, dtype, grad mode and weight.requires_grad (the policy's and the frozen reference's
-    # norms, the hidden and the per-head ones): more than dynamo's default 8 per function
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(plain_rms_norm, fullgraph=True)
+    return compile_elementwise(plain_rms_norm)
 
 
 def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -72,5 +72,6 @@ def _rotation(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 
 @functools.cache
 def _compiled_rotation() -> Any:
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # see glue.trainer.norm
-    return torch.compile(_rotation, fullgraph=True)
+    from glue.trainer.norm import compile_elementwise
+
+    return compile_elementwise(_rotation)
