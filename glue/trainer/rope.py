@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from glue.trainer.norm import compile_elementwise
+
 _installed = False
 _compiled = False  # trainer.compile: the rotation runs under torch.compile (one fused kernel each way)
 _cache: dict[str, Any] = {}  # the last angle table (key: table, dtype, layout) and its cos/signed sin
@@ -72,6 +74,4 @@ def _rotation(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 
 @functools.cache
 def _compiled_rotation() -> Any:
-    from glue.trainer.norm import compile_elementwise
-
     return compile_elementwise(_rotation)
