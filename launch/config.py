@@ -20,12 +20,12 @@ import yaml
 
 from glue.loop.config import EvalConfig, SyncConfig
 from glue.rewards.config import RewardConfig
-from glue.rollout.config import RolloutConfig
 from glue.rewards.config import JudgeConfig, RewardModelConfig
-from glue.sft.config import SftConfig
 from glue.rewards.config import TeacherConfig
+from glue.rollout.config import RolloutConfig
+from glue.sft.config import SftConfig
 from glue.trainer.config import TrainerConfig
-from launch import slime_args
+from launch.slime import args as slime_args
 from loss import LossConfig
 
 
@@ -62,7 +62,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class FleetDevices:
     """Where a fleet beside the policy's (teacher, judge) runs: bundles of the placement group of its own, after the
-    trainer's and the policy engines' (launch.fleet_plan), never shared with them."""
+    trainer's and the policy engines' (launch.plan.fleets), never shared with them."""
 
     tensor_parallel_size: int | None = None  # SGLang --tp-size of each of this fleet's engines; null: cluster.engine_tensor_parallel_size
     gpus: int | None = None  # devices of this whole fleet (its own bundles); null: num_engines x tensor_parallel_size, and when set it must equal that
@@ -259,9 +259,9 @@ class ConfigError(ValueError):
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 flags: dict[str, Any] | None = None, slime: dict[str, Any] | None = None) -> SluiceConfig:
     """Read YAML (optional), merge pass-through `flags` (nested sections, from --<megatron-field>, --sglang-*,
-    --router-*) and slime's arguments (`slime`, by name: launch.slime_args), apply `key.sub=value` overrides (CLI
+    --router-*) and slime's arguments (`slime`, by name: launch.slime.args), apply `key.sub=value` overrides (CLI
     wins over YAML), build and validate the typed config. Pass-through values are checked against the backends'
-    definitions later, by `launch.plan.resolve`."""
+    definitions later, by `launch.plan.run_plan.resolve`."""
     return build(SluiceConfig, compose(path, overrides, flags, slime), prefix="")
 
 

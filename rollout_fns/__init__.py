@@ -30,6 +30,6 @@ has `prompt_tokens: list[int]` plus whatever the reward needs; single_turn copie
 Built-ins: `rollout_fns.single_turn:generate_group` (n concurrent generate calls per prompt),
 `rollout_fns.multi_turn:generate_group` (episodes against an environment, `rollout_fns.envs`, turn spans in
 `sample.metadata["turns"]`), `rollout_fns.openai_agent:generate_group` (agents written with the `openai` client),
-`rollout_fns.slime_compat:generate_group` (slime's generate / rollout / reward functions, unchanged: set by
+`rollout_fns.slime_functions:generate_group` (slime's generate / rollout / reward functions, unchanged: set by
 `rollout.slime.*`) and `rollout_fns.toy_tasks:EchoTask` (the demo's task). See docs/rollout_functions.md.
 """

@@ -8,7 +8,7 @@ The agent is named by import path in the prompt, `prompt["agent"] = "pkg.module:
 
 (checked when first loaded). A run whose calls all extend one conversation gives one sample; a run that starts over
 or branches gives more, so a group may hold more than `num_samples` samples. Agents' calls carry no MoE routing, so
-this function refuses `rollout.return_routed_experts` (at start-up, launch/preflight.py, and here). Agents never
+this function refuses `rollout.return_routed_experts` (at start-up, launch/run/preflight.py, and here). Agents never
 see a sync's abort: the recorder continues an aborted completion (up to `ctx.max_resumes` times); a run with one
 still aborted then is given up, its samples ABORTED (rollout/resume_limit_drops), whatever the agent returned.
 """

@@ -105,7 +105,7 @@ class TextDataTask:
     rollout manager holds the task as `RolloutManager.task`).
     """
 
-    data_file_args = ("path",)  # task_args naming local files read when the task is built (checked by launch.preflight)
+    data_file_args = ("path",)  # task_args naming local files read when the task is built (checked by launch.run.preflight)
 
     def __init__(self, *, path: str, tokenizer: str, prompt_key: str = "prompt", label_key: str = "answer",
                  system_prompt: str | None = None, apply_chat_template: bool = True,

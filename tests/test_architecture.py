@@ -1,5 +1,5 @@
-"""The architecture as code: glue's wings depend one way, and no module of the project imports itself round a
-circle. Read from the source (every import statement, function-local ones included), so an arrow added anywhere
+"""The architecture as code: glue's wings and launch's wings each depend one way, nothing below launch imports it,
+and no module of the project imports itself round a circle. Read from the source (every import statement, function-local ones included), so an arrow added anywhere
 fails here before a reader meets it."""
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ PACKAGES = ("glue", "launch", "loss", "weight_sync", "rollout_fns")
 # Wings and their floors: a wing may import wings on lower floors and itself, never a wing on its own floor or above.
 FLOORS = {"sft": 4, "loop": 3, "rollout": 2, "rewards": 2, "trainer": 2, "fleet": 1, "embedded_engine": 1,
           "metrics": 1, "types": 0, "plugins": 0}
+# launch's wings on floors the same way; its two top-level modules stand among them: config (built from slime's
+# arguments, read by everything above) and cli (the entry point, above all)
+LAUNCH_FLOORS = {"cli": 6, "tools": 5, "run": 4, "plan": 3, "args": 2, "config": 1, "slime": 0}
+WINGS = {"glue": FLOORS, "launch": LAUNCH_FLOORS}
 
 
 def module_name(path: Path) -> str:
@@ -54,11 +58,12 @@ def source_files() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "scripts" not in p.parts)
 
 
-def wing_of(module: str) -> str | None:
+def wing_of(module: str) -> tuple[str, str] | None:
+    """(package, wing) of a glue or launch module, None for anything else."""
     parts = module.split(".")
-    if parts[0] != "glue" or len(parts) < 2:
+    if parts[0] not in WINGS or len(parts) < 2:
         return None
-    return parts[1] if parts[1] in FLOORS else None
+    return (parts[0], parts[1]) if parts[1] in WINGS[parts[0]] else None
 
 
 def wing_violations() -> list[str]:
@@ -69,11 +74,19 @@ def wing_violations() -> list[str]:
             continue
         for target, line in project_imports(path):
             there = wing_of(target)
-            if there is None or there == here:
+            if there is None or there == here or there[0] != here[0]:
                 continue
-            if FLOORS[there] >= FLOORS[here]:
-                bad.append(f"{path.relative_to(ROOT)}:{line}: {here} -> {there} ({target})")
+            floors = WINGS[here[0]]
+            if floors[there[1]] >= floors[here[1]]:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {here[1]} -> {there[1]} ({target})")
     return bad
+
+
+def imports_of_launch_from_below() -> list[str]:
+    """Imports of launch from glue, loss, weight_sync or rollout_fns: launch stands above them all."""
+    return [f"{path.relative_to(ROOT)}:{line}: {target}" for path in source_files()
+            if path.relative_to(ROOT).parts[0] != "launch"
+            for target, line in project_imports(path) if target.split(".")[0] == "launch"]
 
 
 def import_cycles() -> list[list[str]]:
@@ -116,8 +129,12 @@ def import_cycles() -> list[list[str]]:
     return groups
 
 
-def test_glue_wings_depend_one_way():
+def test_glue_and_launch_wings_depend_one_way():
     assert wing_violations() == []
+
+
+def test_nothing_below_launch_imports_it():
+    assert imports_of_launch_from_below() == []
 
 
 def test_no_module_imports_itself_round_a_circle():
@@ -125,24 +142,39 @@ def test_no_module_imports_itself_round_a_circle():
 
 
 def test_every_wing_says_what_it_owns_and_what_it_may_import():
-    for wing in FLOORS:
-        init = ROOT / "glue" / wing / "__init__.py"
-        if not init.exists():
-            assert (ROOT / "glue" / f"{wing}.py").exists(), wing
-            continue
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "May import" in doc, f"glue/{wing}/__init__.py must say what the wing may import"
+    for package, floors in WINGS.items():
+        for wing in floors:
+            init = ROOT / package / wing / "__init__.py"
+            if not init.exists():
+                assert (ROOT / package / f"{wing}.py").exists(), f"{package}.{wing}"
+                continue
+            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+            assert "May import" in doc, f"{package}/{wing}/__init__.py must say what the wing may import"
+
+
+def test_launch_is_its_wings_and_two_modules():
+    """Every module of launch lives in a wing the floors above know, or is one of its top-level modules."""
+    loose = sorted(p.name for p in (ROOT / "launch").glob("*.py")
+                   if p.stem not in LAUNCH_FLOORS and p.name not in ("__init__.py", "__main__.py"))
+    unknown = sorted(p.name for p in (ROOT / "launch").iterdir()
+                     if p.is_dir() and (p / "__init__.py").exists() and p.name not in LAUNCH_FLOORS)
+    assert (loose, unknown) == ([], []), "place each in a wing of LAUNCH_FLOORS (or add the wing with its floor)"
 
 
 def test_the_checker_sees_an_upward_arrow_and_a_circle(tmp_path, monkeypatch):
     """The two checks above fail on a tree with an arrow the other way and a circle."""
     for rel, text in {"glue/fleet/__init__.py": "", "glue/fleet/a.py": "from glue.loop import b\n",
                       "glue/loop/__init__.py": "", "glue/loop/b.py": "import glue.loop.c\n",
-                      "glue/loop/c.py": "def f():\n    from glue.loop import b\n"}.items():
+                      "glue/loop/c.py": "def f():\n    from glue.loop import b\n",
+                      "launch/plan/__init__.py": "", "launch/plan/d.py": "from launch.run import e\n",
+                      "launch/run/__init__.py": "", "launch/run/e.py": "from launch.config import X\n",
+                      "weight_sync/f.py": "import launch.run.e\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    assert wing_violations() == ["glue/fleet/a.py:1: fleet -> loop (glue.loop.b)"]
+    assert wing_violations() == ["glue/fleet/a.py:1: fleet -> loop (glue.loop.b)",
+                                 "launch/plan/d.py:1: plan -> run (launch.run.e)"]
+    assert imports_of_launch_from_below() == ["weight_sync/f.py:1: launch.run.e"]
     assert import_cycles() == [["glue.loop.b", "glue.loop.c"]]
 
 

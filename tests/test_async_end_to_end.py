@@ -14,7 +14,7 @@ import pytest
 from conftest import is_alive, sluice_run
 from glue.metrics.logger import read_metrics
 from launch.config import load_config
-from launch.runner import run
+from launch.run.runner import run
 from helpers.processes import live_children
 
 

@@ -110,8 +110,8 @@ def test_help_shows_sluice_keys_with_their_docs_and_the_backends_only_on_request
 
 
 def test_every_config_key_has_a_doc_in_the_help():
+    from launch.args.help import config_reference
     from launch.config import SluiceConfig
-    from launch.help import config_reference
 
     lines = config_reference()
     keys = [line.split()[0] for line in lines if line.startswith("  ") and not line.startswith("   ")]

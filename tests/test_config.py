@@ -5,7 +5,8 @@ import sys
 import pytest
 import yaml
 
-from launch.cli import main, parse_args
+from launch.args.command_line import parse_args
+from launch.cli import main
 from launch.config import ConfigError, load_config
 
 
@@ -79,7 +80,7 @@ def test_importing_the_config_imports_no_backend():
 
 
 def test_the_launch_plan_modules_import_no_backend_either():
-    code = ("import sys, launch.config, launch.plan, launch.options, launch.sglang_args, glue.trainer.megatron_fields; "
+    code = ("import sys, launch.config, launch.plan.run_plan, launch.args.options, launch.args.sglang, glue.trainer.megatron_fields; "
             "bad = [m for m in ('ray', 'sglang', 'megatron') if m in sys.modules]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

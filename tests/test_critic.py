@@ -200,9 +200,9 @@ def test_the_critic_split_over_tensor_and_data_parallel_ranks_trains_like_one(cr
 @pytest.mark.long  # 33 s; in CI the critic trains through the real trainer actors on the fixed batch (above)
 def test_a_short_ppo_critic_run_learns_and_its_critic_explains_the_returns(tmp_path):
     from glue.metrics.logger import read_metrics
-    from launch.cli import parse_args
+    from launch.args.command_line import parse_args
     from launch.config import load_config
-    from launch.runner import run
+    from launch.run.runner import run
 
     args, overrides = parse_args(["--config", "examples/configs/ppo_critic.yaml", f"run.output_dir={tmp_path}",
                                   "run.name=ppo", "run.num_steps=16", "run.loggers=[jsonl]"])

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from glue.metrics.logger import read_metrics
 from glue.loop.replay import load_step
+from glue.metrics.logger import read_metrics
 from launch.config import load_config
-from launch.runner import run
+from launch.run.runner import run
 from helpers.processes import live_children
 
 

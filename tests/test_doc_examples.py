@@ -123,7 +123,7 @@ def test_each_doc_script_runs_a_rollout_step_through_sgl_router(script, fleet, t
 def test_the_doc_rollout_function_and_reward_score_a_step_through_sgl_router(fleet, text_model_dir, tmp_path):
     from glue.fleet.engine_client import EngineClient
     from glue.rollout.manager import RolloutManager
-    from launch.tasks import check_task_args, task_args_for
+    from launch.run.tasks import check_task_args, task_args_for
     from rollout_fns.arith_data import write_arith_jsonl
 
     folder = write_doc_files("rollout_functions.md", tmp_path / "work", text_model_dir)

@@ -139,13 +139,13 @@ PROBLEMS = {  # what a real start is given -> what its one line says
 @pytest.mark.parametrize("problem", PROBLEMS)
 def test_a_real_start_refuses_the_same_before_it_starts_anything(capsys, monkeypatch, tmp_path, tiny_dir, rows,
                                                                     problem):
-    import launch.runner
+    import launch.run.runner
 
     def started(*args, **kwargs):
         raise AssertionError("start-up began: preflight let the problem through")
 
-    monkeypatch.setattr(launch.runner, "prepare_model", started)
-    monkeypatch.setattr(launch.runner, "start_cluster", started)
+    monkeypatch.setattr(launch.run.runner, "prepare_model", started)
+    monkeypatch.setattr(launch.run.runner, "start_cluster", started)
     if problem == "empty weights":
         open(f"{tiny_dir}/model.safetensors", "wb").close()
     if problem == "plan-only":
@@ -179,7 +179,7 @@ def test_a_directory_with_config_json_alone_plans_a_235b_run_with_bytes_per_sync
               "run.ray_address=auto", "--tensor-model-parallel-size", "4", "--sequence-parallel",
               "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
               "trainer.data_parallel_size=4", f"model.path={tmp_path}"]
-    # 16 trainer GPUs cannot hold 235B parameters' training state (launch.memory_plan); the refusal names the
+    # 16 trainer GPUs cannot hold 235B parameters' training state (launch.plan.memory_lines); the refusal names the
     # fewest GPUs that would (32, with the optimizer state in host memory); 64 GPUs hold it without offload
     line = one_line_error(capsys, layout)
     assert "would hold 359 GB of training state" in line, line
@@ -240,7 +240,7 @@ def test_a_tiny_moe_built_with_other_experts_and_top_k_has_them(tmp_path, capsys
     from transformers import AutoConfig
 
     from launch.config import load_config
-    from launch.run_dir import prepare_model
+    from launch.run.folder import prepare_model
 
     cfg = load_config(DEMO, ["model.tiny.family=qwen3_moe", "model.tiny.num_experts=6", "model.tiny.moe_top_k=3"])
     model = prepare_model(cfg, tmp_path)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from glue.metrics.logger import read_metrics
-from launch.cli import parse_args
+from launch.args.command_line import parse_args
 from launch.config import ConfigError, load_config
-from launch.runner import run
+from launch.run.runner import run
 from helpers.processes import live_children
 
 REQUIRED = ["step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/clipfrac",

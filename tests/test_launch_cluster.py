@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 
 from glue.metrics.logger import read_metrics
-from launch.cli import main, parse_args
+from launch.args.command_line import parse_args
+from launch.cli import main
 from launch.config import load_config
-from launch.plan import resolve
+from launch.plan.run_plan import resolve
 
 DEMO = str(Path(__file__).resolve().parents[1] / "examples/configs/demo.yaml")
 
@@ -16,7 +17,7 @@ DEMO = str(Path(__file__).resolve().parents[1] / "examples/configs/demo.yaml")
 def test_bundles_map_to_gpus_in_order_and_each_trainer_rank_and_teacher_engine_gets_its_bundles_gpus():
     import ray
 
-    from launch import cluster
+    from launch.run import cluster
 
     args, overrides = parse_args(["--config", DEMO, "--tensor-model-parallel-size", "2", "cluster.gpus_per_node=6",
                                   "cluster.cpus_per_bundle=0.5", "rollout.num_engines=2",

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.cli import build_parser, main, parse_args
+from launch.args.command_line import build_parser, parse_args
+from launch.cli import main
 from launch.config import load_config
-from launch.plan import resolve
+from launch.plan.run_plan import resolve
 from tests.helpers.slime_scripts import CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,9 +154,9 @@ def test_a_malformed_launch_exits_non_zero_with_one_line_naming_the_problem(caps
 
 
 def test_without_sglang_the_sglang_options_are_forwarded_verbatim_with_a_warning(capsys, monkeypatch):
-    import launch.sglang_args
+    import launch.args.sglang
 
-    monkeypatch.setattr(launch.sglang_args, "sglang_options", lambda: None)
+    monkeypatch.setattr(launch.args.sglang, "sglang_options", lambda: None)
     plan = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-some-new-option", "3", "--sglang-some-switch",
                    "--sglang-some-list", "1", "2", "run.num_steps=4")
     assert plan["plan"]["engines"][0]["command"].split(" --random-seed=")[0].endswith(
@@ -204,7 +205,7 @@ def test_a_spelling_sglang_deprecates_is_refused_naming_the_successor_sglang_giv
 
 
 def test_the_sglang_options_read_from_source_are_sglangs_server_arguments():
-    from launch.sglang_args import sglang_options
+    from launch.args.sglang import sglang_options
 
     options = sglang_options()
     assert len(options) > 500  # sglang 0.5.23's ServerArgs.add_cli_args registers 531 options besides --help

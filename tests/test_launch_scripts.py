@@ -55,7 +55,7 @@ def test_the_head_checks_the_config_before_it_starts_ray(tmp_path):
 
 def test_the_model_path_engines_and_trainer_get_is_absolute(tmp_path, monkeypatch):
     from launch.config import load_config
-    from launch.run_dir import prepare_model
+    from launch.run.folder import prepare_model
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(REPO / "examples/configs/demo.yaml"), ["run.output_dir=runs"])

@@ -1,4 +1,4 @@
-"""Memory per GPU in the plan (launch.memory, launch.memory_plan): a trainer rank's training state as `--dry-run`
+"""Memory per GPU in the plan (launch.plan.memory, launch.plan.memory_lines): a trainer rank's training state as `--dry-run`
 counts it from config.json matches what a real trainer worker holds (`training_state_bytes`, megatron-core on gloo)
 within 5 % at two layouts; the Qwen3-30B-A3B recipe's figure worked by hand; a layout whose training state exceeds
 cluster.gpu_memory_gb refused with one that fits; the engines' weights and KV pool."""
@@ -14,7 +14,7 @@ from glue.trainer.config import TrainerConfig
 from helpers.trainer import _free_port, make_batch, results_of_ranks
 from launch.cli import main
 from launch.config import ModelConfig, SluiceConfig
-from launch.memory import trainer_memory
+from launch.plan.memory import trainer_memory
 from loss import LossConfig
 from helpers.forkserver import rank_context
 

@@ -344,7 +344,7 @@ def test_env_task_refuses_bad_settings_at_start_up(text_model_dir, arith_path):
 
 
 def test_the_launcher_gives_env_task_the_models_tokenizer_when_task_args_name_none():
-    from launch.tasks import task_args_for
+    from launch.run.tasks import task_args_for
 
     args = task_args_for("rollout_fns.multi_turn:EnvTask", {"env": "pkg:Env", "path": "d.jsonl"}, "/models/policy")
     assert args == {"env": "pkg:Env", "path": "d.jsonl", "tokenizer": "/models/policy"}

@@ -10,7 +10,7 @@ import pytest
 
 from glue.metrics.logger import read_metrics
 from launch.config import load_config
-from launch.runner import run
+from launch.run.runner import run
 
 
 @pytest.mark.slow

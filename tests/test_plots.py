@@ -119,13 +119,13 @@ def test_the_timeline_headline_says_how_long_the_trainer_waited_and_the_engines_
 
 
 def test_a_failing_plot_costs_the_run_one_warning_line(tmp_path, capsys, monkeypatch):
-    import launch.run_dir
-    from launch.run_dir import plot_run
+    import launch.run.folder
+    from launch.run.folder import plot_run
 
     def broken(run_dir):
         raise RuntimeError("no font\nsecond line")
 
-    monkeypatch.setattr(launch.run_dir, "write_plots", broken)
+    monkeypatch.setattr(launch.run.folder, "write_plots", broken)
     assert plot_run(tmp_path) == ""
     out = capsys.readouterr().out
     assert out.splitlines() == [f"sluice: warning: plots not written (RuntimeError: no font); try `sluice plot "

@@ -1,4 +1,4 @@
-"""`make rehearse`: every shipped recipe shrunk by launch.shrink to what 2 CPU cores hold, the same run in kind, and
+"""`make rehearse`: every shipped recipe shrunk by launch.tools.shrink to what 2 CPU cores hold, the same run in kind, and
 one of them (the MoE script, the largest layout) rehearsed end to end against SGLang-strict engines."""
 import json
 import math
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.rehearse import error_line, load_recipe, raw_config, read_metrics, rehearse, shipped_recipes
-from launch.shrink import MAX_TRAINER_RANKS, infer_family, shrink
+from launch.tools.rehearse import error_line, load_recipe, raw_config, read_metrics, rehearse, shipped_recipes
+from launch.tools.shrink import MAX_TRAINER_RANKS, infer_family, shrink
 
 RECIPES = shipped_recipes()
 ENGINE = "sglang_strict"
@@ -40,7 +40,7 @@ def test_every_recipe_shrinks_to_two_steps_on_one_cpu_node_with_a_tiny_model(nam
     assert raw["run"]["num_steps"] == 2 and raw["run"].get("ray_address") is None
     assert c.get("gpus_per_node", 0) == 0 and c.get("num_nodes", 1) == 1 and c["engine"] == ENGINE
     assert raw["model"].get("path") is None and raw["model"]["tiny"]["family"]
-    if raw["run"].get("mode") != "sft":  # an SFT recipe has no rollouts (launch.shrink scales its sft: batch)
+    if raw["run"].get("mode") != "sft":  # an SFT recipe has no rollouts (launch.tools.shrink scales its sft: batch)
         assert raw["rollout"].get("prompts_per_step", 8) <= 4 and raw["rollout"].get("samples_per_prompt", 8) <= 4
     assert raw.get("sync", {}).get("backend", "gloo") == "gloo"
     original = raw_config(recipe.argv)
@@ -58,7 +58,7 @@ def test_every_shrunk_recipe_passes_the_checks_of_sluice_dry_run(name, tmp_path)
     import yaml
 
     from launch.config import load_config
-    from launch.plan import resolve
+    from launch.plan.run_plan import resolve
 
     _, shrunk = shrunk_recipe(name, tmp_path)
     (tmp_path / "shrunk.yaml").write_text(yaml.safe_dump(shrunk.raw))
@@ -137,7 +137,7 @@ def test_sglang_options_the_embedded_engine_lacks_are_dropped_and_listed_as_not_
 
 
 def test_a_text_recipe_gets_stand_in_data_under_its_own_keys_and_a_tokenizer(tmp_path):
-    from launch.shrink import write_data
+    from launch.tools.shrink import write_data
 
     _, shrunk = shrunk_recipe("examples/configs/qwen3_8b.yaml", tmp_path)
     write_data(shrunk)
@@ -170,7 +170,7 @@ def test_the_moe_script_rehearses_two_steps_against_strict_engines(tmp_path):
 def test_a_colocated_recipe_over_broadcast_fails_in_rehearsal_as_nccl_makes_it_fail_on_a_cluster(tmp_path):
     """Colocated, trainer rank 0 and engine 0 share bundle 0: on GPUs over NCCL the weight group is refused ("Duplicate
     GPU detected"); on CPU gloo would allow it, but strict engines model the devices, so the rehearsal fails too."""
-    from launch.rehearse import Recipe
+    from launch.tools.rehearse import Recipe
 
     recipe = Recipe(name="colocated demo", argv=["--config", "examples/configs/demo.yaml",
                                                  "cluster.placement=colocated"], env={}, notes=[])

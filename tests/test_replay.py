@@ -131,7 +131,7 @@ def test_a_replay_needs_every_step_it_trains_saved_and_refuses_its_own_folder(tm
     from glue.loop.replay import save_step
     from glue.types import Group, Sample
     from launch.config import ConfigError, load_config
-    from launch.runner import check_replay
+    from launch.run.runner import check_replay
 
     source = tmp_path / "source"
     for step in (1, 2):

@@ -102,7 +102,7 @@ def test_a_failure_with_drop_group_fails_the_group():
 
 
 def test_the_shrinker_swaps_judge_and_reward_model_checkpoints_for_tiny_text_models(tmp_path):
-    from launch.shrink import shrink
+    from launch.tools.shrink import shrink
 
     raw = {"model": {"path": "/m/Qwen3-8B"}, "rollout": {"task": "rollout_fns.toy_tasks:EchoTask"},
            "judge": {"model": {"path": "/m/Qwen3-32B"}, "num_engines": 4, "timeout_s": 60},
@@ -179,7 +179,7 @@ def test_a_reward_model_too_slow_for_its_timeout_is_counted_and_scores_nothing(r
 
 
 def test_a_dry_run_refuses_a_judge_parser_that_does_not_import(tmp_path):
-    from launch.preflight import check_plugins
+    from launch.run.preflight import check_plugins
 
     assert "plugins:" in check_plugins(load_config("examples/configs/judge_reward.yaml"))
     with pytest.raises(ConfigError, match="score_parsr"):
@@ -187,7 +187,7 @@ def test_a_dry_run_refuses_a_judge_parser_that_does_not_import(tmp_path):
 
 
 def test_a_judge_on_a_policy_without_a_tokenizer_is_refused_before_anything_starts():
-    from launch.preflight import check_tokenizer
+    from launch.run.preflight import check_tokenizer
 
     cfg = load_config("examples/configs/demo.yaml", ["judge.num_engines=1"])  # EchoTask's token-id tiny model
     with pytest.raises(ConfigError, match="judge: / reward_model: .*model.tiny.tokenizer: true"):

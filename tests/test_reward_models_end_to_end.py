@@ -9,7 +9,7 @@ import pytest
 
 from glue.metrics.logger import read_metrics
 from launch.config import load_config
-from launch.runner import run
+from launch.run.runner import run
 from helpers.processes import live_children
 
 STEPS, GROUPS, SAMPLES = 2, 2, 4

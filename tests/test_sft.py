@@ -178,9 +178,9 @@ def test_the_exported_sft_policy_is_the_model_path_of_an_rl_run_and_its_trainer_
     from safetensors.torch import load_file
 
     from launch.config import load_config
-    from launch.model_check import check_model
-    from launch.plan import resolve
-    from launch.preflight import preflight
+    from launch.plan.model_check import check_model
+    from launch.plan.run_plan import resolve
+    from launch.run.preflight import preflight
 
     hf = sft_run / "hf"
     cfg, plan = resolve(load_config(REPO / "examples/configs/text_arith.yaml", [f"model.path={hf}"]))
@@ -204,7 +204,7 @@ def test_the_exported_sft_policy_is_the_model_path_of_an_rl_run_and_its_trainer_
 
 
 def test_the_rehearsal_shrink_moves_an_sft_recipe_s_data_to_generated_chats_and_keeps_its_mode(tmp_path):
-    from launch.shrink import shrink
+    from launch.tools.shrink import shrink
 
     raw = {"run": {"mode": "sft", "num_steps": 3000}, "model": {"path": "/models/Qwen3-8B"},
            "sft": {"data": "/data/ultrachat.parquet", "conversations_per_step": 256},
@@ -219,7 +219,7 @@ def test_the_rehearsal_shrink_moves_an_sft_recipe_s_data_to_generated_chats_and_
 def test_an_rl_run_refuses_to_resume_an_sft_checkpoint_and_says_to_start_from_its_policy(tmp_path):
     from glue.loop.checkpoint import Checkpoints
     from launch.config import ConfigError, load_config
-    from launch.run_dir import find_checkpoint
+    from launch.run.folder import find_checkpoint
 
     Checkpoints(tmp_path / "runs/sft/checkpoints").save(3, lambda folder: None, {"mode": "sft", "version": 3,
                                                                                 "cursor": 48})

@@ -6,7 +6,7 @@ import pytest
 
 from launch.cli import main
 from launch.config import load_config
-from launch.plan import resolve
+from launch.plan.run_plan import resolve
 
 STRICT = ["cluster.engine=sglang_strict"]
 
@@ -92,10 +92,10 @@ class FleetSeen(Exception):
 def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_seed(monkeypatch, tmp_path):
     import contextlib
 
-    import launch.fleets
-    import launch.reward_models
-    import launch.teacher
     from glue.fleet.fleet import engine_seed
+    import launch.run.fleets
+    import launch.run.reward_models
+    import launch.run.teacher
 
     def fleet(**kwargs):
         raise FleetSeen(kwargs["seed"])
@@ -107,10 +107,10 @@ def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_se
         def actor_options(self, bundle, num_cpus):
             return {}
 
-    monkeypatch.setattr(launch.fleets, "RolloutFleet", fleet)
-    monkeypatch.setattr(launch.fleets, "check_paths", lambda placement, paths: None)  # no Ray here
-    monkeypatch.setattr(launch.reward_models, "checkpoint_dir", lambda *a: str(tmp_path))
-    monkeypatch.setattr(launch.teacher, "teacher_model", lambda *a: str(tmp_path))
+    monkeypatch.setattr(launch.run.fleets, "RolloutFleet", fleet)
+    monkeypatch.setattr(launch.run.fleets, "check_paths", lambda placement, paths: None)  # no Ray here
+    monkeypatch.setattr(launch.run.reward_models, "checkpoint_dir", lambda *a: str(tmp_path))
+    monkeypatch.setattr(launch.run.teacher, "teacher_model", lambda *a: str(tmp_path))
 
     def seed_of(config, start, run_seed):
         cfg, plan = resolve(load_config(f"examples/configs/{config}", [f"run.seed={run_seed}"]))
@@ -118,12 +118,12 @@ def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_se
             start(cfg, plan, stack)
         return seen.value.args[0], plan.engine_seed
 
-    judge, policy = seed_of("judge_reward.yaml", lambda c, p, s: launch.reward_models.start_judge(
+    judge, policy = seed_of("judge_reward.yaml", lambda c, p, s: launch.run.reward_models.start_judge(
         c, p, Placement(), tmp_path, s, None, lambda *a: None), 3)
-    teacher, _ = seed_of("distill.yaml", lambda c, p, s: launch.teacher.start_teacher(
+    teacher, _ = seed_of("distill.yaml", lambda c, p, s: launch.run.teacher.start_teacher(
         c, p, Placement(), None, str(tmp_path), tmp_path, s, None, lambda *a: None), 3)
     assert (judge, teacher) == (f"{policy}:judge", f"{policy}:teacher")
     # the judge's engine 0 draws other numbers than the policy's engine 0, and the run's seed moves both
     assert engine_seed(judge, 0) != engine_seed(policy, 0)
-    assert seed_of("judge_reward.yaml", lambda c, p, s: launch.reward_models.start_judge(
+    assert seed_of("judge_reward.yaml", lambda c, p, s: launch.run.reward_models.start_judge(
         c, p, Placement(), tmp_path, s, None, lambda *a: None), 4)[0] != judge

@@ -15,10 +15,10 @@ import pytest
 from glue.fleet.fleet import RolloutFleet
 from glue.fleet.watch import FleetWatch, fleet_repair
 from launch.config import ConfigError, build, load_config, SluiceConfig
-from launch.fleets import planned_devices_env
-from launch.plan import resolve
-from launch.rehearse import raw_config
-from launch.shrink import shrink
+from launch.plan.run_plan import resolve
+from launch.run.fleets import planned_devices_env
+from launch.tools.rehearse import raw_config
+from launch.tools.shrink import shrink
 from helpers.fleet import StandInFleet
 
 # (recipe, its fleet beside the policy's, overrides that plan it for one 8-GPU node)

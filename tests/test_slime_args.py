@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import slime_args
-from launch.cli import main, parse_args
+from launch.args.command_line import parse_args
+from launch.cli import main
 from launch.config import SluiceConfig, compose
-from launch.slime_table import SLIME_ROLLOUT
+from launch.slime import args as slime_args
+from launch.slime.table import SLIME_ROLLOUT
 from tests.helpers.slime_scripts import CONFIGS, SCRIPTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def test_slimes_own_qwen3_scripts_plan_as_written_with_the_config_they_mean(name
         user_module = str(checkpoints[0] / "strands_user.py")
         assert shown["rollout"]["slime"]["generate_function"] == f"{user_module}:generate"
         assert shown["reward"]["slime"]["function"] == f"{user_module}:reward_func"
-        assert shown["rollout"]["function"] == "rollout_fns.slime_compat:generate_group"
+        assert shown["rollout"]["function"] == "rollout_fns.slime_functions:generate_group"
     if name == "run-qwen2.5-0.5B-fully_async.sh":  # slime's own async example passes --sequence-parallel at TP=1
         assert "sequence_parallel" not in shown["trainer"]["megatron"]
         assert "--sequence-parallel is turned off at --tensor-model-parallel-size 1, as Megatron-LM does" in err
@@ -228,7 +229,7 @@ def test_a_slime_shaped_launch_script_is_the_same_run_as_the_recipe_it_rewrites(
     `make rehearse` runs like every other script); only the model-shape flags it adds, checked against config.json,
     and spellings of the same values differ."""
     from launch.config import build, to_dict
-    from launch.rehearse import load_recipe, raw_config
+    from launch.tools.rehearse import load_recipe, raw_config
 
     def resolved(name):
         return to_dict(build(SluiceConfig, raw_config(load_recipe(f"launch/scripts/{name}.sh", tmp_path / name).argv),

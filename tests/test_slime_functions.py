@@ -15,15 +15,15 @@ import pytest
 
 from glue.loop.replay import load_step
 from glue.metrics.logger import read_metrics
-from glue.rollout import slime_shim
-from glue.rollout.slime_compat import load_slime_functions, token_versions
-from glue.rollout.slime_sample import Sample as SlimeSample
+from glue.rollout.slime import shim
+from glue.rollout.slime.adapter import load_slime_functions, token_versions
+from glue.rollout.slime.sample import Sample as SlimeSample
 from glue.types import SampleStatus
 from launch.config import ConfigError, load_config
-from launch.runner import run
+from launch.run.runner import run
 from rollout_fns.arith_data import write_arith_jsonl
 
-slime_shim.install()  # what sluice does before loading a slime function; slime itself is not installed here
+shim.install()  # what sluice does before loading a slime function; slime itself is not installed here
 
 from slime.rollout.sglang_rollout import GenerateState  # noqa: E402 - the stand-in installed above
 from slime.utils.http_utils import post  # noqa: E402
@@ -98,7 +98,7 @@ def slime_run(tmp_path, mode: str):
         "rollout.slime.generate_function=test_slime_functions:generate_with_tool",
         "reward.slime.function=test_slime_functions:reward_func", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=6", "rollout.num_engines=1"])
-    assert cfg.rollout.function == "rollout_fns.slime_compat:generate_group"
+    assert cfg.rollout.function == "rollout_fns.slime_functions:generate_group"
     SEEN.clear()
     run_dir = run(cfg)
     return run_dir, read_metrics(run_dir / "metrics.jsonl")
@@ -149,15 +149,15 @@ def test_a_slime_generate_and_reward_function_train_two_async_steps_unchanged(tm
 
 def test_tool_tokens_take_the_version_of_the_turn_before_and_recorded_answers_stamp_their_own():
     sample = SlimeSample(tokens=[1, 2, 10, 11, 50, 51, 12, 13], response_length=6)
-    calls = [slime_shim.GenerateCall(input_len=2, output_ids=[10, 11], versions=[3, 4]),
-             slime_shim.GenerateCall(input_len=6, output_ids=[12, 13], versions=[5, 5]),
-             slime_shim.GenerateCall(input_len=2, output_ids=[99], versions=[9])]  # another sample's answer
+    calls = [shim.GenerateCall(input_len=2, output_ids=[10, 11], versions=[3, 4]),
+             shim.GenerateCall(input_len=6, output_ids=[12, 13], versions=[5, 5]),
+             shim.GenerateCall(input_len=2, output_ids=[99], versions=[9])]  # another sample's answer
     assert token_versions(sample, calls) == [3, 4, 4, 4, 5, 5]
     assert token_versions(sample, []) is None  # the adapter then takes the engines' version at the group's start
 
 
 def test_a_function_that_records_no_version_gets_the_engines_version_at_the_group_start():
-    from glue.rollout.slime_compat import SlimeFunctions
+    from glue.rollout.slime.adapter import SlimeFunctions
 
     async def unrecorded(args, sample, sampling_params):
         sample.tokens += [5, 6]
@@ -197,7 +197,7 @@ def test_append_response_tokens_keeps_slime_s_fields_and_stamps_versions_from_me
 
 
 def test_a_returned_sample_that_does_not_line_up_is_refused_naming_the_field():
-    from glue.rollout.slime_sample import to_sluice
+    from glue.rollout.slime.sample import to_sluice
 
     good = SlimeSample(tokens=[1, 2, 3], response_length=1, rollout_log_probs=[-1.0],
                        status=SlimeSample.Status.COMPLETED, reward=1.0, label="3")
@@ -237,18 +237,18 @@ def test_slime_function_paths_load_by_module_or_file_and_bad_ones_fail_in_one_li
 
 def test_the_slime_keys_make_the_adapter_the_rollout_function_and_conflicts_are_refused():
     cfg = load_config(None, ["rollout.slime.rollout_function=pkg.mod:generate", "reward.slime.function=pkg.rm:f"])
-    assert cfg.rollout.function == "rollout_fns.slime_compat:generate_group"
+    assert cfg.rollout.function == "rollout_fns.slime_functions:generate_group"
     assert cfg.reward.slime.function == "pkg.rm:f"
     with pytest.raises(ConfigError, match="rollout.slime.generate_function is the rollout function, so "
                                           "rollout.function='rollout_fns.multi_turn:generate_group' cannot apply"):
         load_config(None, ["rollout.slime.generate_function=pkg.mod:g",
                            "rollout.function=rollout_fns.multi_turn:generate_group"])
     with pytest.raises(ConfigError, match="set rollout.slime.generate_function or rollout.slime.rollout_function"):
-        load_config(None, ["rollout.function=rollout_fns.slime_compat:generate_group"])
+        load_config(None, ["rollout.function=rollout_fns.slime_functions:generate_group"])
 
 
 def test_slime_s_whole_rollout_contract_runs_once_per_group_on_its_own_thread_and_sees_the_generate_path():
-    from glue.rollout.slime_compat import SlimeFunctions
+    from glue.rollout.slime.adapter import SlimeFunctions
 
     seen = {}
 
@@ -285,13 +285,13 @@ def test_the_docs_slime_config_names_the_adapter_and_the_reward(tmp_path):
     snippet = section[section.index("```yaml") + len("```yaml"):]
     (tmp_path / "run.yaml").write_text(snippet[:snippet.index("```")])
     cfg = load_config(tmp_path / "run.yaml")
-    assert cfg.rollout.function == "rollout_fns.slime_compat:generate_group"
+    assert cfg.rollout.function == "rollout_fns.slime_functions:generate_group"
     assert (cfg.rollout.slime.generate_function, cfg.reward.slime.function) == \
         ("generate_with_retool.generate", "generate_with_retool.reward_func")
 
 
 def test_a_slime_reward_function_scores_sluice_s_own_samples_with_texts_and_label(text_model_dir, tokenizer):
-    from glue.rollout.slime_compat import SlimeFunctions
+    from glue.rollout.slime.adapter import SlimeFunctions
     from glue.types import Sample as SluiceSample
 
     fns = SlimeFunctions(client=None, model_path=text_model_dir, sampling_params={"max_new_tokens": 4},

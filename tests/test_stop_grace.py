@@ -20,7 +20,7 @@ from glue.metrics.logger import MetricsLogger
 from glue.rollout.manager import RolloutManager, score
 from glue.types import Sample
 from launch.config import RunConfig
-from launch.stopping import StopSignals, cancel_tasks, close_loop
+from launch.run.stopping import StopSignals, cancel_tasks, close_loop
 from loss import LossConfig
 from helpers.managers import NumberedPrompts
 

@@ -61,7 +61,7 @@ def test_the_echo_teacher_solves_the_echo_task_greedily_and_is_sure_of_it(tmp_pa
 
 def test_preflight_refuses_a_teacher_without_the_policys_vocabulary_or_a_build_that_does_not_import(tmp_path):
     from glue.embedded_engine.tiny_model import save_tiny_model
-    from launch.teacher import check_teacher
+    from launch.run.teacher import check_teacher
 
     save_tiny_model(tmp_path / "teacher64", vocab_size=64)
     cfg = load_config("examples/configs/distill.yaml", ["teacher.build=null", f"teacher.path={tmp_path}/teacher64"])

@@ -10,8 +10,8 @@ import pytest
 from glue.loop.batch import rollout_metrics
 from glue.types import Group, Sample
 from launch.config import ConfigError, load_config
-from launch.runner import make_evaluator
-from launch.tasks import eval_task, task_args_for, task_metrics
+from launch.run.runner import make_evaluator
+from launch.run.tasks import eval_task, task_args_for, task_metrics
 
 TEXT_TASK = "rollout_fns.text_data:TextDataTask"
 
@@ -83,7 +83,7 @@ def test_the_text_arith_recipe_resolves_with_eval_and_a_tiny_tokenizer():
 def test_a_tiny_model_with_a_tokenizer_is_written_into_the_run_folder_and_the_arith_task_writes_its_data(tmp_path):
     from transformers import AutoTokenizer
 
-    from launch.run_dir import prepare_model
+    from launch.run.folder import prepare_model
     from rollout_fns.arith_text import ArithTextTask
 
     cfg = load_config("examples/configs/text_arith.yaml", [f"run.output_dir={tmp_path}"])
@@ -103,7 +103,7 @@ def test_a_tiny_model_with_a_tokenizer_is_written_into_the_run_folder_and_the_ar
 
 
 def test_with_colocated_placement_eval_steps_must_be_sync_steps():
-    from launch.preflight import check_eval
+    from launch.run.preflight import check_eval
 
     cfg = load_config(None, ["eval.interval=3", "sync.interval=2", "sync.max_staleness=1"])
     check_eval(cfg, "disaggregated")  # engines keep their weights between syncs

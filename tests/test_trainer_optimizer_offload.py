@@ -38,7 +38,7 @@ def test_the_offloaded_share_is_all_of_the_optimizer_state_unless_a_fraction_is_
 
 
 def test_the_offload_flags_reach_the_trainers_megatron_settings_and_are_not_refused():
-    from launch.megatron_args import check_megatron, route
+    from launch.args.megatron import check_megatron, route
 
     values = {**OFFLOAD, "optimizer_offload_fraction": 0.5, "overlap_cpu_optimizer_d2h_h2d": True}
     assert route(values) == {"trainer": {"megatron": values}}

@@ -58,7 +58,7 @@ def test_auto_precision_follows_the_checkpoints_dtype():
 
 
 def test_megatron_optimizer_flags_reach_the_trainer_and_unsupported_ones_are_refused():
-    from launch.megatron_args import check_megatron, route
+    from launch.args.megatron import check_megatron, route
 
     assert route({"use_distributed_optimizer": False}) == {"trainer": {"use_distributed_optimizer": False}}
     assert route({"min_lr": 1e-7}) == {"trainer": {"min_lr": 1e-7}}
@@ -206,7 +206,7 @@ def test_the_learning_rate_follows_megatrons_warmup_and_cosine_schedule(tmp_path
 
 def test_a_bf16_trainer_gets_bf16_engines_unless_sglang_dtype_is_set():
     from launch.config import load_config
-    from launch.plan import resolve
+    from launch.plan.run_plan import resolve
 
     _, plan = resolve(load_config(None, ["trainer.precision=bf16"]))
     assert plan.engine_args[plan.engine_args.index("--dtype") + 1] == "bfloat16"

@@ -1,4 +1,4 @@
-"""`--dry-run` and a real start agree on the megatron options: those sluice never runs (launch.megatron_args.NOT_RUN)
+"""`--dry-run` and a real start agree on the megatron options: those sluice never runs (launch.args.megatron.NOT_RUN)
 are refused by both in one line; those that run on Transformer Engine (glue.trainer.te_spec.TE_OPTIONS) are a
 `requires:` line when the plan is for other nodes, and refused in one line by a run on a machine where TE does not
 import. Where TE imports they reach megatron's configs unchanged."""
@@ -13,10 +13,10 @@ from glue.trainer import te_spec
 from glue.trainer.config import TrainerConfig
 from glue.trainer.megatron_fields import megatron_fields
 from helpers.cli import DEMO, one_line_error
+from launch.args.megatron import NOT_RUN
 from launch.cli import main
 from launch.config import ConfigError, load_config
-from launch.megatron_args import NOT_RUN
-from launch.plan import resolve
+from launch.plan.run_plan import resolve
 
 NO_TE = ("--moe-grouped-gemm, --moe-permute-fusion need transformer-engine, which does not import on this machine "
          "(the trainer nodes share its venv): install transformer-engine[pytorch] there or drop them")
@@ -137,7 +137,7 @@ def test_the_local_spec_refuses_grouped_experts_it_would_build_as_the_legacy_gro
 
 
 def test_megatron_help_marks_the_options_sluice_never_runs_and_those_needing_te():
-    from launch.cli import help_text
+    from launch.args.command_line import help_text
 
     text = " ".join(help_text("megatron").split())
     assert "-> trainer.megatron.overlap_grad_reduce; default False; not run by sluice]" in text

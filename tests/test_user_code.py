@@ -89,8 +89,8 @@ def test_modules_beside_the_config_and_in_the_working_directory_import_and_the_d
 
 ACTOR = '''
 import sys
-from launch.cluster import start_ray
-from launch.user_code import put_on_import_path
+from launch.run.cluster import start_ray
+from launch.run.user_code import put_on_import_path
 import contextlib, ray
 
 put_on_import_path(sys.argv[1])
@@ -190,7 +190,7 @@ def test_the_run_record_hashes_and_copies_each_named_module_and_an_untracked_one
 
     from glue.metrics.logger import run_info
     from launch.config import load_config
-    from launch.user_code import record_code
+    from launch.run.user_code import record_code
 
     repo = tmp_path / "repo"
     repo.mkdir()

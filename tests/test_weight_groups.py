@@ -12,7 +12,7 @@ import yaml
 from conftest import free_port
 from launch.cli import main
 from launch.config import load_config
-from launch.plan import resolve
+from launch.plan.run_plan import resolve
 from weight_sync.process_group import PLANNED_DEVICES, create_process_group, destroy_process_group
 
 DEMO = "examples/configs/demo.yaml"
@@ -57,12 +57,12 @@ def test_disaggregated_nccl_disk_and_gloo_layouts_pass_and_say_so(capsys):
 
 
 def test_strict_engines_on_cpu_model_the_devices_and_the_dry_run_says_the_group_will_be_refused(capsys):
-    from launch.components import engine_env, trainer_actor_options
+    from launch.run.components import engine_env, trainer_actor_options
 
     cfg, plan = resolve(load_config(DEMO, ["cluster.placement=colocated", "cluster.engine=sglang_strict"]))
     assert plan.models_devices and plan.to_dict()["devices"].startswith("modeled")
 
-    class Placement:  # the bundles' Ray options and GPUs (none on CPU), as launch.cluster.Placement gives them
+    class Placement:  # the bundles' Ray options and GPUs (none on CPU), as launch.run.cluster.Placement gives them
         def actor_options(self, bundle, *, num_cpus, num_gpus=0):
             return {"bundle": bundle}
 
@@ -83,7 +83,7 @@ def test_strict_engines_on_cpu_model_the_devices_and_the_dry_run_says_the_group_
 def test_the_plan_finds_one_source_per_pipeline_stage_from_config_json_alone():
     from glue.embedded_engine.tiny_model import tiny_config
     from glue.trainer.config import TrainerConfig
-    from launch.weight_groups import trainer_sources
+    from launch.plan.weight_groups import trainer_sources
 
     parts = trainer_sources(tiny_config(family="qwen3"), TrainerConfig(pipeline_model_parallel_size=2))
     layer = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",

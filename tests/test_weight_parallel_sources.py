@@ -89,8 +89,8 @@ def assert_the_plan_lists_the_bridges_groups(model: str, overrides: list[str], t
     they are sent, its group's name and its members' ranks."""
     from glue.trainer.model import read_hf_config
     from launch.config import load_config
-    from launch.plan import resolve
-    from launch.weight_groups import plan_weight_groups
+    from launch.plan.run_plan import resolve
+    from launch.plan.weight_groups import plan_weight_groups
 
     cfg, plan = resolve(load_config(None, [f"model.path={model}", "rollout.num_engines=1", "run.ray_num_cpus=8",
                                            *overrides]))

@@ -269,7 +269,7 @@ def make_bridge(cfg: BridgeConfig, *, source: WeightSource, engine_urls: Sequenc
         pipeline = cfg.backend == "nccl" if cfg.pipeline is None else cfg.pipeline
     pipeline = pipeline and not cfg.delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
     options = dict(timeout_s=cfg.timeout_s, key=admin_key(api_key, admin_api_key))  # every weight route is admin
-    transport = cfg.chosen_transport(colocated_sglang=False)  # launch.plan has chosen it for a run
+    transport = cfg.chosen_transport(colocated_sglang=False)  # launch.plan.run_plan has chosen it for a run
     make = TRANSPORT_MAKERS[transport](cfg, options, engine_tp_size, disk_dir)
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=cfg.bucket_bytes, verify=cfg.verify,
                           timeout_s=cfg.timeout_s, api_key=api_key, admin_api_key=admin_api_key, pipeline=pipeline,

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from glue.embedded_engine.engine import build_engine, serve  # lazy: torch, aiohttp; launch.plan imports this module
+    from glue.embedded_engine.engine import build_engine, serve  # lazy: torch, aiohttp; launch.plan.run_plan imports this module
 
     try:
         server = build_engine(model_path=args.model_path, host=args.host, port=args.port, seed=args.seed,

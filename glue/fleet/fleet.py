@@ -53,7 +53,7 @@ class RolloutFleet:
     `engine_command` is the program before the flags: the embedded engine by default, `SGLANG_SERVER` on GPU.
     The fleet appends `--model-path --host --port` and then `engine_args` (pass-through flags such as
     `--num-threads 1` or SGLang's `--tp 2`); `router_args` are appended to the router's command line.
-    With `engine_hosts` (Ray actor options per engine, `launch.cluster.Placement.actor_options`), engine i is
+    With `engine_hosts` (Ray actor options per engine, `launch.run.cluster.Placement.actor_options`), engine i is
     started on its placement-group bundle's node by a `glue.fleet.engine_host` actor (listening on `engine_bind`, default
     that node's address); without, as a child of this process.
     `api_key` / `admin_api_key` start every engine with SGLang's `--api-key` / `--admin-api-key`; the router gets

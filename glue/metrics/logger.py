@@ -127,7 +127,7 @@ def run_info(config: dict[str, Any], *, resume_step: int | None = None,
              code: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a run was, beyond its metrics: the resolved config, the sluice code's git commit (None outside a git
     checkout), the command line, when it started and from which step, and `code`: the modules the config names
-    (launch.user_code.record_code: file, sha256, copy in the run folder, git state). `git.dirty` is also true when
+    (launch.run.user_code.record_code: file, sha256, copy in the run folder, git state). `git.dirty` is also true when
     one of those modules is not committed (modified, untracked, or in no checkout at all): the commit alone would
     not give the run back; `git.uncommitted_modules` names them."""
     git = git_commit(Path(__file__).parents[2])

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 @dataclass(kw_only=True)
 class SlimeRewardConfig:
-    """slime's reward function, run as it is (glue.rollout.slime_compat)."""
+    """slime's reward function, run as it is (glue.rollout.slime.adapter)."""
 
     function: str | None = None  # slime's --custom-rm-path: async def reward_func(args, sample, **kwargs) -> float | dict, in place of the task's reward ('pkg.module:function', 'pkg.module.function' or 'path/to/file.py:function')
 

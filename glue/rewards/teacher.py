@@ -1,7 +1,7 @@
 """On-policy distillation on the driver's side: a teacher model served by its own fleet (engines behind its own
 sgl-router, never synced) scores the response tokens of every finished group with SGLang's prompt-logprob request,
 the scores ride on each `Sample` (`teacher_logprobs`) into the `TrainBatch`, and each step's advantages get the
-per-token reverse KL to the teacher (loss.distill). The `teacher:` section is `TeacherConfig`; launch.teacher starts
+per-token reverse KL to the teacher (loss.distill). The `teacher:` section is `TeacherConfig`; launch.run.teacher starts
 the fleet. Imports no backend at import time."""
 from __future__ import annotations
 

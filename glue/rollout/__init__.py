@@ -2,8 +2,8 @@
 
 Owns the rollout manager (`manager.py`: tasks, groups, scoring, the helpers a rollout function calls), MoE routing
 records from the engine (`routed_experts.py`), the OpenAI-client agent recorder (`openai_agent.py`), the adapter that
-runs slime's rollout and reward functions (`slime_compat.py`, with slime's `Sample` in `slime_sample.py` and the
-`slime` modules they import in `slime_shim.py`) and the `rollout:` / sampling settings (`config.py`).
+runs slime's rollout and reward functions (`slime/`: the adapter, slime's `Sample` and the `slime` modules they
+import) and the `rollout:` / sampling settings (`config.py`).
 May import: fleet, embedded_engine, metrics, types, plugins. Never loop, rewards or trainer.
 
 The rollout-function API (`RolloutContext`, `append_generation`, `score`, `resume_limit`) also loads from here, on

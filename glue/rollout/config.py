@@ -34,12 +34,12 @@ class SamplingConfig:
 
 
 DEFAULT_FUNCTION = "rollout_fns.single_turn:generate_group"
-SLIME_FUNCTION = "rollout_fns.slime_compat:generate_group"  # runs rollout.slime's function (docs/rollout_functions.md)
+SLIME_FUNCTION = "rollout_fns.slime_functions:generate_group"  # runs rollout.slime's function (docs/rollout_functions.md)
 
 
 @dataclass(kw_only=True)
 class SlimeRolloutConfig:
-    """slime's rollout functions, run as they are (glue.rollout.slime_compat); paths 'pkg.module:function',
+    """slime's rollout functions, run as they are (glue.rollout.slime.adapter); paths 'pkg.module:function',
     'pkg.module.function' or 'path/to/file.py:function'."""
 
     generate_function: str | None = None  # slime's --custom-generate-function-path: async def generate(args, sample, sampling_params) -> Sample | list[Sample], called once per sample
@@ -60,7 +60,7 @@ class SlimeRolloutConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     num_engines: int = 2  # inference engines behind the router
-    function: str = DEFAULT_FUNCTION  # rollout function, `module:attr` (with rollout.slime set: rollout_fns.slime_compat:generate_group)
+    function: str = DEFAULT_FUNCTION  # rollout function, `module:attr` (with rollout.slime set: rollout_fns.slime_functions:generate_group)
     task: str = "rollout_fns.toy_tasks:EchoTask"  # task object/class with prompts() and reward(), `module:attr`
     task_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the task class
     prompts_per_step: int = 8  # groups per training step
@@ -115,7 +115,7 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be an import path like 'pkg.module:attr', got {path!r}")
 
     def _resolve_slime_function(self) -> None:
-        """rollout.slime's function runs through rollout_fns.slime_compat, which becomes rollout.function."""
+        """rollout.slime's function runs through rollout_fns.slime_functions, which becomes rollout.function."""
         if self.slime.enabled:
             if self.function not in (DEFAULT_FUNCTION, SLIME_FUNCTION):
                 key = "generate_function" if self.slime.generate_function else "rollout_function"

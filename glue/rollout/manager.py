@@ -41,7 +41,7 @@ class RolloutContext:
     routed_experts: RoutedExpertsLayout | None = None  # rollout.return_routed_experts: ask for MoE routing (R3)
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
-    slime: Any = None  # rollout.slime / reward.slime: the run's glue.rollout.slime_compat.SlimeFunctions, else None
+    slime: Any = None  # rollout.slime / reward.slime: the run's glue.rollout.slime.adapter.SlimeFunctions, else None
     judge: Any = None  # the run's LLM judge (judge: section, glue.rewards.judge.Judge): `await ctx.judge.judge(SampleText(...))`; None without one
     # reward.on_error: a reward function that raises fails its sample ("fail_sample": FAILED, the group trains on
     # the rest) or the whole group ("fail_group": `score` raises)
@@ -197,7 +197,7 @@ class RolloutManager:
         self.reward_on_error = reward_on_error  # reward.on_error: "fail_sample" or "fail_group"
         self.errors = errors if errors is not None else RolloutErrors()  # console + rollout_errors.log
         self.reward_fn = reward_fn or self.task.reward  # the task's reward, unless reward.slime.function replaces it
-        self.slime = slime  # rollout.slime / reward.slime: glue.rollout.slime_compat.SlimeFunctions, or None
+        self.slime = slime  # rollout.slime / reward.slime: glue.rollout.slime.adapter.SlimeFunctions, or None
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume

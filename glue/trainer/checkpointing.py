@@ -5,7 +5,7 @@
   torch_dist): every rank writes its own weight shards (one replica of each: data-parallel copies are written once),
   and any TP / PP / DP / EP layout reads them back (megatron reshards on load);
 - `trainer/rank_<r>.pt`: the lr schedule, precision, torch RNG state, policy version, layout and optimizer count;
-- `hf_config/`: the initial model's config and tokenizer files (what `launch.export_hf` needs to write an HF
+- `hf_config/`: the initial model's config and tokenizer files (what `launch.tools.export_hf` needs to write an HF
   directory from `dist/`, offline, tensor by tensor).
 
 Resuming at the layout the checkpoint was taken at is exact; at another layout weights, main weights and Adam

@@ -20,7 +20,7 @@ class TrainerGroup:
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig,
                  actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
-        launch.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
+        launch.run.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
         versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1)."""
         import ray
 

@@ -51,7 +51,7 @@ def rope_theta(hf_config: Any) -> float:
 
 
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
-    """TP splits the key/value heads and the vocabulary evenly (this trainer pads neither); launch.model_check
+    """TP splits the key/value heads and the vocabulary evenly (this trainer pads neither); launch.plan.model_check
     asks the same before anything starts."""
     num_groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if num_groups % tp_size or hf_config.vocab_size % tp_size:

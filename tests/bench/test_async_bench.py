@@ -23,7 +23,7 @@ MODES = [("sync", 0), ("async", 1), ("async", 2), ("async", 4)]
 def run_mode(tmp_path: Path, mode: str, max_staleness: int) -> list[dict]:
     from glue.metrics.logger import read_metrics
     from launch.config import load_config
-    from launch.runner import run
+    from launch.run.runner import run
 
     cfg = load_config(str(REPO_ROOT / "examples/configs/demo_async.yaml"), [
         f"run.output_dir={tmp_path}", f"run.name={mode}_{max_staleness}", f"run.num_steps={STEPS}",

@@ -69,7 +69,7 @@ def run_one(tmp_path: Path, config: str, name: str, overrides: list[str], seed: 
     from glue.metrics.learning_curves import run_curves
     from glue.metrics.logger import read_metrics
     from launch.config import load_config
-    from launch.runner import run
+    from launch.run.runner import run
 
     cfg = load_config(str(REPO_ROOT / "examples/configs" / config), [
         f"run.num_steps={STEPS}", *overrides, f"run.output_dir={tmp_path}", f"run.name={name}_{seed}",

@@ -28,7 +28,7 @@ SETTINGS = {
 def run_one(tmp_path, name: str, seed: int) -> dict:
     from glue.metrics.logger import read_metrics
     from launch.config import load_config
-    from launch.runner import run
+    from launch.run.runner import run
 
     cfg = load_config(str(REPO_ROOT / "examples/configs/distill.yaml"), [
         *SETTINGS[name], f"run.output_dir={tmp_path}", f"run.name={name}_{seed}", f"run.num_steps={STEPS}",

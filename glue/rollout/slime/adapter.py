@@ -1,0 +1,327 @@
+"""Running slime's rollout and reward functions as they are (rollout.slime.*, reward.slime.function): loaded by path,
+called with slime's arguments (an `args` namespace, slime-shaped `Sample`s, the sampling_params dict), and their
+samples mapped back into sluice's `Sample` with a weight version on every response token.
+
+`SlimeFunctions` is what a run holds: `generate_group` is the rollout function's body (rollout_fns.slime_functions),
+`reward` is the task-reward stand-in when only reward.slime.function is given. slime's contracts (slime
+`rollout/sglang_rollout.py`, `rollout/rm_hub`): `async def generate(args, sample, sampling_params[, evaluation])
+-> Sample | list[Sample]`; `def generate_rollout(args, rollout_id, data_source, evaluation=False)` returning
+`RolloutFnTrainOutput` or groups of samples; `async def reward_func(args, sample, **kwargs) -> float | dict`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from glue.fleet.engine_client import weight_version_to_int
+from glue.plugins import load_object
+from glue.rollout.manager import score
+from glue.rollout.slime import shim
+from glue.rollout.slime.sample import checked_reward, from_prompt, from_sluice, to_sluice
+from glue.types import Sample as SluiceSample, SampleStatus
+
+PATH_FORMS = "'package.module:function', 'package.module.function' or 'path/to/file.py:function'"
+
+
+def load_function(path: str, what: str) -> Callable:
+    """The function at `path` (module path, or a .py file with ':function'), with slime's modules importable."""
+    shim.install()
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{what}: expected {PATH_FORMS}, got {path!r}")
+    file, sep, attr = path.partition(".py:")
+    if not sep:
+        return load_object(path, what=what)
+    file = os.path.abspath(file + ".py")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{what}: {path!r}: no such file {file}; give {PATH_FORMS}")
+    name = f"slime_user_{os.path.splitext(os.path.basename(file))[0]}"
+    if name not in sys.modules:
+        sys.path.insert(0, os.path.dirname(file))  # slime scripts import a function's sibling modules this way
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    if not hasattr(sys.modules[name], attr):
+        raise AttributeError(f"{what}: {file} has no function {attr!r}")
+    return getattr(sys.modules[name], attr)
+
+
+def check_contract(fn: Callable, what: str, *, params: int, is_async: bool, form: str) -> None:
+    """slime calls these positionally: `fn` must take at least `params` positional arguments (any more need
+    defaults) and be async or plain as slime awaits it or not."""
+    if not callable(fn):
+        raise TypeError(f"{what}: {fn!r} is not callable; expected `{form}`")
+    if inspect.iscoroutinefunction(fn) != is_async:
+        kind = "an async function" if is_async else "a plain (not async) function"
+        raise TypeError(f"{what}: {fn.__module__}:{fn.__qualname__} must be {kind}: `{form}`")
+    positional = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_var = any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
+    required = [p for p in positional if p.default is p.empty]
+    if (len(positional) < params and not has_var) or len(required) > params:
+        raise TypeError(f"{what}: {fn.__module__}:{fn.__qualname__}{inspect.signature(fn)} does not fit slime's "
+                        f"`{form}`")
+
+
+GENERATE_FORM = "async def generate(args, sample, sampling_params) -> Sample | list[Sample]"
+ROLLOUT_FORM = "def generate_rollout(args, rollout_id, data_source, evaluation=False)"
+REWARD_FORM = "async def reward_func(args, sample, **kwargs) -> float | dict"
+
+
+def slime_args(*, router_url: str, model_path: str, sampling_params: dict, samples_per_prompt: int,
+               prompts_per_step: int, seed: int, generate_path: str | None, reward_path: str | None,
+               max_context_len: int | None = None) -> argparse.Namespace:
+    """The attributes of slime's `args` that rollout and reward functions read, from this run's settings."""
+    address = urlparse(router_url)
+    return argparse.Namespace(
+        sglang_router_ip=address.hostname, sglang_router_port=address.port, hf_checkpoint=model_path,
+        rollout_temperature=sampling_params.get("temperature", 1.0), rollout_top_p=sampling_params.get("top_p", 1.0),
+        rollout_top_k=sampling_params.get("top_k", -1), rollout_max_response_len=sampling_params["max_new_tokens"],
+        rollout_max_context_len=max_context_len, rollout_stop=None,
+        rollout_stop_token_ids=sampling_params.get("stop_token_ids"), rollout_skip_special_tokens=False,
+        n_samples_per_prompt=samples_per_prompt, rollout_batch_size=prompts_per_step, rollout_seed=seed,
+        custom_generate_function_path=generate_path, custom_rm_path=reward_path, rm_type=None, reward_key=None,
+        group_rm=False, partial_rollout=False, mask_offpolicy_in_partial_rollout=False, ci_test=False,
+        use_rollout_routing_replay=False, sglang_dp_size=None, sglang_server_concurrency=512,
+        sglang_enable_deterministic_inference=False, eval_max_context_len=max_context_len,
+        rollout_global_dataset=True)
+
+
+def load_slime_functions(generate_function: str | None, rollout_function: str | None, reward_function: str | None
+                         ) -> tuple[Callable | None, Callable | None, Callable | None]:
+    """(generate, whole-rollout, reward) functions of the rollout.slime / reward.slime keys, loaded and checked
+    against slime's contracts. rollout.slime.rollout_function may name either rollout contract: an async function
+    is a generate function, a plain one slime's whole-rollout function, which runs in place of the generate function
+    when both are set (slime's rollout function finds that one in `args.custom_generate_function_path`)."""
+    generate = rollout = reward = None
+    if rollout_function is not None:
+        fn = load_function(rollout_function, "rollout.slime.rollout_function")
+        if inspect.iscoroutinefunction(fn) and generate_function is not None:
+            raise ValueError(f"rollout.slime.rollout_function {rollout_function!r} is a generate function and "
+                             f"rollout.slime.generate_function {generate_function!r} is another; keep one")
+        contract = (dict(is_async=True, form=GENERATE_FORM) if inspect.iscoroutinefunction(fn)
+                    else dict(is_async=False, form=ROLLOUT_FORM))
+        check_contract(fn, "rollout.slime.rollout_function", params=3, **contract)
+        generate, rollout = (fn, None) if contract["is_async"] else (None, fn)
+    if generate_function is not None:
+        fn = load_function(generate_function, "rollout.slime.generate_function")
+        check_contract(fn, "rollout.slime.generate_function", params=3, is_async=True, form=GENERATE_FORM)
+        generate = generate or fn
+    if reward_function is not None:
+        reward = load_function(reward_function, "reward.slime.function")
+        check_contract(reward, "reward.slime.function", params=2, is_async=True, form=REWARD_FORM)
+    return generate, rollout, reward
+
+
+class OneGroupSource:
+    """slime's data source for one sluice group: `get_samples` hands out this prompt's samples once."""
+
+    def __init__(self, samples: list[Any]):
+        self._groups = [samples]
+
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        taken, self._groups = self._groups[:num_samples], self._groups[num_samples:]
+        return taken
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        pass  # slime's partial-rollout buffer: sluice generates an aborted sample again itself
+
+    def save(self, rollout_id: int) -> None:
+        pass
+
+    def load(self, rollout_id: int | None = None) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+class SlimeFunctions:
+    """A run's slime functions: the generate (or whole-rollout) function and the reward function, their `args`."""
+
+    def __init__(self, *, client: Any, model_path: str, sampling_params: dict, samples_per_prompt: int,
+                 prompts_per_step: int, seed: int, generate_function: str | None = None,
+                 rollout_function: str | None = None, reward_function: str | None = None,
+                 max_context_len: int | None = None):
+        self.client, self.model_path = client, model_path
+        self.reward_path = reward_function
+        self.generate, self.rollout, self.reward_fn = load_slime_functions(generate_function, rollout_function,
+                                                                           reward_function)
+        self.generate_path = rollout_function if self.rollout is not None or generate_function is None \
+            else generate_function  # the function that runs, for error messages
+        self.args = slime_args(router_url=getattr(client, "router_url", "http://127.0.0.1:0"), model_path=model_path,
+                               sampling_params=sampling_params, samples_per_prompt=samples_per_prompt,
+                               prompts_per_step=prompts_per_step, seed=seed, generate_path=generate_function,
+                               reward_path=reward_function, max_context_len=max_context_len)
+        self.fleet = shim.Fleet(router_url=getattr(client, "router_url", ""),
+                                      api_key=getattr(client, "api_key", None))
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer (for the texts slime samples carry), or None for a model without one."""
+        if self._tokenizer is None and os.path.isfile(os.path.join(self.model_path, "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) if tokens and self.tokenizer is not None else ""
+
+    async def reward(self, sample: SluiceSample) -> float | dict:
+        """reward.slime.function on a sluice sample (the task-reward stand-in for sluice's own rollout functions)."""
+        slime_sample = from_sluice(sample, prompt_text=self.text(sample.prompt_tokens),
+                                   response_text=self.text(sample.response_tokens))
+        with shim.serving(self.fleet):
+            return checked_reward(await self.reward_fn(self.args, slime_sample), self._reward_where)
+
+    @property
+    def _reward_where(self) -> str:
+        return f"reward.slime.function {self.reward_path!r}"
+
+    async def generate_group(self, ctx: Any, prompt: dict, num_samples: int) -> list[SluiceSample]:
+        """One group: the generate function once per sample (concurrently), or the whole-rollout function once."""
+        fallback = asyncio.ensure_future(self._fleet_version())  # awaited only for a sample with no version known
+        try:
+            with shim.serving(self.fleet):
+                samples = await (self._run_rollout(ctx, prompt, num_samples, fallback) if self.rollout is not None
+                                 else self._samples(ctx, prompt, num_samples, fallback))
+                for index, sample in enumerate(samples):
+                    sample.index = index
+                await asyncio.gather(*(self._score(ctx, s) for s in samples))
+        finally:
+            fallback.cancel()
+        return samples
+
+    async def _samples(self, ctx: Any, prompt: dict, num_samples: int, fallback: asyncio.Future
+                       ) -> list[SluiceSample]:
+        tasks = [asyncio.ensure_future(self._sample(ctx, prompt, i, fallback)) for i in range(num_samples)]
+        try:
+            return [s for done in await asyncio.gather(*tasks) for s in done]
+        except BaseException:
+            for task in tasks:  # one failed sample fails the group: stop the others' calls too
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _sample(self, ctx: Any, prompt: dict, index: int, fallback: asyncio.Future) -> list[SluiceSample]:
+        """One sample generated by the user's function; an aborted one is generated again from the prompt (slime
+        without partial rollout) at most `ctx.max_resumes` times."""
+        discarded = 0
+        for attempt in range(1 + ctx.max_resumes):
+            fresh = from_prompt(prompt, text=self.text(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index)
+            with shim.recording() as record:
+                out = await self._call_generate(fresh, ctx.sampling_for(index))
+            outs = out if isinstance(out, list) else [out]
+            if not any(_status_of(s) == "aborted" for s in outs) or attempt == ctx.max_resumes:
+                break
+            discarded += sum(int(s.response_length or 0) for s in outs)
+        samples = [await self._to_sluice(s, record.calls, ctx.group_id, index, fallback) for s in outs]
+        for sample in samples:
+            if discarded:
+                sample.metadata["discarded_tokens"] = discarded
+            if sample.status is SampleStatus.ABORTED:
+                sample.metadata["resume_limit_hit"] = 1
+        return samples
+
+    async def _call_generate(self, sample: Any, sampling_params: dict) -> Any:
+        if "evaluation" in inspect.signature(self.generate).parameters:
+            out = await self.generate(self.args, sample, sampling_params, evaluation=False)
+        else:
+            out = await self.generate(self.args, sample, sampling_params)
+        if out is None or (isinstance(out, list) and not out):
+            raise TypeError(f"rollout.slime function {self.generate_path!r} returned {out!r}; return the sample "
+                            "(or a list of samples)")
+        return out
+
+    async def _run_rollout(self, ctx: Any, prompt: dict, num_samples: int, fallback: asyncio.Future
+                           ) -> list[SluiceSample]:
+        """slime's whole-rollout contract, one group per call: `args.rollout_batch_size` groups are asked for, the
+        data source holds this one. It is a plain function that runs its own event loop, so it runs on a thread."""
+        text = self.text(prompt["prompt_tokens"])
+        fresh = [from_prompt(prompt, text=text, group_id=ctx.group_id, index=i) for i in range(num_samples)]
+        with shim.recording() as record:
+            context = contextvars.copy_context()
+            output = await asyncio.get_running_loop().run_in_executor(
+                None, context.run, self.rollout, self.args, ctx.group_id, OneGroupSource(fresh))
+        groups = getattr(output, "samples", output)
+        if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+            raise TypeError(f"rollout.slime.rollout_function {self.generate_path!r} must return "
+                            f"RolloutFnTrainOutput(samples=[[Sample, ...]]) or a list of groups, got {type(output)}")
+        return [await self._to_sluice(s, record.calls, ctx.group_id, i, fallback)
+                for i, s in enumerate(s for group in groups for s in group)]
+
+    async def _to_sluice(self, sample: Any, calls: list, group_id: int, index: int, fallback: asyncio.Future
+                         ) -> SluiceSample:
+        where = f"slime function {self.generate_path!r}"
+        versions, unrecorded = token_versions(sample, calls), 0
+        if versions is None:  # nothing recorded: the engines' version when the group started, for every token
+            start, unrecorded = await fallback, int(sample.response_length)
+            if start is None:
+                raise ValueError(f"{where}: no weight version is known for the response tokens; post /generate "
+                                 "with slime.utils.http_utils.post or pass the answer's meta_info to "
+                                 "append_response_tokens")
+            versions = [start] * unrecorded
+        if self.reward_fn is not None and sample.reward is None and _status_of(sample) != "failed":
+            sample.reward = checked_reward(await self.reward_fn(self.args, sample), self._reward_where)
+        converted = to_sluice(sample, versions=versions, group_id=group_id, index=index, where=where)
+        if unrecorded:
+            converted.metadata["unrecorded_version_tokens"] = unrecorded
+        return converted
+
+    async def _score(self, ctx: Any, sample: SluiceSample) -> None:
+        """A sample the functions left unscored gets the task's reward (0 for a FAILED one)."""
+        if sample.reward is not None:
+            return
+        if sample.status is SampleStatus.FAILED:
+            sample.reward = 0.0
+            return
+        await score(ctx, sample)
+
+    async def _fleet_version(self) -> int | None:
+        """The oldest weight version the engines hold now (None if they cannot say): the version of tokens no
+        recorded answer covers."""
+        versions = getattr(self.client, "weight_versions", None)
+        if versions is None:
+            return None
+        try:
+            held = await asyncio.get_running_loop().run_in_executor(None, versions)
+        except Exception:  # noqa: BLE001 - an engine down now fails only the samples that need this version
+            return None
+        return min((weight_version_to_int(v) for v in held), default=None)
+
+
+def _status_of(sample: Any) -> str:
+    return getattr(sample.status, "value", sample.status)
+
+
+def token_versions(sample: Any, calls: list) -> list[int] | None:
+    """The weight version of each response token, or None when none is known. Sources, first wins: the versions
+    `append_response_tokens(meta_info=...)` stamped; the recorded /generate answers whose output sits where the
+    answer's input ended; for tokens neither covers (tool output) the nearest generated token's version before
+    them, else after them."""
+    tokens, n = list(sample.tokens or []), int(sample.response_length or 0)
+    start = len(tokens) - n
+    stamped = list(getattr(sample, "token_versions", None) or [])
+    versions: list[int | None] = stamped if len(stamped) == n else [None] * n
+    for call in calls:
+        at, k = call.input_len - start, len(call.output_ids)
+        if k and 0 <= at and at + k <= n and tokens[start + at:start + at + k] == call.output_ids \
+                and all(v is None for v in versions[at:at + k]):
+            versions[at:at + k] = call.versions
+    known = [i for i, v in enumerate(versions) if v is not None]
+    if not known:
+        return None if n else []
+    filled, last = [], versions[known[0]]
+    for v in versions:
+        last = v if v is not None else last
+        filled.append(last)
+    return filled

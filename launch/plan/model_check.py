@@ -1,0 +1,245 @@
+"""What a run reads from `model.path`, checked before anything starts (by launch.run.preflight, for every run and for
+`--dry-run`), and what the plan learns from config.json alone: the checkpoint's files, the rules megatron-core sets
+for the model the trainer builds from it and the layer spec it is built with (what a weight sync moves, and through
+which groups: launch.plan.weight_groups)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from glue.embedded_engine.tiny_model import tiny_config
+from glue.trainer import te_spec
+from glue.trainer.model import check_tensor_parallel, read_hf_config
+from glue.trainer.te_spec import resolve_layer_spec
+from launch.config import ConfigError, SluiceConfig
+from launch.slime.megatron import check_shape
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # AutoTokenizer loads any one
+
+
+def model_config(cfg: SluiceConfig) -> Any:
+    """The HF config of the model the run trains: model.path's config.json (a family the trainer builds), or, with
+    model.path null, the tiny model's, built in memory (its weights are written at start-up)."""
+    return section_model_config(cfg.model, "model")
+
+
+def section_model_config(model: Any, key: str) -> Any:
+    """The HF config of a `ModelConfig` section at `key` (model, judge.model): its path's config.json, or its tiny
+    model's, built in memory."""
+    if model.path is None:
+        tiny = {k: v for k, v in dataclasses.asdict(model.tiny).items() if k not in ("seed", "tokenizer")}
+        try:
+            return tiny_config(**tiny)
+        except ValueError as err:
+            raise ConfigError(f"{key}.tiny: {err}") from None
+    path = Path(model.path)
+    if not (path / "config.json").is_file():
+        what = "has no config.json" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{key}.path {model.path!r} {what}: point it at a local HF checkpoint directory "
+                          "(config.json, *.safetensors, tokenizer files)")
+
+    try:
+        return read_hf_config(str(path))
+    except Exception as err:  # transformers' own message says what is wrong with config.json
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{key}.path {model.path!r}: its config.json does not load: {first}") from None
+
+
+def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
+    """The model builds under the trainer's layout and its weight files are whole. A directory holding config.json
+    and no weights is a plan-only directory: enough for a dry run (`plan_only`), refused by a real start."""
+    hf_config = model_config(cfg)
+    check_shape_flags(cfg, hf_config)
+    check_routing(cfg, hf_config)
+    check_trainer_model(cfg.trainer, hf_config)
+    if cfg.model.path is None:
+        return f"model: a tiny random {hf_config.model_type} model is built at start-up (model.path is null)"
+    path = Path(cfg.model.path)
+    weights = weight_files(cfg.model.path)
+    if not weights and plan_only:
+        return (f"model: {path} holds config.json and no weight files: a plan-only directory (the plan is computed "
+                "from config.json; a run needs the *.safetensors)")
+    if not weights:
+        raise ConfigError(f"model.path {cfg.model.path!r} holds no *.safetensors or *.bin weight files: copy the "
+                          "checkpoint's weights there (a directory with config.json alone serves --dry-run only)")
+    check_weight_files(cfg.model.path, weights)
+    size = sum(p.stat().st_size for p in weights)
+    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {format_bytes(size)})"
+
+
+def check_shape_flags(cfg: SluiceConfig, hf_config: Any) -> None:
+    """The model-shape flags given (model.shape: Megatron-LM's / slime's MODEL_ARGS) describe this checkpoint."""
+    where = "model.tiny's config" if cfg.model.path is None else f"{cfg.model.path}/config.json"
+    try:
+        check_shape(cfg.model.shape, hf_config, where)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:
+    """MoE routing replay needs a model with routed experts, and the engines' routing to replay."""
+    if cfg.trainer.routing_replay and not cfg.rollout.return_routed_experts:
+        raise ConfigError("trainer.routing_replay replays the engines' MoE routing: set rollout.return_routed_experts: "
+                          "true too")
+    if cfg.rollout.return_routed_experts and not num_experts(hf_config):
+        which = (f"model.tiny.family is {cfg.model.tiny.family!r} (use qwen3_moe)" if cfg.model.path is None else
+                 f"{cfg.model.path!r} is a dense {hf_config.model_type} checkpoint")
+        raise ConfigError(f"rollout.return_routed_experts needs a mixture-of-experts model; {which}")
+
+
+def check_trainer_model(trainer: Any, hf_config: Any) -> None:
+    """What megatron-core (and this trainer) would refuse once every rank has started, for this model and the
+    trainer's parallel layout (a glue.trainer.config.TrainerConfig)."""
+    tp, ep, experts = trainer.tensor_model_parallel_size, trainer.expert_model_parallel_size, num_experts(hf_config)
+    try:
+        check_tensor_parallel(hf_config, tp)
+    except ValueError as err:
+        raise ConfigError(f"trainer.{err}") from None
+    if ep > 1 and not experts:
+        raise ConfigError(f"trainer.expert_model_parallel_size={ep} needs a mixture-of-experts model, and the model "
+                          f"is a dense {hf_config.model_type}: set --expert-model-parallel-size 1")
+    if experts % ep:
+        raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
+                          "(megatron-core gives every EP rank the same number); choose another EP size")
+    # megatron-core's MoELayer.forward raises in training when its TP group has > 1 rank without sequence parallelism
+    if experts and tp > 1 and not trainer.megatron.get("sequence_parallel"):
+        raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "
+                          "experts) needs sequence parallelism, which megatron-core requires to train MoE layers with "
+                          "TP > 1: add --sequence-parallel (trainer.megatron.sequence_parallel: true)")
+
+
+def check_layer_spec(trainer: Any, *, elsewhere: bool = False) -> str:
+    """`trainer.layer_spec` as this machine resolves it (a glue.trainer.config.TrainerConfig): te is refused where
+    transformer_engine does not import, unless the plan is for other nodes (`elsewhere`: check_transformer_engine
+    names what they need); auto is reported, each trainer rank resolving it where it runs."""
+    if elsewhere and trainer.layer_spec == "te":
+        return "layer spec: te (built on the trainer nodes)"
+    try:
+        spec = resolve_layer_spec(trainer.layer_spec)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if trainer.layer_spec != "auto":
+        return f"layer spec: {spec}"
+    imports = "imports" if spec == "te" else "does not import"
+    return f"layer spec: auto, {spec} here (transformer_engine {imports}; each trainer node resolves it for itself)"
+
+
+def check_transformer_engine(trainer: Any, *, elsewhere: bool) -> str | None:
+    """What the trainer's config runs on Transformer Engine (trainer.layer_spec te, glue.trainer.te_spec.TE_OPTIONS).
+    For a plan for other nodes (`elsewhere`) a `requires:` line names it; a run on this machine is refused in one
+    line where TE does not import. None when nothing needs TE."""
+    needs = (["trainer.layer_spec=te"] if trainer.layer_spec == "te" else []) + te_spec.te_options(trainer.megatron)
+    if not needs:
+        return None
+    here = "imports" if te_spec.te_available() else "does not import"
+    if elsewhere:
+        return f"requires: transformer-engine on the trainer nodes, for {', '.join(needs)} (it {here} here)"
+    try:
+        te_spec.check_te_options(trainer.megatron)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return f"transformer-engine: imports here, for {', '.join(needs)}"
+
+
+REFERENCE_ATTENTION = "megatron DotProductAttention, unfused ([T, T] scores and mask per layer: the reference)"
+FAST_ATTENTION = {  # GPU nodes? -> what sluice's core attention runs there
+    True: "sluice core attention: FlashAttention varlen (torch.nn.attention.varlen) on packed THD rows in bf16 "
+          "(fp32, or a torch without varlen_attn: compiled flex_attention with a document-causal block mask), "
+          "causal SDPA on padded rows",
+    False: "sluice core attention on CPU: causal SDPA over each packed row's samples as a batch, causal SDPA on "
+           "padded rows",
+}
+
+
+def describe_attention(trainer: Any, on_gpus: bool) -> str:
+    """The attention line of `--dry-run`: the kernel every trainer rank runs, from trainer.layer_spec, megatron's
+    attention_backend (auto / flash / fused: sluice's fused core attention; local / unfused: megatron's reference)
+    and whether the trainer nodes have GPUs."""
+    backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
+    if backend not in ("auto", "flash", "fused", "local", "unfused"):
+        raise ConfigError(f"--attention-backend {backend!r} is not one of auto, flash, fused, local, unfused")
+    if trainer.layer_spec == "te" or resolve_layer_spec(trainer.layer_spec) == "te":
+        return "attention: transformer-engine DotProductAttention (packed rows as THD), every trainer rank"
+    kernel = REFERENCE_ATTENTION if backend in ("local", "unfused") else FAST_ATTENTION[on_gpus]
+    compiled = ("; trainer.compile: RMSNorms, RoPE, SwiGLU and residual adds under torch.compile"
+                if trainer.compile and kernel is not REFERENCE_ATTENTION else "")
+    return f"attention ({backend}): {kernel}, every trainer rank{compiled}"
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    return int(getattr(hf_config, "num_experts", None) or 0)
+
+
+def check_weight_files(model_path: str, weights: list[Path]) -> None:
+    """No weight file is empty or cut short (a download or copy that did not finish), and every shard the index
+    names is there."""
+    for path in weights:
+        size = path.stat().st_size
+        expected = _safetensors_size(path) if size and path.suffix == ".safetensors" else size
+        if size == 0 or size != expected:
+            what = "is 0 bytes" if size == 0 else f"is cut short ({size} bytes; its header describes {expected})"
+            raise ConfigError(f"model.path {model_path!r}: weight file {path.name} {what}: a download or copy that "
+                              "did not finish; fetch the checkpoint's weights again")
+    folder = weights[0].parent
+    for index in SHARD_INDEXES:
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError):
+                raise ConfigError(f"model.path {model_path!r}: {index} is not a shard index (no weight_map): copy "
+                                  "it again from the checkpoint") from None
+            missing = [name for name in shards if not (folder / name).is_file()]
+            if missing:
+                raise ConfigError(f"model.path {model_path!r}: {index} names {len(shards)} weight files and "
+                                  f"{len(missing)} of them are not there ({missing[0]}, ...): copy the whole "
+                                  "checkpoint")
+
+
+def _safetensors_size(path: Path) -> int:
+    """The size a safetensors file must have: 8 bytes of header length, the JSON header, then the data up to the
+    last tensor's end offset; -1 when the header cannot be read (reported as cut short)."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if not 0 < header_len <= path.stat().st_size - 8:
+            return -1
+        try:
+            header = json.loads(f.read(header_len))
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return -1
+    return 8 + header_len + max(ends, default=0)
+
+
+def has_tokenizer(directory: str) -> bool:
+    """Whether `directory` holds files AutoTokenizer can load a tokenizer from."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def weight_files(directory: str) -> list[Path]:
+    """The checkpoint's weight files, by name."""
+    return sorted(p for p in Path(directory).iterdir() if p.suffix in WEIGHT_SUFFIXES)
+
+
+def hf_parameters(hf_config: Any) -> dict[str, int]:
+    """Every parameter of the HF model `hf_config` describes, name -> elements, counted on the meta device: no
+    memory, no weights. A tied lm_head is the embedding, listed once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: p.numel() for name, p in model.named_parameters()}
+
+
+def format_bytes(nbytes: float) -> str:
+    """`470.2 GB`: four significant digits, decimal units."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000:
+            return f"{nbytes:.4g} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.4g} TB"

@@ -1,0 +1,69 @@
+"""Engines on their bundles: what an engine process is told of its devices, where its host actor sits, and the start
+of a fleet beside the policy's (`teacher:`, `judge:`) on the bundles the plan gave it (launch.plan.fleets), with the
+devices of those bundles only. The fleets beside are watched with the policy's (glue.fleet.watch.FleetWatch
+`beside`)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from glue.fleet.engine_client import EngineClient
+from glue.fleet.fleet import RolloutFleet
+from launch.config import SluiceConfig
+from launch.plan.run_plan import RunPlan
+from launch.run.cluster import check_paths
+from weight_sync.process_group import PLANNED_DEVICES
+
+
+def planned_devices_env(plan: RunPlan, bundles: list[int]) -> dict[str, str]:
+    """Where the plan models devices (strict engines on CPU bundles that stand for GPUs), the environment that tells
+    a trainer rank or an engine the devices of its weight-group members (weight_sync.process_group); {} elsewhere."""
+    if not plan.models_devices:
+        return {}
+    return {PLANNED_DEVICES: ",".join(plan.device_of(b) for b in bundles)}
+
+
+def engine_env(plan: RunPlan, placement, engine) -> dict[str, str]:
+    """An engine's environment: the GPUs of its bundles, or the devices its bundles stand for."""
+    return {**placement.engine_env(engine), **planned_devices_env(plan, engine.bundles)}
+
+
+def engine_host_options(placement, engine) -> dict:
+    """An engine's host actor sits on its first bundle and reserves nothing: the engine process uses the bundle's
+    devices through CUDA_VISIBLE_DEVICES, and in colocated placement the trainer rank holds the bundle's GPU."""
+    return placement.actor_options(engine.bundles[0], num_cpus=0)
+
+
+@dataclass
+class SideFleetRun:
+    """A started fleet beside the policy's and the client that reaches it (its retries count in the watch's
+    metrics)."""
+
+    fleet: RolloutFleet
+    client: EngineClient
+
+
+def start_side_fleet(cfg: SluiceConfig, plan: RunPlan, placement, name: str, *, model_path: str, run_dir: Path,
+                     stack: contextlib.ExitStack, loop, api_key: str, admin_api_key: str | None,
+                     startup_timeout_s: float, router_args: Sequence[str], started: list[SideFleetRun],
+                     on_phase=None) -> SideFleetRun:
+    """Start the fleet of section `name` on its plan bundles (each engine by a host actor on its first bundle, with
+    the devices of its own bundles only), behind its own sgl-router; stopped with `stack`, appended to `started`."""
+    side = plan.side_fleet(name)
+    check_paths(placement, {f"the {name} model directory": model_path})  # its engines may sit on any node
+    fleet = RolloutFleet(model_path=model_path, num_engines=len(side.engines), router_policy=cfg.rollout.router_policy,
+                         engine_startup_timeout_s=startup_timeout_s, log_dir=run_dir / "logs" / name,
+                         engine_command=plan.engine_command, engine_args=side.engine_args, router_args=router_args,
+                         engine_env=[engine_env(plan, placement, e) for e in side.engines],
+                         engine_hosts=[engine_host_options(placement, e) for e in side.engines],
+                         engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None,  # one node: loopback only
+                         api_key=api_key, admin_api_key=admin_api_key, seed=side.seed, name=name)
+    stack.callback(fleet.stop)
+    fleet.start(on_phase=on_phase)
+    client = EngineClient(fleet.router_url, fleet.serving_urls, api_key=api_key, admin_api_key=admin_api_key)
+    stack.callback(lambda: loop.run_until_complete(client.close()))
+    run = SideFleetRun(fleet=fleet, client=client)
+    started.append(run)
+    return run
