@@ -27,11 +27,15 @@ from glue.sft.config import SftConfig
 from glue.trainer.config import TrainerConfig
 from launch.slime import args as slime_args
 from loss import LossConfig
+from weight_sync.families import FAMILIES
+
+
+TINY_FAMILIES = tuple(FAMILIES)  # every family of weight_sync.families builds a tiny random model
 
 
 @dataclass(kw_only=True)
 class TinyModelConfig:
-    family: Literal["qwen2", "llama", "qwen3", "qwen3_moe"] = "qwen2"  # qwen2, llama, qwen3 (q/k norms) or qwen3_moe (routed experts, for EP and routing replay)
+    family: Literal[TINY_FAMILIES] = "qwen2"  # a model family (docs/models.md): qwen2, llama, qwen3 (q/k norms), or a mixture of experts (qwen3_moe: for EP and routing replay)
     vocab_size: int = 32  # tokens of the tiny model (>= 260 with tokenizer: true)
     hidden_size: int = 64  # model width
     num_layers: int = 2  # transformer layers

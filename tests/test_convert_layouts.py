@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # head_dim != hidden / heads, as in Qwen3
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -66,8 +67,9 @@ def test_hf_to_megatron_ranks_to_hf_is_bit_exact_for_every_family_and_layout(che
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
-def test_qwen3_moe_round_trips_through_tp2_pp2_ep2_with_vocab_padding(checkpoints):
-    config, hf_state = checkpoints["qwen3_moe"]
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_family_round_trips_through_tp2_pp2_ep2_with_vocab_padding(checkpoints, family):
+    config, hf_state = checkpoints[family]
     ranks = layouts(4, tp=2, pp=2, ep=2, padded=64)
     assert len(ranks) == 8
     states = [hf_to_megatron_local(hf_state, config, layout) for layout in ranks]

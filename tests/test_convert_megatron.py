@@ -1,5 +1,6 @@
 """The name tables against REAL megatron-core GPTModels on CPU/gloo (2 spawned ranks): the megatron names and shapes
-the converter produces are exactly those of a model built at TP=1/TP=2 (every family), PP=2 and EP=2 (Qwen3-MoE);
+the converter produces are exactly those of a model built at TP=1/TP=2 (every family), PP=2 and EP=2 (the MoE
+families), scaled RoPE included;
 loading them and reading the model's own state back round-trips to the HF checkpoint bit-exactly; and the loaded
 models compute the HF model's logprobs, which proves the table right, not just self-consistent."""
 from __future__ import annotations
@@ -26,6 +27,14 @@ MODELS = {
     "qwen3_moe": ("qwen3_moe", dict(num_layers=4)),
     # HF's other routing (no top-k renormalisation) and a dense layer among MoE layers
     "qwen3_moe_dense0": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[0])),
+    "mixtral": ("mixtral", dict(num_layers=4)),
+    # scaled RoPE: Llama 3.1's (original context 16 tokens, so the rows below reach the scaled frequencies) and
+    # linear scaling on Qwen2
+    "llama3_rope": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 16})),
+    "qwen2_linear_rope": ("qwen2", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                         "factor": 4.0})),
 }
 # (case id, model, tp, pp, ep)
 CASES = [
@@ -35,6 +44,10 @@ CASES = [
     ("qwen3_moe_tp1", "qwen3_moe", 1, 1, 1), ("qwen3_moe_tp2", "qwen3_moe", 2, 1, 1),
     ("qwen3_moe_pp2", "qwen3_moe", 1, 2, 1), ("qwen3_moe_ep2", "qwen3_moe", 1, 1, 2),
     ("qwen3_moe_dense0_tp1", "qwen3_moe_dense0", 1, 1, 1),
+    ("mixtral_tp1", "mixtral", 1, 1, 1), ("mixtral_tp2", "mixtral", 2, 1, 1), ("mixtral_pp2", "mixtral", 1, 2, 1),
+    ("mixtral_ep2", "mixtral", 1, 1, 2),
+    ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
+    ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1),
 ]
 TOKENS = torch.randint(2, 30, (2, 9), generator=torch.Generator().manual_seed(5))
 
@@ -87,6 +100,7 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
                    max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                    post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                    position_embedding_type="rope", rotary_base=tmodel.rope_theta(hf_config), parallel_output=True)
+    tmodel.scale_rope(gpt, hf_config)  # what build_model does after the GPTModel
     layout = ParallelLayout.even(hf_config.num_hidden_layers, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
                                  ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep, padded_vocab_size=padded)
@@ -190,7 +204,8 @@ def test_the_layouts_really_split_the_model(runs):
     assert "decoder.layers.0.mlp.linear_fc1.weight" in dense0 and "decoder.layers.1.mlp.router.weight" in dense0
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0].startswith(("qwen2", "qwen3")) and "_pp" not in c[0]])
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0].startswith(("qwen2", "qwen3", "mixtral", "llama3"))
+                                  and "_pp" not in c[0]])
 def test_megatron_loaded_through_the_table_gives_the_hf_models_logprobs(runs, model_dirs, case):
     from transformers import AutoModelForCausalLM
 
@@ -202,4 +217,4 @@ def test_megatron_loaded_through_the_table_gives_the_hf_models_logprobs(runs, mo
     got = runs[case][0]["logprobs"][:, :-1]
     assert expected.std() > 0.3, "the check needs logprobs that vary"
     diff = (got - expected).abs().max().item()
-    assert diff < 1e-4, f"{case}: megatron vs HF logprobs differ by {diff}"
+    assert diff < 1e-5, f"{case}: megatron vs HF logprobs differ by {diff}"

@@ -225,12 +225,12 @@ def test_the_planned_sync_bytes_follow_trainer_precision_not_only_the_megatron_f
 
 
 def test_help_lists_every_tiny_family_and_the_tiny_moe_keys(capsys):
-    from glue.embedded_engine.tiny_model import _FAMILIES
+    from weight_sync.families import FAMILIES
 
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     family = next(line for line in text.splitlines() if line.startswith("  model.tiny.family  ("))
-    assert all(repr(name) in family for name in _FAMILIES), family
+    assert all(repr(name) in family for name in FAMILIES), family
     assert "  model.tiny.num_experts  (int, default: 4)\n      qwen3_moe: routed experts" in text
     assert "  model.tiny.moe_top_k  (int, default: 2)\n      qwen3_moe: experts each token is routed to" in text
 

@@ -1,11 +1,14 @@
 """The engine's weights by HF *checkpoint* name, as SGLang's weight routes take them. Most checkpoint names are the
 model's own parameter names; transformers 5 stores routed experts fused in 3-D parameters (`experts.gate_up_proj`
 [E, 2I, H], `experts.down_proj` [E, H, I]) while checkpoints, the trainer's converter and SGLang name each expert's
-`gate_proj` / `up_proj` / `down_proj` separately, so those names map to views into the fused parameters.
+`gate_proj` / `up_proj` / `down_proj` separately, so those names map to views into the fused parameters, and the
+model's family (weight_sync.families) renames them as its checkpoints do (Mixtral's `block_sparse_moe.experts.{e}.w1`).
 """
 from __future__ import annotations
 
 import torch
+
+from weight_sync.families import BY_MODEL_TYPE, Family
 
 _FUSED_EXPERTS = ".experts.gate_up_proj", ".experts.down_proj"
 
@@ -14,6 +17,20 @@ def checkpoint_tensors(model: torch.nn.Module, *, with_tied_copies: bool = True)
     """Checkpoint name -> the tensor holding those weights in `model` (the parameter itself or a view into a fused
     parameter; writing into it updates the model). Built per call: parameters may have been re-homed since.
     `with_tied_copies` also names a tied parameter under its second name (lm_head.weight of a tied model)."""
+    family = family_of_model(model)
+    named = loaded_tensors(model, with_tied_copies=with_tied_copies)
+    return {family.checkpoint_name(name): t for name, t in named.items()} if family else named
+
+
+def family_of_model(model: torch.nn.Module) -> Family | None:
+    """The family of a loaded HF model; None for one the trainer does not build (the engine still serves it, under
+    the model's own names)."""
+    return BY_MODEL_TYPE.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def loaded_tensors(model: torch.nn.Module, *, with_tied_copies: bool = True) -> dict[str, torch.Tensor]:
+    """As `checkpoint_tensors`, by the loaded model's own names with its fused experts named one by one
+    (`mlp.experts.{e}.gate_proj.weight`): the same names in every MoE family."""
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=not with_tied_copies):
         if name.endswith(_FUSED_EXPERTS[0]) and param.dim() == 3:

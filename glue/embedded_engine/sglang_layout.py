@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from glue.embedded_engine.checkpoint_names import checkpoint_tensors
+from glue.embedded_engine.checkpoint_names import checkpoint_tensors, family_of_model
 
 VOCAB_PADDING = 64  # sglang/srt/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -50,10 +50,11 @@ def rank_tensors(model: Any, tp_rank: int, tp_size: int) -> dict[str, torch.Tens
     qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     gate_up: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    family = family_of_model(model)
     for name, t in checkpoint_tensors(model, with_tied_copies=False).items():
         t = t.detach()
-        if m := _EXPERT.match(name):
-            experts.setdefault(m[1], {})[(m[3], int(m[2]))] = t
+        if m := _EXPERT.match(family.loaded_name(name) if family else name):  # which projection of which expert
+            experts.setdefault(name[:name.index(".experts.")] + ".experts", {})[(m[3], int(m[2]))] = t
         elif m := _QKV.match(name):
             qkv.setdefault((m[1], m[3]), {})[m[2]] = t
         elif m := _GATE_UP.match(name):

@@ -6,21 +6,7 @@ from __future__ import annotations
 
 import os
 
-_FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
-
-
-def _family_fields(family: str, hidden_size: int, num_heads: int, intermediate_size: int, num_experts: int,
-                   moe_top_k: int) -> dict:
-    """Config fields beyond the shared ones: Qwen3's head_dim defaults to 128 whatever the hidden size, and
-    Qwen3-MoE's experts (`num_experts`, top-`moe_top_k`, each a quarter of the dense MLP, renormalised top-k
-    weights)."""
-    if family == "qwen3":
-        return {"head_dim": hidden_size // num_heads}
-    if family == "qwen3_moe":
-        return {"head_dim": hidden_size // num_heads, "num_experts": num_experts, "num_experts_per_tok": moe_top_k,
-                "moe_intermediate_size": intermediate_size // 4, "norm_topk_prob": True}
-    return {}
+from weight_sync.families import FAMILIES, MoeFamily
 
 
 def tiny_config(
@@ -39,19 +25,23 @@ def tiny_config(
     pad_token_id: int | None = None,
 ):
     """The HF config of a tiny `family` model (no weights): what `save_tiny_model` builds, and what a dry run plans
-    from. `num_experts` and `moe_top_k` shape qwen3_moe only."""
+    from; the family (weight_sync.families) adds its own fields. `num_experts` and `moe_top_k` shape MoE families
+    only."""
     import transformers
 
-    if family not in _FAMILIES:
-        raise ValueError(f"tiny model: family must be one of {sorted(_FAMILIES)}, got {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"tiny model: family must be one of {sorted(FAMILIES)}, got {family!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(
             f"tiny model: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) and num_heads "
             f"by num_kv_heads ({num_kv_heads})"
         )
-    if family == "qwen3_moe" and not 1 <= moe_top_k <= num_experts:
+    if isinstance(FAMILIES[family], MoeFamily) and not 1 <= moe_top_k <= num_experts:
         raise ValueError(f"tiny model: moe_top_k must be in [1, num_experts={num_experts}], got {moe_top_k}")
-    return getattr(transformers, _FAMILIES[family][0])(
+    fields = FAMILIES[family].tiny_fields(hidden_size=hidden_size, num_heads=num_heads,
+                                          intermediate_size=intermediate_size, num_experts=num_experts,
+                                          moe_top_k=moe_top_k)
+    return getattr(transformers, FAMILIES[family].tiny_classes[0])(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -64,7 +54,7 @@ def tiny_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         torch_dtype="float32",
-        **_family_fields(family, hidden_size, num_heads, intermediate_size, num_experts, moe_top_k),
+        **fields,
     )
 
 
@@ -97,7 +87,7 @@ def save_tiny_model(
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = getattr(transformers, _FAMILIES[family][1])(config).to(torch.float32)
+        model = getattr(transformers, FAMILIES[family].tiny_classes[1])(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
     os.makedirs(path, exist_ok=True)

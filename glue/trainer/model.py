@@ -1,4 +1,5 @@
-"""The trainer's model: a megatron-core GPTModel (local layer spec) built from an HF Llama/Qwen2/Qwen3(-MoE) config, loaded
+"""The trainer's model: a megatron-core GPTModel (local layer spec) built from the HF config of a model family
+(weight_sync.families: the family sets the fields that differ, the trainer the shared shape and precision), loaded
 with the HF weights (weight_sync.convert + TP sharding), and the per-token logprobs the loss consumes.
 
 Needs `torch.distributed` and megatron's `parallel_state` initialised (the worker does that) and, on CPU,
@@ -22,32 +23,25 @@ from glue.trainer.logprobs import token_logprobs_and_entropy
 from glue.trainer.megatron_fields import to_megatron
 from glue.trainer.optim import unwrap
 from glue.trainer.te_spec import check_te_options
-from weight_sync.convert import hf_to_megatron_local, in_names_of, is_moe_layer, is_tied, num_experts
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+from weight_sync.convert import hf_to_megatron_local, in_names_of, is_tied, num_experts
+from weight_sync.families import family_of, rope_parameters, rope_theta
 
 
 def read_hf_config(model_dir: str) -> Any:
-    """The HF config of a checkpoint directory, checked to be a family this trainer can build."""
+    """The HF config of a checkpoint directory, checked to be a model this trainer can build (its family's check)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{model_dir}: model_type {config.model_type!r} is not supported by the megatron trainer yet; "
-                         f"supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"{model_dir}: sliding-window attention is not supported; set use_sliding_window=false")
+    check_buildable(config, model_dir)
     return config
 
 
-def rope_theta(hf_config: Any) -> float:
-    """RoPE base from `rope_parameters` (transformers >= 5) or the older `rope_theta` attribute."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} / rope_scaling is not supported by the megatron trainer yet; "
-                         "use a checkpoint with plain RoPE")
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+def check_buildable(hf_config: Any, where: str) -> None:
+    """What the trainer would refuse once its ranks start, said in one line naming `where` the config is from."""
+    try:
+        family_of(hf_config).check(hf_config)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
@@ -67,14 +61,12 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    has_qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("Llama checkpoints with mlp_bias=true are not supported by the megatron trainer yet")
+    family_of(hf_config).check(hf_config)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
         num_query_groups=num_groups, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=has_qkv_bias,
+        activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp_size,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -87,23 +79,14 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
 
 
 def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
-    """TransformerConfig fields that differ by family: Qwen3's per-head q/k RMSNorm, Qwen3-MoE's routed experts."""
-    kwargs: dict[str, Any] = {"qk_layernorm": hf_config.model_type in ("qwen3", "qwen3_moe")}
-    if num_experts(hf_config) == 0:
-        return kwargs
-
-    kwargs.update(
-        num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        moe_layer_freq=[int(is_moe_layer(hf_config, i)) for i in range(hf_config.num_hidden_layers)],
-        # HF: softmax over all experts, top-k, renormalised only with norm_topk_prob. Megatron without pre-softmax
-        # softmaxes the top-k logits, which is exactly the renormalised form.
-        moe_router_pre_softmax=not hf_config.norm_topk_prob, moe_router_score_function="softmax",
-        moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+    """TransformerConfig fields that differ by family (the family's own, weight_sync.families), plus how this
+    machine runs routed experts."""
+    kwargs = family_of(hf_config).megatron_fields(hf_config)
+    if num_experts(hf_config):
         # SequentialMLP unless --moe-grouped-gemm (TE's grouped experts) is passed through; the all-to-all
         # dispatcher needs CUDA streams
-        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall",
-    )
+        kwargs.update(moe_grouped_gemm=False,
+                      moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall")
     return kwargs
 
 
@@ -138,13 +121,33 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
     megatron_args = {**fused, **(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
                      "pipeline_dtype": dtype}
     config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice, compiled),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), parallel_output=True,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
     )
+    scale_rope(model, hf_config)
+    return model
+
+
+def scale_rope(model: torch.nn.Module, hf_config: Any) -> None:
+    """A scaled RoPE (`rope_type` linear or llama3, weight_sync.families.base.TRAINED_ROPE_TYPES) takes the inverse
+    frequencies transformers computes for the HF model, so both rotate alike; megatron's own llama3 scaling fixes
+    its factors to Llama 3.1's. Default RoPE keeps megatron's table."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(hf_config)["rope_type"]
+    if rope_type == "default":
+        return
+    with torch.device("cpu"):  # real numbers even where the model is built on the meta device (sluice export-hf)
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    if attention_factor != 1.0:
+        raise ValueError(f"rope_type {rope_type!r} scales attention by {attention_factor}; the trainer builds only "
+                         "scalings that change the frequencies alone")
+    rope = model.rotary_pos_emb
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
 
 
 def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from glue.trainer.parallel import hf_weight_specs
 from weight_sync.convert import (from_te_names, local_name, num_experts, rule_to_hf, rules, shard_into_hf,
                                  shard_rank)
-from weight_sync.convert.layout import REPLICATED
+from weight_sync.families.table import REPLICATED
 from weight_sync.sender import BucketSender
 
 SOURCE_RANK = 0  # the trainer rank that sends every bucket with one source (pp, tp, dp, ep all 0)

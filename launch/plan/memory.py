@@ -15,10 +15,11 @@ from glue.trainer.config import TrainerConfig
 from glue.trainer.optim import OFFLOAD_NEEDS_BF16, resolve_precision
 from launch.config import ConfigError, SluiceConfig
 from launch.plan.model_check import hf_parameters, model_config
-from weight_sync.convert.layout import REPLICATED
-from weight_sync.convert.names import EMBEDDING, EXPERT_HF, FINAL_NORM, OUTPUT, rules
+from weight_sync.families import family_of
+from weight_sync.families.table import EMBEDDING, FINAL_NORM, OUTPUT, REPLICATED
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
+EXPERTS_LOADED = "mlp.experts."  # where transformers 5 keeps a layer's routed experts (fused, one tensor per kind)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 def model_params(hf_config: Any) -> ModelParams:
     """Every HF parameter (counted on the meta device) sorted by its layout kind in weight_sync's name tables; a
     routed expert's tensors (one fused tensor per layer in transformers 5) by their `mlp.experts.` path."""
-    kinds = {name: rule.kind for rule in rules(hf_config) if rule.expert is None for name in rule.hf}
+    family = family_of(hf_config)
+    kinds = {family.loaded_name(name): rule.kind for rule in family.rules(hf_config) if rule.expert is None
+             for name in rule.hf}
     layers = int(hf_config.num_hidden_layers)
     split, whole, experts = [0] * layers, [0] * layers, [0] * layers
     top = {EMBEDDING.hf[0]: 0, OUTPUT.hf[0]: 0, FINAL_NORM.hf[0]: 0}
@@ -62,13 +65,13 @@ def model_params(hf_config: Any) -> ModelParams:
         layer = LAYER.match(name)
         if layer is None and name in top:
             top[name] = numel
-        elif layer is not None and name[layer.end():].startswith(EXPERT_HF.split("{")[0]):
+        elif layer is not None and name[layer.end():].startswith(EXPERTS_LOADED):
             experts[int(layer.group(1))] += numel
         elif layer is not None and name in kinds:
             (whole if kinds[name] == REPLICATED else split)[int(layer.group(1))] += numel
         else:
             raise ConfigError(f"the memory plan cannot place {hf_config.model_type} parameter {name!r}: it is in no "
-                              "name table of weight_sync/convert/names.py")
+                              "name table of weight_sync/families/")
     return ModelParams(embedding=top[EMBEDDING.hf[0]], output=top[OUTPUT.hf[0]], final_norm=top[FINAL_NORM.hf[0]],
                        split=tuple(split), whole=tuple(whole), experts=tuple(experts),
                        hidden_size=int(hf_config.hidden_size))

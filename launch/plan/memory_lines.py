@@ -13,7 +13,8 @@ from launch.config import ConfigError, SluiceConfig
 from launch.plan.memory import (Layout, RankMemory, Settings, fitting_layout, layout_change, model_params, rank_memory,
                                 stage_layers)
 from launch.plan.fleets import devices_text, fleet_sizes
-from launch.plan.model_check import format_bytes, model_config, num_experts, section_model_config
+from launch.plan.model_check import format_bytes, model_config, section_model_config
+from weight_sync.families import num_experts
 
 GiB = 2**30
 # SGLang 0.5.23 with --mem-fraction-static unset keeps back at least this much of a GPU over 60 GiB for activations

@@ -15,6 +15,7 @@ from glue.trainer.model import check_tensor_parallel, read_hf_config
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
 from launch.slime.megatron import check_shape
+from weight_sync.families import num_experts
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -168,11 +169,6 @@ def describe_attention(trainer: Any, on_gpus: bool) -> str:
     compiled = ("; trainer.compile: RMSNorms, RoPE, SwiGLU and residual adds under torch.compile"
                 if trainer.compile and kernel is not REFERENCE_ATTENTION else "")
     return f"attention ({backend}): {kernel}, every trainer rank{compiled}"
-
-
-def num_experts(hf_config: Any) -> int:
-    """Routed experts per MoE layer (0 for a dense model)."""
-    return int(getattr(hf_config, "num_experts", None) or 0)
 
 
 def check_weight_files(model_path: str, weights: list[Path]) -> None:

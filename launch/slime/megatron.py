@@ -7,6 +7,7 @@ import ast
 from typing import Any, Callable
 
 from launch.slime.spec import SlimeArg, Takes, no, same, to
+from weight_sync.families import family_of, is_moe_layer, is_tied, num_experts, rope_theta
 
 SCHEDULE = [
     to("--micro-batch-size", "trainer.micro_batch_size", "megatron-lm", int,
@@ -60,32 +61,12 @@ def _head_dim(hf: Any) -> int:
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
-def _rope_base(hf: Any) -> float:
-    from glue.trainer.model import rope_theta  # lazy: glue.trainer.model imports torch
-
-    return rope_theta(hf)
-
-
-def _experts(hf: Any) -> int:
-    from weight_sync.convert.names import num_experts  # lazy: weight_sync.convert imports torch
-
-    return num_experts(hf)
-
-
 def _moe_layers(hf: Any) -> list[int]:
-    from weight_sync.convert.names import is_moe_layer  # lazy: weight_sync.convert imports torch
-
     return [int(is_moe_layer(hf, i)) for i in range(hf.num_hidden_layers)]
 
 
-def _tied(hf: Any) -> bool:
-    from weight_sync.convert.names import is_tied  # lazy: weight_sync.convert imports torch
-
-    return is_tied(hf)
-
-
 def _qkv_bias(hf: Any) -> bool:
-    return hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    return family_of(hf).has_qkv_bias(hf)
 
 
 # flag -> (what config.json says, its value for a checkpoint's HF config, how the flag is given, type of one value)
@@ -99,12 +80,12 @@ SHAPE: dict[str, tuple[str, Callable[[Any], Any], Takes, type]] = {
     "--kv-channels": ("head_dim", _head_dim, "one", int),
     "--norm-epsilon": ("rms_norm_eps", _cfg("rms_norm_eps"), "one", float),
     "--layernorm-epsilon": ("rms_norm_eps", _cfg("rms_norm_eps"), "one", float),
-    "--rotary-base": ("rope_theta", _rope_base, "one", float),
+    "--rotary-base": ("rope_theta", rope_theta, "one", float),
     "--rotary-percent": ("partial_rotary_factor", _cfg("partial_rotary_factor", 1.0), "one", float),
     "--vocab-size": ("vocab_size", _cfg("vocab_size"), "one", int),
     "--max-position-embeddings": ("max_position_embeddings", _cfg("max_position_embeddings"), "one", int),
-    "--num-experts": ("num_experts", _experts, "one", int),
-    "--num-moe-experts": ("num_experts", _experts, "one", int),
+    "--num-experts": ("num_experts", num_experts, "one", int),
+    "--num-moe-experts": ("num_experts", num_experts, "one", int),
     "--moe-router-topk": ("num_experts_per_tok", _cfg("num_experts_per_tok"), "one", int),
     "--moe-ffn-hidden-size": ("moe_intermediate_size", _cfg("moe_intermediate_size"), "one", int),
     "--moe-layer-freq": ("mlp_only_layers / decoder_sparse_step (MoE layers)", _moe_layers, "one", str),
@@ -115,9 +96,8 @@ SHAPE: dict[str, tuple[str, Callable[[Any], Any], Takes, type]] = {
     "--disable-bias-linear": ("mlp_bias", lambda hf: not getattr(hf, "mlp_bias", False), "none", bool),
     "--add-bias-linear": ("mlp_bias", lambda hf: bool(getattr(hf, "mlp_bias", False)), "negatable", bool),
     "--add-qkv-bias": ("attention_bias / model_type", _qkv_bias, "negatable", bool),
-    "--qk-layernorm": ("model_type (qwen3 norms q and k)", lambda hf: hf.model_type in ("qwen3", "qwen3_moe"),
-                       "negatable", bool),
-    "--untie-embeddings-and-output-weights": ("tie_word_embeddings", lambda hf: not _tied(hf), "none", bool),
+    "--qk-layernorm": ("model_type (qwen3 norms q and k)", lambda hf: family_of(hf).qk_norm, "negatable", bool),
+    "--untie-embeddings-and-output-weights": ("tie_word_embeddings", lambda hf: not is_tied(hf), "none", bool),
     "--group-query-attention": ("num_key_value_heads (any)", lambda hf: True, "none", bool),
     "--use-rotary-position-embeddings": ("rope in every family the trainer builds", lambda hf: True, "none", bool),
 }

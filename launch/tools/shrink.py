@@ -19,6 +19,7 @@ from glue.plugins import load_object
 from launch.args.options import to_argv
 from launch.args.sglang import sglang_options
 from rollout_fns.arith_data import arith_rows
+from weight_sync.families import FAMILIES, MoeFamily, family_of
 
 STEPS = 2  # train steps of a rehearsal: the first one starts everything, the second one follows a weight sync
 MAX_TRAINER_RANKS = 2  # trainer world size on 2 cores (each rank is a process with its own model copy)
@@ -27,9 +28,6 @@ PROMPTS, SAMPLES, NEW_TOKENS, EVAL_PROMPTS = 4, 4, 8, 4
 SFT_ROWS = 64  # generated chats an SFT recipe's rehearsal trains on
 TEXT_VOCAB = 272  # a tiny model with a tokenizer: 256 bytes, 4 specials, 12 merges (examples/configs/text_arith.yaml)
 
-# Checkpoint families by name, first match wins, where the checkpoint itself is not on this machine.
-FAMILY_BY_NAME = ((r"qwen3.*-a\d+b|moe", "qwen3_moe"), (r"qwen3", "qwen3"), (r"qwen2", "qwen2"),
-                  (r"smollm|llama", "llama"))
 
 # megatron-core fields whose recipe values need CUDA; the CPU trainer keeps its own (glue/trainer/model.py).
 GPU_ONLY_MEGATRON = {
@@ -199,12 +197,13 @@ def _shrink_trainer(edit: _Editor) -> None:
 
 
 def infer_family(model_path: str | None, name_hint: str) -> str:
-    """The HF family of the recipe's checkpoint: its config.json's model_type when the directory is here, else
-    FAMILY_BY_NAME over the path and the recipe's name; qwen2 (the demos' family) when nothing matches."""
+    """The family of the recipe's checkpoint (weight_sync.families): its config.json's when the directory is here,
+    else the first family whose name pattern matches the path or the recipe's name; qwen2 (the demos' family) when
+    nothing matches."""
     if model_path and (Path(model_path) / "config.json").is_file():
-        return json.loads((Path(model_path) / "config.json").read_text())["model_type"]
+        return family_of(json.loads((Path(model_path) / "config.json").read_text())).name
     text = f"{model_path or ''} {name_hint}".lower()
-    return next((family for pattern, family in FAMILY_BY_NAME if re.search(pattern, text)), "qwen2")
+    return next((name for name, family in FAMILIES.items() if re.search(family.name_pattern, text)), "qwen2")
 
 
 def _shrink_model(edit: _Editor, name_hint: str) -> None:
@@ -220,7 +219,7 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
             "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
     if tiny["tokenizer"]:
         tiny["vocab_size"] = TEXT_VOCAB
-    if family == "qwen3_moe":  # experts in kind: two on every expert-parallel rank, each token routed to two
+    if isinstance(FAMILIES[family], MoeFamily):  # experts in kind: two on each expert-parallel rank, top-2 routing
         ep = edit.get("trainer.expert_model_parallel_size", 1) or 1
         tiny.update(num_experts=2 * max(ep, 2), moe_top_k=2)
     edit.set("model.path", None, f"the checkpoint swapped for a tiny random {family} (model.tiny)")

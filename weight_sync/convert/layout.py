@@ -8,14 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Layout kinds of a megatron tensor (the name tables in `names.py` give one to every tensor).
-REPLICATED = "replicated"  # every TP rank holds the whole tensor (norms, the MoE router)
-COLUMN = "column"  # column-parallel linear: output rows split over TP ranks
-ROW = "row"  # row-parallel linear: input columns split over TP ranks
-VOCAB = "vocab"  # vocab-parallel embedding / output layer: rows split, after padding the vocab
-QKV = "qkv"  # fused q/k/v, group-major, so a plain row chunk holds whole query groups
-GATE_UP = "gate_up"  # fused [gate; up]: each TP rank holds [gate chunk; up chunk]
-KINDS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
+from weight_sync.families.table import GATE_UP, REPLICATED, ROW  # layout kinds: the family name tables give them
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """HF <-> megatron-core state dicts, for one rank or for every rank of a parallel layout: fuse / split q-k-v and
 gate-up, shard / gather over TP, place layers on pipeline stages and experts on EP ranks, pad / unpad the vocab.
 
-Driven entirely by the family tables in `names.py`. The trainer loads HF checkpoints through
+Driven entirely by the family name tables (weight_sync.families). The trainer loads HF checkpoints through
 `hf_to_megatron_local`; the weight bridge turns trainer tensors back into what SGLang loads with `megatron_to_hf`.
 """
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Any, Sequence
 
 import torch
 
-from weight_sync.convert.layout import (GATE_UP, QKV, REPLICATED, ROW, VOCAB, ParallelLayout, gather, pad_vocab,
-                                       shard)
-from weight_sync.convert.names import (EMBEDDING, FINAL_NORM, KIND_BY_SUFFIX, OUTPUT, Rule, cfg, is_tied,
-                                       model_type, num_experts, rules)
+from weight_sync.convert.layout import ParallelLayout, gather, pad_vocab, shard
 from weight_sync.convert.te_names import from_te_names
+from weight_sync.families import family_of, is_tied, kind_by_suffix, num_experts, rules
+from weight_sync.families.table import EMBEDDING, FINAL_NORM, GATE_UP, OUTPUT, QKV, REPLICATED, ROW, VOCAB, Rule, cfg
 
+KIND_BY_SUFFIX = kind_by_suffix()
 # HF tensors a checkpoint may carry that no megatron tensor needs.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -224,7 +224,8 @@ def _check_known_hf_names(hf_state: dict[str, torch.Tensor], table: list[Rule], 
         known.add(OUTPUT.hf[0])  # some tied checkpoints still save lm_head
     unknown = sorted(n for n in hf_state if n not in known and not n.endswith(IGNORED_HF_SUFFIXES))
     if unknown:
-        raise ValueError(f"{len(unknown)} checkpoint tensors are not in the {model_type(hf_config)} name table, e.g. "
+        family = family_of(hf_config).name
+        raise ValueError(f"{len(unknown)} checkpoint tensors are not in the {family} name table, e.g. "
                          f"{unknown[:4]}; does config.json match the checkpoint (attention_bias, num_experts, "
                          "mlp_only_layers, tie_word_embeddings)?")
 

@@ -1,0 +1,132 @@
+"""Model families (weight_sync.families), each proved against checkpoints transformers writes itself: every family's
+name table covers exactly the tensors `save_pretrained` writes, the engine names its weights as the checkpoint does,
+`--dry-run` refuses in one line what the trainer would refuse (an unbuilt RoPE type, Mixtral's sliding window) and
+passes what it builds (Llama 3.1's scaled RoPE), and a short GRPO run of a scaled-RoPE Llama and of a Mixtral with
+routing replay keeps the trainer on the engines' policy at step 1."""
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+import weight_sync.families as families
+from glue.metrics.logger import read_metrics
+from launch.args.command_line import parse_args
+from launch.cli import main
+from launch.config import load_config
+from launch.run.runner import run
+from weight_sync.families import FAMILIES, MoeFamily, family_of, rules
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def write_checkpoint(path, family: str, **fields) -> str:
+    """A tiny random checkpoint of `family`, written by transformers from the family's own config class."""
+    from glue.embedded_engine.tiny_model import tiny_config
+
+    config = tiny_config(family=family)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_every_family_module_is_registered_once_and_takes_its_own_model_types():
+    modules = {m.name for m in pkgutil.iter_modules(families.__path__)} - {"base", "table"}
+    assert {importlib.import_module(f"weight_sync.families.{m}").FAMILY.name for m in modules} == set(FAMILIES)
+    taken = [t for f in FAMILIES.values() for t in f.model_types]
+    assert len(taken) == len(set(taken)), taken
+    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' is not supported by the megatron trainer yet"):
+        family_of({"model_type": "gpt_oss"})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_familys_name_table_is_exactly_what_transformers_writes(tmp_path, family, capsys):
+    path = write_checkpoint(tmp_path / family, family)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        written = set(f.keys())
+    table = {name for rule in rules(json.loads((tmp_path / family / "config.json").read_text())) for name in rule.hf}
+    assert table == written, (sorted(table - written)[:4], sorted(written - table)[:4])
+
+
+def test_the_engine_names_a_mixtral_expert_as_its_checkpoint_does(tmp_path):
+    from glue.embedded_engine.checkpoint_names import checkpoint_tensors
+
+    path = write_checkpoint(tmp_path / "mixtral", "mixtral")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    named = checkpoint_tensors(model)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        assert set(named) == set(f.keys())
+        for name in ("model.layers.1.block_sparse_moe.experts.3.w3.weight", "model.layers.0.block_sparse_moe.gate.weight"):
+            assert torch.equal(named[name], f.get_tensor(name)), name
+
+
+def test_a_moe_family_knows_its_loaded_and_checkpoint_names_both_ways():
+    mixtral = FAMILIES["mixtral"]
+    assert isinstance(mixtral, MoeFamily)
+    pairs = {"model.layers.2.block_sparse_moe.experts.5.w1.weight": "model.layers.2.mlp.experts.5.gate_proj.weight",
+             "model.layers.2.block_sparse_moe.experts.5.w3.weight": "model.layers.2.mlp.experts.5.up_proj.weight",
+             "model.layers.2.block_sparse_moe.experts.5.w2.weight": "model.layers.2.mlp.experts.5.down_proj.weight",
+             "model.layers.2.block_sparse_moe.gate.weight": "model.layers.2.mlp.gate.weight",
+             "model.layers.2.self_attn.o_proj.weight": "model.layers.2.self_attn.o_proj.weight"}
+    for checkpoint, loaded in pairs.items():
+        assert mixtral.loaded_name(checkpoint) == loaded
+        assert mixtral.checkpoint_name(loaded) == checkpoint
+
+
+def dry_run(capsys, model_dir: str) -> tuple[int, str]:
+    capsys.readouterr()  # save_pretrained's progress bar
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={model_dir}"])
+    captured = capsys.readouterr()
+    return code, captured.err.strip()
+
+
+def test_dry_run_passes_llama_3_1s_scaled_rope_and_refuses_one_the_trainer_does_not_build(tmp_path, capsys):
+    assert dry_run(capsys, write_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3_ROPE)) == (0, "")
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    code, err = dry_run(capsys, write_checkpoint(tmp_path / "yarn", "llama", rope_parameters=yarn))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "rope_type 'yarn' is not supported by the megatron trainer yet" in err, err
+
+
+def test_dry_run_refuses_a_mixtral_with_a_sliding_window_in_one_line(tmp_path, capsys):
+    code, err = dry_run(capsys, write_checkpoint(tmp_path / "mixtral", "mixtral", sliding_window=8))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "sliding_window=8" in err and "set sliding_window: null" in err, err
+
+
+def short_run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
+    args, rest = parse_args(["--config", "examples/configs/demo.yaml", f"run.output_dir={tmp_path}",
+                             f"run.name={name}", "run.num_steps=3", "rollout.prompts_per_step=4",
+                             "rollout.samples_per_prompt=4", *overrides])
+    return read_metrics(run(load_config(args.config, rest, args.flags)) / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
+    path = write_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3_ROPE)
+    records = short_run(tmp_path, "llama3", [f"model.path={path}"])
+    print("llama3 |train - rollout| by step:", [r["train/train_rollout_logprob_abs_diff"] for r in records])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3, records
+
+
+@pytest.mark.slow
+def test_a_mixtral_trains_with_routing_replay_on_the_engines_policy(tmp_path):
+    records = short_run(tmp_path, "mixtral", ["model.tiny.family=mixtral", "model.tiny.num_experts=4",
+                                              "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",
+                                              "trainer.routing_replay=true"])
+    print("mixtral |train - rollout| by step:", [r["train/train_rollout_logprob_abs_diff"] for r in records],
+          "routing agreement:", [r["moe/routing_agreement"] for r in records])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
+    assert all(r["moe/routing_agreement"] > 0.9 for r in records), [r.get("moe/routing_agreement") for r in records]

@@ -1,0 +1,92 @@
+"""The vocabulary of a name table: a tensor's layout kind, an `Entry` (one megatron tensor and the HF tensors it is
+made of), a `Rule` (an entry placed in the model), and the entries every decoder family shares. Each family module
+(weight_sync.families.<family>) builds its table from these; the converters read the rules and nothing else."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Layout kinds of a megatron tensor: how tensor parallelism splits it (weight_sync.convert.layout).
+REPLICATED = "replicated"  # every TP rank holds the whole tensor (norms, the MoE router)
+COLUMN = "column"  # column-parallel linear: output rows split over TP ranks
+ROW = "row"  # row-parallel linear: input columns split over TP ranks
+VOCAB = "vocab"  # vocab-parallel embedding / output layer: rows split, after padding the vocab
+QKV = "qkv"  # fused q/k/v, group-major, so a plain row chunk holds whole query groups
+GATE_UP = "gate_up"  # fused [gate; up]: each TP rank holds [gate chunk; up chunk]
+KINDS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
+
+LAYER_HF, LAYER_MCORE = "model.layers.{layer}.", "decoder.layers.{layer}."
+EXPERT_MCORE = "mlp.experts.local_experts.{expert}."
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One megatron tensor and the HF tensors it is made of (several when megatron fuses them, in fusion order)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An Entry placed in the model: global HF names, the megatron name template (`{layer}` / `{expert}` filled
+    with the stage-local layer and EP-local expert index), and the global layer / expert it belongs to."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+    layer: int | None = None
+    expert: int | None = None
+
+    def megatron_name(self, local_layer: int | None = None, local_expert: int | None = None) -> str:
+        return self.megatron.format(layer=local_layer, expert=local_expert)
+
+
+# Whole-model tensors (full names).
+EMBEDDING = Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)
+FINAL_NORM = Entry("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED)
+OUTPUT = Entry("output_layer.weight", ("lm_head.weight",), VOCAB)  # absent when the embeddings are tied
+
+# Per-layer tensors, under decoder.layers.{layer}. / model.layers.{layer}.
+ATTENTION = (
+    Entry("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                               "self_attn.v_proj.weight"), QKV),
+    Entry("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
+)
+QKV_BIAS = Entry("self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                    "self_attn.v_proj.bias"), QKV)
+QK_NORM = (  # RMSNorm over head_dim of each query / key head, before RoPE
+    Entry("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), REPLICATED),
+    Entry("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), REPLICATED),
+)
+DENSE_MLP = (
+    Entry("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GATE_UP),
+    Entry("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW),
+)
+LAYER_NORMS = (
+    Entry("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED),
+    Entry("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
+)
+# A MoE layer's router and, under ...mlp.experts.local_experts.{expert}., each expert's MLP (megatron's SequentialMLP;
+# experts are tensor-parallel over the expert-TP group like the dense MLP). The HF side is the family's.
+ROUTER_MCORE = "mlp.router.weight"
+EXPERT_FC1, EXPERT_FC2 = "linear_fc1.weight", "linear_fc2.weight"
+
+
+def cfg(hf_config: Any, name: str, default: Any = None) -> Any:
+    """A field of an HF config object or config.json dict; None counts as missing."""
+    value = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
+    return default if value is None else value
+
+
+def in_layer(e: Entry, layer: int) -> Rule:
+    hf = tuple(LAYER_HF.format(layer=layer) + h for h in e.hf)
+    return Rule(LAYER_MCORE + e.megatron, hf, e.kind, layer=layer)
+
+
+def in_expert(e: Entry, layer: int, expert: int, hf_prefix: str) -> Rule:
+    """`e` for expert `expert` of layer `layer`; `hf_prefix` is the family's path of an expert in a layer
+    (`mlp.experts.{expert}.`)."""
+    hf = tuple(LAYER_HF.format(layer=layer) + hf_prefix.format(expert=expert) + h for h in e.hf)
+    return Rule(LAYER_MCORE + EXPERT_MCORE + e.megatron, hf, e.kind, layer=layer, expert=expert)
