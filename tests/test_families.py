@@ -130,3 +130,43 @@ def test_a_mixtral_trains_with_routing_replay_on_the_engines_policy(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
     assert all(r["moe/routing_agreement"] > 0.9 for r in records), [r.get("moe/routing_agreement") for r in records]
+
+
+# config.json of released checkpoints (the fields a plan reads), written as their authors publish them
+RELEASED = {
+    "Mixtral-8x7B": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                     "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1e6, "sliding_window": None, "tie_word_embeddings": False,
+                     "torch_dtype": "bfloat16"},
+    "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+                     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "torch_dtype": "bfloat16"},
+}
+# one node of 8 GPUs, engines 2 x TP4, the trainer TP4 x DP2 (EP8 for the MoE) with its optimizer state offloaded
+LAYOUT = ["cluster.gpus_per_node=8", "cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
+          "run.ray_address=auto", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+          "trainer.data_parallel_size=2", "--optimizer-cpu-offload"]
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_a_released_shape_plans_from_config_json_alone_with_transformers_parameter_count(tmp_path, capsys, name):
+    import yaml
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    moe = (["--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"]
+           if "num_local_experts" in RELEASED[name] else [])
+    assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT, *moe]) == 0
+    plan = yaml.safe_load(capsys.readouterr().out)["plan"]
+    sync = plan["weight_sync"]
+    family = RELEASED[name]["model_type"]
+    assert sync["parameters"].startswith(f"{count:,} ({family}, counted from config.json"), sync["parameters"]
+    assert sync["bytes_per_sync"].startswith(f"{2 * count:,} = "), sync["bytes_per_sync"]  # bf16 on the wire

@@ -14,7 +14,7 @@ from launch.plan.memory import (Layout, RankMemory, Settings, fitting_layout, la
                                 stage_layers)
 from launch.plan.fleets import devices_text, fleet_sizes
 from launch.plan.model_check import format_bytes, model_config, section_model_config
-from weight_sync.families import num_experts
+from weight_sync.families import family_of, num_experts
 
 GiB = 2**30
 # SGLang 0.5.23 with --mem-fraction-static unset keeps back at least this much of a GPU over 60 GiB for activations
@@ -73,10 +73,11 @@ def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settin
     micro-batch's tokens; under megatron's full recompute only each layer's input is kept, plus one layer while it is
     recomputed. `free`: what the training state leaves of the GPU, for `auto`'s budget."""
     t = cfg.trainer
+    fields = family_of(hf_config).megatron_fields(hf_config)  # the expert width and top-k, as the trainer sets them
     config = SimpleNamespace(tensor_model_parallel_size=layout.tp, hidden_size=hf_config.hidden_size,
                              ffn_hidden_size=hf_config.intermediate_size, num_moe_experts=num_experts(hf_config),
-                             moe_ffn_hidden_size=getattr(hf_config, "moe_intermediate_size", None),
-                             moe_router_topk=getattr(hf_config, "num_experts_per_tok", None))
+                             moe_ffn_hidden_size=fields.get("moe_ffn_hidden_size"),
+                             moe_router_topk=fields.get("moe_router_topk"))
     layers, vocab = len(stage_layers(hf_config.num_hidden_layers, layout.pp, 0)), hf_config.vocab_size
     plain = activation_bytes_per_token(config, vocab, layers)  # what the trainer sizes `auto` with
     if t.megatron.get("recompute_granularity") == "full":
