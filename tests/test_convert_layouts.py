@@ -20,6 +20,10 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 {"head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "n_shared_experts": 1, "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True,
+                  "partial_rotary_factor": 0.5}),
 }
 
 
@@ -67,7 +71,7 @@ def test_hf_to_megatron_ranks_to_hf_is_bit_exact_for_every_family_and_layout(che
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_a_moe_family_round_trips_through_tp2_pp2_ep2_with_vocab_padding(checkpoints, family):
     config, hf_state = checkpoints[family]
     ranks = layouts(4, tp=2, pp=2, ep=2, padded=64)

@@ -17,6 +17,7 @@ import torch
 
 from glue.embedded_engine.tiny_model import save_tiny_model
 from weight_sync.convert import ParallelLayout, hf_to_megatron_local, megatron_to_hf, padded_vocab_size
+from weight_sync.families import family_of
 from helpers.forkserver import rank_context
 
 # (family, extra config fields); every case below names one of these models.
@@ -28,6 +29,9 @@ MODELS = {
     # HF's other routing (no top-k renormalisation) and a dense layer among MoE layers
     "qwen3_moe_dense0": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[0])),
     "mixtral": ("mixtral", dict(num_layers=4)),
+    # GLM-4.5's features (tiny_fields): the first layer dense, a shared expert, half-rotary heads, attention biases,
+    # sigmoid routing with a (random, below) expert bias scaled by 2.5
+    "glm4_moe": ("glm4_moe", dict(num_layers=4)),
     # scaled RoPE: Llama 3.1's (original context 16 tokens, so the rows below reach the scaled frequencies) and
     # linear scaling on Qwen2
     "llama3_rope": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
@@ -46,6 +50,8 @@ CASES = [
     ("qwen3_moe_dense0_tp1", "qwen3_moe_dense0", 1, 1, 1),
     ("mixtral_tp1", "mixtral", 1, 1, 1), ("mixtral_tp2", "mixtral", 2, 1, 1), ("mixtral_pp2", "mixtral", 1, 2, 1),
     ("mixtral_ep2", "mixtral", 1, 1, 2),
+    ("glm4_moe_tp1", "glm4_moe", 1, 1, 1), ("glm4_moe_tp2", "glm4_moe", 2, 1, 1), ("glm4_moe_pp2", "glm4_moe", 1, 2, 1),
+    ("glm4_moe_ep2", "glm4_moe", 1, 1, 2),
     ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
     ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1),
 ]
@@ -74,6 +80,9 @@ def save_random_model(path: str, family: str, **fields) -> str:
         for name, p in model.named_parameters():
             is_norm = name.endswith("norm.weight")
             p.copy_(1 + 0.3 * torch.randn(p.shape) if is_norm else 0.15 * torch.randn(p.shape))
+        for name, b in model.named_buffers():  # an expert bias of 0 would let a swapped table pass
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape))
     model.save_pretrained(path)
     return path
 
@@ -99,7 +108,8 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
     gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(config), vocab_size=padded,
                    max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                    post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                   position_embedding_type="rope", rotary_base=tmodel.rope_theta(hf_config), parallel_output=True)
+                   position_embedding_type="rope", rotary_base=tmodel.rope_theta(hf_config), parallel_output=True,
+                   rotary_percent=family_of(hf_config).rotary_percent(hf_config))
     tmodel.scale_rope(gpt, hf_config)  # what build_model does after the GPTModel
     layout = ParallelLayout.even(hf_config.num_hidden_layers, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
@@ -204,7 +214,7 @@ def test_the_layouts_really_split_the_model(runs):
     assert "decoder.layers.0.mlp.linear_fc1.weight" in dense0 and "decoder.layers.1.mlp.router.weight" in dense0
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0].startswith(("qwen2", "qwen3", "mixtral", "llama3"))
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0].startswith(("qwen2", "qwen3", "mixtral", "glm4_moe", "llama3"))
                                   and "_pp" not in c[0]])
 def test_megatron_loaded_through_the_table_gives_the_hf_models_logprobs(runs, model_dirs, case):
     from transformers import AutoModelForCausalLM

@@ -121,11 +121,12 @@ def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_mixtral_trains_with_routing_replay_on_the_engines_policy(tmp_path):
-    records = short_run(tmp_path, "mixtral", ["model.tiny.family=mixtral", "model.tiny.num_experts=4",
-                                              "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",
-                                              "trainer.routing_replay=true"])
-    print("mixtral |train - rollout| by step:", [r["train/train_rollout_logprob_abs_diff"] for r in records],
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
+    records = short_run(tmp_path, family, [f"model.tiny.family={family}", "model.tiny.num_experts=4",
+                                           "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",
+                                           "trainer.routing_replay=true"])
+    print(f"{family} |train - rollout| by step:", [r["train/train_rollout_logprob_abs_diff"] for r in records],
           "routing agreement:", [r["moe/routing_agreement"] for r in records])
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
@@ -140,6 +141,14 @@ RELEASED = {
                      "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
                      "rope_theta": 1e6, "sliding_window": None, "tie_word_embeddings": False,
                      "torch_dtype": "bfloat16"},
+    "GLM-4.5": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 5120,
+                "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92,
+                "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 160,
+                "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1,
+                "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+                "rope_theta": 1000000, "vocab_size": 151552, "attention_bias": True, "use_qk_norm": True,
+                "num_nextn_predict_layers": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
     "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                      "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
@@ -148,10 +157,18 @@ RELEASED = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                      "torch_dtype": "bfloat16"},
 }
-# one node of 8 GPUs, engines 2 x TP4, the trainer TP4 x DP2 (EP8 for the MoE) with its optimizer state offloaded
-LAYOUT = ["cluster.gpus_per_node=8", "cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
-          "run.ray_address=auto", "--tensor-model-parallel-size", "4", "--sequence-parallel",
-          "trainer.data_parallel_size=2", "--optimizer-cpu-offload"]
+# engines and trainer on 8-GPU nodes, the trainer's optimizer state offloaded; the MoE experts over EP 8
+LAYOUT = ["cluster.gpus_per_node=8", "run.ray_address=auto", "--sequence-parallel", "--optimizer-cpu-offload",
+          "--tensor-model-parallel-size", "4", "trainer.data_parallel_size=2"]
+LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB of bf16 weights): one engine of
+    # TP8 on a node of 141 GB GPUs, the trainer TP4 x PP4 x DP2 on four more
+    "Mixtral-8x7B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4", "--expert-model-parallel-size",
+                     "8", "--expert-tensor-parallel-size", "1"],
+    "Llama-3.1-8B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4"],
+    "GLM-4.5": ["cluster.num_nodes=5", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=8",
+                "rollout.num_engines=1", "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
+                "--expert-tensor-parallel-size", "1"],
+}
 
 
 @pytest.mark.parametrize("name", sorted(RELEASED))
@@ -162,11 +179,12 @@ def test_a_released_shape_plans_from_config_json_alone_with_transformers_paramet
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     with torch.device("meta"):
         count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
-    moe = (["--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"]
-           if "num_local_experts" in RELEASED[name] else [])
-    assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT, *moe]) == 0
+    assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
+                 *LAYOUTS[name]]) == 0, capsys.readouterr().err
     plan = yaml.safe_load(capsys.readouterr().out)["plan"]
     sync = plan["weight_sync"]
     family = RELEASED[name]["model_type"]
     assert sync["parameters"].startswith(f"{count:,} ({family}, counted from config.json"), sync["parameters"]
-    assert sync["bytes_per_sync"].startswith(f"{2 * count:,} = "), sync["bytes_per_sync"]  # bf16 on the wire
+    buffers = RELEASED[name].get("n_routed_experts", 0) * (  # the expert bias of every MoE layer is sent too
+        RELEASED[name]["num_hidden_layers"] - RELEASED[name].get("first_k_dense_replace", 0))
+    assert sync["bytes_per_sync"].startswith(f"{2 * (count + buffers):,} = "), sync["bytes_per_sync"]  # bf16

@@ -88,6 +88,27 @@ def test_rope_rotation_by_roll_equals_megatrons_rotate_half_with_gradients(packe
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_partial_rotary_turns_the_first_dims_of_each_head_and_passes_the_rest(packed):
+    """GLM-4.5's half-rotary heads through the rotation megatron's attention calls: on a packed row each token by
+    its own angle row (megatron's per-sample THD path would restart the angle table at every sample)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import attention
+
+    rope.install()
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    gen = torch.Generator().manual_seed(5)
+    freqs = torch.rand(7, 1, 1, 8, generator=gen) * 50  # the first 8 dims of a 16-dim head turn
+    t = torch.randn(*((7, 3, 16) if packed else (7, 2, 3, 16)), generator=gen)
+    cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32) if packed else None
+    out = attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens)
+    heads = t[:, None] if packed else t
+    turned = _rotate_half_reference(heads[..., :8], freqs)
+    expected = torch.cat((turned[:, 0] if packed else turned, t[..., 8:]), dim=-1)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(6, 3, 32), (5, 2, 4, 16)])
 def test_the_compiled_rms_norm_equals_sluices_function_with_gradients(shape):
     x, weight, grad = _inputs(shape, 3)

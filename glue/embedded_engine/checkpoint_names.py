@@ -31,7 +31,8 @@ def family_of_model(model: torch.nn.Module) -> Family | None:
 def loaded_tensors(model: torch.nn.Module, *, with_tied_copies: bool = True) -> dict[str, torch.Tensor]:
     """As `checkpoint_tensors`, by the loaded model's own names with its fused experts named one by one
     (`mlp.experts.{e}.gate_proj.weight`): the same names in every MoE family."""
-    out: dict[str, torch.Tensor] = {}
+    held = model.state_dict(keep_vars=True)  # persistent buffers are checkpoint tensors too (DeepSeek's expert bias)
+    out: dict[str, torch.Tensor] = {n: b for n, b in model.named_buffers() if n in held}
     for name, param in model.named_parameters(remove_duplicate=not with_tied_copies):
         if name.endswith(_FUSED_EXPERTS[0]) and param.dim() == 3:
             prefix, half = name[: -len("gate_up_proj")], param.shape[1] // 2

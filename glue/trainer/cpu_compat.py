@@ -134,6 +134,14 @@ def _patch_moe_router() -> None:
 
     router.Router.gating = gating
 
+    # Why: TopKRouter.__init__ puts the expert-bias buffers (sigmoid routers: DeepSeek-V3, GLM-4.5) on
+    # torch.cuda.current_device(). Same bytecode, run with a CPU `torch`.
+    init = router.TopKRouter.__init__
+    patched = types.FunctionType(init.__code__, {**vars(router), "torch": _TorchOnCpu("torch")}, init.__name__,
+                                 init.__defaults__, init.__closure__)
+    patched.__kwdefaults__ = init.__kwdefaults__
+    router.TopKRouter.__init__ = patched
+
 
 class _HostStream:
     """A CUDA stream as the CPU has it: work runs in program order, so waiting on a stream or an event, and recording

@@ -125,8 +125,9 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
         config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice, compiled),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config), parallel_output=True,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        rotary_base=rope_theta(hf_config), rotary_percent=family_of(hf_config).rotary_percent(hf_config),
+        parallel_output=True, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     scale_rope(model, hf_config)
     return model
@@ -168,7 +169,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layo
     """Copy the checkpoint's weights into this rank's part of `model`: its TP shard and, for MoE, its experts
     (`layout`: a weight_sync.convert.ParallelLayout), in the names of its layer spec (local or Transformer
     Engine's). Every parameter must be covered."""
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     local = in_names_of(hf_to_megatron_local(read_hf_state(model_dir), hf_config, layout), params)
     missing = sorted(set(params) - set(local))
     unexpected = sorted(set(local) - set(params))
@@ -180,6 +181,13 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layo
             if local[name].shape != param.shape:
                 raise ValueError(f"{name}: checkpoint shard {tuple(local[name].shape)} != parameter {tuple(param.shape)}")
             param.copy_(local[name].to(param.dtype))
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint of `model` holds, by name: its parameters and its persistent buffers (a sigmoid
+    router's expert bias, which chooses experts and is never trained), not the buffers it recomputes."""
+    held = model.state_dict(keep_vars=True)
+    return {**{n: b for n, b in model.named_buffers() if n in held}, **dict(model.named_parameters())}
 
 
 def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu",

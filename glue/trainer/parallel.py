@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from glue.trainer.model import model_tensors
 from glue.trainer.pipeline import describe_stages, gather_stages
 from weight_sync.convert import ParallelLayout, megatron_to_hf
 
@@ -133,7 +134,7 @@ def _stage_shards(model: torch.nn.Module, place: RankPlace) -> dict[str, list[to
 
     tp_group, expert_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_and_model_parallel_group()
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in model_tensors(model).items():
         size = place.shard_count(name)
         if size == 1:  # nothing to gather: no copy either (on CPU the state then aliases the parameters)
             out[name] = [param.data]
@@ -148,7 +149,7 @@ def hf_weight_specs(model: torch.nn.Module, hf_config: Any, place: RankPlace) ->
     """(HF name, dtype, full shape) of every tensor `full_hf_state` returns, in its order; no communication
     (meta tensors: every rank's shard of a parameter has the same shape, and every rank knows every stage's)."""
     if place.pp_size == 1:
-        params = {0: [(n, p.shape, p.dtype) for n, p in model.named_parameters()]}
+        params = {0: [(n, p.shape, p.dtype) for n, p in model_tensors(model).items()]}
     else:
         params = {stage: info.params for stage, info in enumerate(place.stages)}
     states, layouts = [], []

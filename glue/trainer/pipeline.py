@@ -36,7 +36,8 @@ def describe_stages(model: torch.nn.Module) -> tuple[Stage, ...]:
 
     layers = model.decoder.layers
     first = layers[0].layer_number - 1 if len(layers) else 0  # megatron numbers layers globally from 1
-    mine = Stage(first, len(layers), tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()))
+    mine = Stage(first, len(layers), tuple((n, tuple(p.shape), p.dtype)
+                                           for n, p in trainer_model.model_tensors(model).items()))
     group = ps.get_pipeline_model_parallel_group()
     stages: list[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(stages, mine, group=group)

@@ -20,7 +20,7 @@ _cache: dict[str, Any] = {}  # the last angle table (key: table, dtype, layout) 
 def install(compiled: bool = False) -> None:
     """Route megatron's attention through `apply_rotary_pos_emb` below (idempotent), the rotation compiled by
     torch.compile when `compiled` (trainer.compile). Cases it does not cover (fused RoPE, interleaved, YaRN scaling,
-    MLA, context parallelism) go to megatron's function unchanged."""
+    MLA, context parallelism) go to megatron's function unchanged; partial rotary turns the first dims only."""
     global _installed, _compiled
     _compiled = compiled
     if _installed:
@@ -33,20 +33,24 @@ def install(compiled: bool = False) -> None:
                              mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
         if not _is_plain(config, freqs, t, mscale, cp_group):
             return megatron_rope(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        if cu_seqlens is None:
-            return rotate(t, freqs)
-        if freqs.shape[0] != t.shape[0]:  # a position table, not one row per token: megatron's per-sample path
+        if cu_seqlens is not None and freqs.shape[0] != t.shape[0]:
+            # a position table, not one row per token: megatron's per-sample path
             return megatron_rope(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        return rotate(t, freqs, packed=True)  # THD [T, heads, d] with one angle row per token [T, 1, 1, d]
+        turned = freqs.shape[-1]
+        if turned < t.shape[-1]:  # partial rotary (GLM-4.5): the first dims of each head turn, the rest pass
+            return torch.cat((rotate(t[..., :turned], freqs, packed=cu_seqlens is not None), t[..., turned:]), dim=-1)
+        # THD [T, heads, d] takes one angle row per token [T, 1, 1, d]
+        return rotate(t, freqs, packed=cu_seqlens is not None)
 
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
     _installed = True
 
 
 def _is_plain(config: Any, freqs: torch.Tensor, t: torch.Tensor, mscale: float, cp_group: Any) -> bool:
-    """True when the rotation is megatron's unfused half-rotation over the whole head (the Llama/Qwen case)."""
+    """True when the rotation is megatron's unfused half-rotation over the whole head (the Llama/Qwen case) or over
+    its first dims (partial rotary)."""
     return (not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
-            and mscale == 1.0 and freqs.shape[-1] == t.shape[-1] and (cp_group is None or cp_group.size() == 1))
+            and mscale == 1.0 and freqs.shape[-1] <= t.shape[-1] and (cp_group is None or cp_group.size() == 1))
 
 
 def rotate(t: torch.Tensor, freqs: torch.Tensor, packed: bool = False) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from glue.trainer.model import model_tensors
 from glue.trainer.parallel import hf_weight_specs
 from weight_sync.convert import (from_te_names, local_name, num_experts, rule_to_hf, rules, shard_into_hf,
                                  shard_rank)
@@ -133,7 +134,7 @@ class WeightStream:
         self.model, self.hf_config, self.place = model, hf_config, place
         # by the converter's (local) names, whichever layer spec built the model; the Parameter objects stay
         # (offload swaps only their .data)
-        self.params = from_te_names(dict(model.named_parameters()))
+        self.params = from_te_names(model_tensors(model))
         self.rank = torch.distributed.get_rank()
         self.n_experts = num_experts(hf_config)
         mine = Coords(pp=place.pp_rank, tp=place.tp_rank, dp=place.dp_rank, ep=place.ep_rank, etp=place.etp_rank,

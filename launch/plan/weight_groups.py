@@ -126,15 +126,17 @@ def check_weight_groups(cfg: SluiceConfig, plan: RunPlan) -> str:
     return check_devices(cfg, plan, plan_weight_groups(cfg, plan, model_config(cfg)))
 
 
-def parameter_numels(hf_config: Any) -> dict[str, int]:
+def sent_numels(hf_config: Any) -> tuple[dict[str, int], int]:
     """Elements of every tensor a sync sends, by HF checkpoint name (each routed expert apart, as the converter
-    names them), counted on the meta device from the HF model `hf_config` describes: no memory, no weights."""
+    names them; persistent buffers such as an expert bias too), and the model's parameter count as transformers
+    counts it (no buffers), both on the meta device from the HF model `hf_config` describes: no memory, no weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: t.numel() for name, t in checkpoint_tensors(model, with_tied_copies=False).items()}
+    numel = {name: t.numel() for name, t in checkpoint_tensors(model, with_tied_copies=False).items()}
+    return numel, sum(p.numel() for p in model.parameters())
 
 
 def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
@@ -144,14 +146,13 @@ def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
     import torch
 
     s, hf_config = cfg.sync, model_config(cfg)
-    numel = parameter_numels(hf_config)
-    count = sum(numel.values())
+    numel, count = sent_numels(hf_config)
     wire = "bfloat16" if resolve_precision(cfg.trainer, hf_config) == "bf16" else "float32"
     itemsize = getattr(torch, wire).itemsize
-    total = count * itemsize
+    total = sum(numel.values()) * itemsize
     stored = getattr(hf_config, "dtype", None)  # config.json's torch_dtype: a torch.dtype, a name, "auto" or None
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    as_stored = (f"; {format_bytes(count * stored.itemsize)} at the checkpoint's "
+    as_stored = (f"; {format_bytes(sum(numel.values()) * stored.itemsize)} at the checkpoint's "
                  f"{str(stored).removeprefix('torch.')}" if isinstance(stored, torch.dtype) else "")
     pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
     bucket = pipeline_bucket_bytes(total, s.bucket_bytes) if pipeline else s.bucket_bytes

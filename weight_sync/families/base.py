@@ -65,9 +65,17 @@ class Family:
     def has_qkv_bias(self, hf_config: Any) -> bool:
         return self.qkv_bias or bool(cfg(hf_config, "attention_bias", False))
 
+    def has_qk_norm(self, hf_config: Any) -> bool:
+        return self.qk_norm
+
+    def rotary_percent(self, hf_config: Any) -> float:
+        """The share of each head's dims RoPE turns (megatron's rotary_percent; HF's partial_rotary_factor)."""
+        return float(rope_parameters(hf_config).get("partial_rotary_factor",
+                                                    cfg(hf_config, "partial_rotary_factor", 1.0)))
+
     def megatron_fields(self, hf_config: Any) -> dict[str, Any]:
         """megatron-core TransformerConfig fields that differ by family (the shared shape is the trainer's)."""
-        return {"qk_layernorm": self.qk_norm, "add_qkv_bias": self.has_qkv_bias(hf_config)}
+        return {"qk_layernorm": self.has_qk_norm(hf_config), "add_qkv_bias": self.has_qkv_bias(hf_config)}
 
     # --- layers
     def num_experts(self, hf_config: Any) -> int:
@@ -90,7 +98,7 @@ class Family:
 
     def layer_rules(self, hf_config: Any, layer: int) -> list[Rule]:
         attention = [ATTENTION[0], *([QKV_BIAS] if self.has_qkv_bias(hf_config) else []), *ATTENTION[1:],
-                     *(QK_NORM if self.qk_norm else ())]
+                     *(QK_NORM if self.has_qk_norm(hf_config) else ())]
         return ([in_layer(e, layer) for e in attention] + self.mlp_rules(hf_config, layer)
                 + [in_layer(e, layer) for e in LAYER_NORMS])
 

@@ -72,6 +72,14 @@ LAYER_NORMS = (
 # experts are tensor-parallel over the expert-TP group like the dense MLP). The HF side is the family's.
 ROUTER_MCORE = "mlp.router.weight"
 EXPERT_FC1, EXPERT_FC2 = "linear_fc1.weight", "linear_fc2.weight"
+# DeepSeek-V3-style MoE layers (GLM-4.5 too): the sigmoid router's expert bias (a buffer on both sides: it chooses
+# experts, it does not weight them) and the shared experts beside the routed ones, split over TP like a dense MLP
+ROUTER_BIAS = Entry("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), REPLICATED)
+SHARED_EXPERTS = (
+    Entry("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_experts.gate_proj.weight",
+                                                   "mlp.shared_experts.up_proj.weight"), GATE_UP),
+    Entry("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), ROW),
+)
 
 
 def cfg(hf_config: Any, name: str, default: Any = None) -> Any:
