@@ -220,6 +220,17 @@ def test_the_sglang_options_read_from_source_are_sglangs_server_arguments():
     assert options["disable_cuda_graph"].successor == "--cuda-graph-backend-{decode,prefill}=disabled"
 
 
+# GLM-4.5-Air's config.json (the fields a plan reads), as its authors publish it
+GLM45_AIR = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096,
+             "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46,
+             "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128,
+             "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+             "routed_scaling_factor": 1.0, "norm_topk_prob": True, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+             "vocab_size": 151552, "attention_bias": True, "use_qk_norm": False, "num_nextn_predict_layers": 1,
+             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+             "torch_dtype": "bfloat16"}
+
+
 def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     """With a model directory holding only a config.json that suits every recipe (a Qwen3-MoE shape the MoE
     recipe's EP and the TP of both recipes divide; the dry run plans from it), the recipes' data files pointed at
@@ -236,10 +247,12 @@ def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     env = {**os.environ, "PATH": path, "PYTHONWARNINGS": "ignore"}
     env.pop("SLUICE", None)
     # the slime-shaped scripts give their checkpoint's shape (MODEL_ARGS), checked against config.json: theirs
-    models = {"slime_qwen3_8b_dense.sh": "strands_qwen3_8b.sh", "slime_qwen3_30b_a3b_moe.sh": "run-qwen3-30B-A3B.sh"}
-    for script, checkpoint in models.items():
+    # and the GLM-4.5-Air recipe plans its own checkpoint's shape
+    models = {"slime_qwen3_8b_dense.sh": CONFIGS["strands_qwen3_8b.sh"],
+              "slime_qwen3_30b_a3b_moe.sh": CONFIGS["run-qwen3-30B-A3B.sh"], "glm45_air_moe.sh": GLM45_AIR}
+    for script, config in models.items():
         (tmp_path / script).mkdir()
-        (tmp_path / script / "config.json").write_text(json.dumps(CONFIGS[checkpoint]))
+        (tmp_path / script / "config.json").write_text(json.dumps(config))
     scripts = sorted((REPO / "launch/scripts").glob("*.sh"))
     assert len(scripts) >= 6
     procs = [subprocess.Popen(["bash", str(s), "--dry-run",
