@@ -206,11 +206,6 @@ def infer_family(model_path: str | None, name_hint: str) -> str:
     return next((name for name, family in FAMILIES.items() if re.search(family.name_pattern, text)), "qwen2")
 
 
-# megatron-core fields that size the pipeline stages by the checkpoint's layer count (glue.trainer.pipeline)
-PIPELINE_SPLIT = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-
-
 def _shrink_model(edit: _Editor, name_hint: str) -> None:
     if edit.get("model.shape"):
         edit.drop("model.shape", "the model-shape flags describe the recipe's checkpoint; the tiny stand-in has its "
@@ -228,7 +223,8 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
         ep = edit.get("trainer.expert_model_parallel_size", 1) or 1
         tiny.update(num_experts=2 * max(ep, 2), moe_top_k=2)
     edit.set("model.path", None, f"the checkpoint swapped for a tiny random {family} (model.tiny)")
-    for key in PIPELINE_SPLIT:
+    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # the stage split
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
         edit.drop(f"trainer.megatron.{key}", "sized for the recipe's layers; the tiny stand-in's 2 split evenly")
     edit.set("model.tiny", tiny, f"a tiny {family} of the recipe's family"
              + (" with a byte-level BPE tokenizer and ChatML template (the task tokenizes text)"
