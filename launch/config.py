@@ -286,6 +286,7 @@ def compose(path: str | Path | None = None, overrides: list[str] = (), flags: di
         for item in overrides:
             apply_override(context, item)
         try:
+            slime_args.check_same_keys(slime, flags or {})
             translation = slime_args.translate(slime, context, loggers=tuple(RunConfig().loggers))
         except ValueError as err:
             raise ConfigError(str(err)) from None

@@ -82,6 +82,24 @@ def test_a_moe_family_round_trips_through_tp2_pp2_ep2_with_vocab_padding(checkpo
     assert all(torch.equal(back[n], t) for n, t in hf_state.items())
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_an_uneven_pipeline_of_one_and_three_layers_round_trips_bit_exactly(checkpoints, family):
+    # num_layers_in_first_pipeline_stage=1: stage 0 holds layer 0 and the embedding, stage 1 layers 1-3 and the head
+    config, hf_state = checkpoints[family]
+    ranks = [ParallelLayout.pipeline(4, pp_rank=p, pp_size=2, first=1, tp_rank=t, tp_size=2, padded_vocab_size=32)
+             for p in range(2) for t in range(2)]
+    states = [hf_to_megatron_local(hf_state, config, layout) for layout in ranks]
+    assert {n.split(".")[2] for n in states[0] if n.startswith("decoder.layers.")} == {"0"}
+    assert {n.split(".")[2] for n in states[2] if n.startswith("decoder.layers.")} == {"0", "1", "2"}
+    # global layer 1 is the second stage's local layer 0
+    assert torch.equal(states[2]["decoder.layers.0.self_attention.q_layernorm.weight"],
+                       hf_state["model.layers.1.self_attn.q_norm.weight"])
+    back = megatron_to_hf(states, config, ranks)
+    assert set(back) == set(hf_state), set(back) ^ set(hf_state)
+    for name, t in hf_state.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
 def test_hf_names_follow_each_familys_checkpoint_conventions(checkpoints):
     moe = set(checkpoints["qwen3_moe"][1])
     for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.3.mlp.experts.0.down_proj.weight",

@@ -117,6 +117,40 @@ def test_the_30b_a3b_recipe_holds_70_gb_per_trainer_rank_worked_by_hand(capsys, 
     assert "memory: a trainer rank holds 69.97 GB of training state of 80 GB per GPU" in " ".join(shown["checked"])
 
 
+def test_an_uneven_pipeline_split_plans_each_stages_own_layers_and_the_larger_one_sets_the_memory(capsys, tmp_path):
+    # the recipe at PP=2 on 3 nodes with --decoder-first-pipeline-num-layers 20: stage 0 holds layers 0-19 and the
+    # embedding, stage 1 layers 20-47, the final norm and lm_head
+    h, vocab = 2048, 151936
+    dense_layer = h * 128 * (2 * 32 + 2 * 4) // 4 + (2 * 128 + 2 * h + 128 * h)  # attention over TP 4; norms, router
+    experts_layer = 128 * 3 * h * 768 // 8  # over EP x ETP = 8
+    first = (20 * dense_layer + vocab * h // 4, 20 * experts_layer)
+    last = (28 * dense_layer + vocab * h // 4 + h, 28 * experts_layer)
+    assert sum(first) == 1_687_442_432 and sum(last) == 2_331_304_960
+    # bf16 weights, fp32 gradients; main weights and moments sharded over DP=2 (dense) and expert-DP=1 (experts)
+    state = [6 * (d + e) + 12 * (d // 2 + e) for d, e in (first, last)]
+    assert state == [29_309_005_824, 40_659_234_816]
+    assert main(["--dry-run", "--config", DEMO, f"model.path={qwen3_30b_a3b(tmp_path)}", *RECIPE,
+                 "cluster.num_nodes=3", "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+                 "--decoder-first-pipeline-num-layers", "20"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    stage0, stage1 = shown["plan"]["memory"]["trainer"]
+    assert stage0.startswith("stage 0 (layers 0-19) ranks 0-7: 1,687,442,432 parameters (TP4 x PP2 x DP2, EP8 x ETP1)")
+    assert stage0.endswith("= 29.31 GB of 80 GB")
+    assert stage1.startswith("stage 1 (layers 20-47) ranks 8-15: 2,331,304,960 parameters")
+    assert stage1.endswith("= 40.66 GB of 80 GB")
+    assert "memory: a trainer rank holds 40.66 GB of training state" in " ".join(shown["checked"])
+    # the activations are counted over the larger stage's 28 layers
+    assert "the largest stage's 28 layers" in shown["plan"]["memory"]["activations"]
+    # 4 stages of 48 layers with 20 on the first leave 28 for 3: refused in one line
+    assert main(["--dry-run", "--config", DEMO, f"model.path={qwen3_30b_a3b(tmp_path)}", *RECIPE,
+                 "cluster.num_nodes=5", "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
+                 "--decoder-first-pipeline-num-layers", "20"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sluice: config error: num_layers_in_first_pipeline_stage=20 leaves 28 of num_layers=48 for 3 middle "
+        "pipeline stages, which megatron-core splits evenly and 28 does not divide by 3; choose values that leave a "
+        "multiple of 3")
+
+
 def test_optimizer_offload_puts_the_30b_a3b_recipes_main_weights_and_moments_in_host_memory(capsys, tmp_path):
     dense, experts = 394_868_736, 3_623_878_656  # a rank's parameters (worked in the test above)
     owned = dense // 2 + experts  # what its optimizer state covers: dense sharded over DP=2, experts over expert-DP=1

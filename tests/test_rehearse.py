@@ -122,6 +122,16 @@ def test_a_large_layout_shrinks_dp_then_pp_then_tp_and_keeps_ep_a_divisor_of_the
     assert t["megatron"]["sequence_parallel"] is True
 
 
+def test_an_uneven_pipeline_split_sized_for_the_checkpoint_is_dropped_with_the_checkpoint(tmp_path):
+    # 4 + 6 x 9 + 3 = 61 layers over PP=8; the tiny stand-in has 2 layers, which no first stage of 4 leaves room in
+    raw = {"model": {"path": "/m/Qwen3-8B"}, "trainer": {"pipeline_model_parallel_size": 8, "megatron": {
+        "num_layers_in_first_pipeline_stage": 4, "num_layers_in_last_pipeline_stage": 3, "recompute_num_layers": 1}}}
+    shrunk = shrink(raw, data_dir=tmp_path, engine=ENGINE)
+    assert shrunk.raw["trainer"]["megatron"] == {"recompute_num_layers": 1}
+    assert shrunk.record.dropped["trainer.megatron.num_layers_in_first_pipeline_stage"]["value"] == 4
+    assert shrunk.raw["trainer"]["pipeline_model_parallel_size"] == 2 and shrunk.raw["model"]["tiny"]["num_layers"] == 2
+
+
 def test_the_checkpoint_family_comes_from_its_config_or_else_its_name(tmp_path):
     assert infer_family("/models/Qwen3-30B-A3B", "") == "qwen3_moe"
     assert infer_family("/models/Qwen3-8B", "") == "qwen3"

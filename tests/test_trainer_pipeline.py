@@ -57,3 +57,16 @@ def test_pipeline_tensor_and_expert_parallelism_together_train_exactly_like_one_
     four = run_trainer_ranks(model, 2, batch, **ADAM, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
                              expert_tensor_parallel_size=1, megatron={"sequence_parallel": True})
     assert_same_step(one, four, "PP=2 x TP=2 x EP=2")
+
+
+@pytest.mark.slow
+def test_an_uneven_split_of_one_and_two_layers_trains_exactly_like_one_rank(tmp_path):
+    # --decoder-first-pipeline-num-layers 1 on a 3-layer model: stage 0 holds layer 0, stage 1 layers 1-2; the
+    # gathered HF weights put each stage's layers back at their global numbers
+    model = save_tiny_model(str(tmp_path / "three"), family="qwen3", num_layers=3, seed=5)
+    batch = make_batch()
+    one = run_trainer_ranks(model, 1, batch, **ADAM)
+    two = run_trainer_ranks(model, 1, batch, **ADAM, pipeline_model_parallel_size=2,
+                            megatron={"num_layers_in_first_pipeline_stage": 1})
+    assert "model.layers.2.mlp.down_proj.weight" in one["weights"]
+    assert_same_step(one, two, "PP=2 as 1 + 2 layers")

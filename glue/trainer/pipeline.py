@@ -2,19 +2,21 @@
 (`get_forward_backward_func`): one stage per pipeline rank, activations passed between stages point to point.
 Without pipeline parallelism that is megatron's plain micro-batch loop. The last stage turns logits into logprobs
 and losses; this module also brings its results and the stages' weights to the ranks that need them (the tied
-embedding's gradient is megatron's finalize_model_grads' work: glue.trainer.optim).
+embedding's gradient is megatron's finalize_model_grads' work: glue.trainer.optim), and reads which layers each stage
+holds from the megatron-core fields that set the split (`PipelineSplit`).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from glue.trainer import model as trainer_model
 from glue.trainer.packing import MicroBatch
 from glue.trainer.routing_replay import micro_batch_rows
+from weight_sync.convert.layout import FIRST_STAGE, LAST_STAGE, SPLIT_FLAGS, stage_layer_ranges
 
 # head(micro-batch, logits [R, L, V / TP]) -> (loss to backpropagate or None when forward-only, result to keep)
 Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor | None, Any]]
@@ -30,14 +32,70 @@ class Stage:
     params: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
 
+EMBEDDING_COUNTED, LOSS_COUNTED = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How megatron-core splits the decoder layers over the pipeline stages, from the fields that set it: the first /
+    last stage's layers (num_layers_in_first / last_pipeline_stage), or the embedding / loss counted as a layer of
+    the even split (account_for_*_in_pipeline_split), which puts one layer fewer on the first / last stage."""
+
+    first: int | None = None
+    last: int | None = None
+    embedding: bool = False
+    loss: bool = False
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> "PipelineSplit":
+        """From megatron-core field values: `TrainerConfig.megatron_values()`, or a TransformerConfig's `vars()`."""
+        if values.get("pipeline_model_parallel_layout") is not None:
+            raise ValueError("trainer.megatron.pipeline_model_parallel_layout (--pipeline-model-parallel-layout) is "
+                             "not planned: sluice places layers by megatron-core's first / last stage sizes; give "
+                             f"{SPLIT_FLAGS} instead")
+        return cls(first=values.get(FIRST_STAGE), last=values.get(LAST_STAGE),
+                   embedding=bool(values.get(EMBEDDING_COUNTED)), loss=bool(values.get(LOSS_COUNTED)))
+
+    def ranges(self, num_layers: int, pp_size: int) -> tuple[range, ...]:
+        """Every stage's global layers (weight_sync.convert.stage_layer_ranges); a split megatron-core refuses is
+        refused in one line."""
+        if not (self.embedding or self.loss):
+            return stage_layer_ranges(num_layers, pp_size, first=self.first, last=self.last)
+        counted = [name for name, on in ((EMBEDDING_COUNTED, self.embedding), (LOSS_COUNTED, self.loss)) if on]
+        if self.first is not None or self.last is not None:
+            raise ValueError(f"{' and '.join(counted)} with {FIRST_STAGE} / {LAST_STAGE}: megatron-core refuses "
+                             "both ways of sizing the end stages at once; give one of them")
+        total = num_layers + len(counted)
+        if total % pp_size:
+            raise ValueError(f"num_layers={num_layers} + {len(counted)} with {' and '.join(counted)} is {total}, "
+                             f"which does not split evenly over pipeline_model_parallel_size={pp_size}; choose a PP "
+                             f"size that divides {total}")
+        if pp_size == 1:
+            return (range(num_layers),)
+        short = total // pp_size - 1
+        if short < 1:
+            raise ValueError(f"{' and '.join(counted)} at pipeline_model_parallel_size={pp_size} leave an end stage "
+                             f"no decoder layer ({total} // {pp_size} - 1 = 0), which sluice does not plan; choose a "
+                             "smaller PP size")
+        return stage_layer_ranges(num_layers, pp_size, first=short if self.embedding else None,
+                                  last=short if self.loss else None)
+
+
 def describe_stages(model: torch.nn.Module) -> tuple[Stage, ...]:
-    """Every pipeline stage of this rank's pipeline, in stage order (collective over the PP group, once)."""
+    """Every pipeline stage of this rank's pipeline, in stage order (collective over the PP group, once). Its layer
+    range is the split's (`PipelineSplit`), checked against the layers megatron built here."""
     from megatron.core import parallel_state as ps
 
-    layers = model.decoder.layers
-    first = layers[0].layer_number - 1 if len(layers) else 0  # megatron numbers layers globally from 1
-    mine = Stage(first, len(layers), tuple((n, tuple(p.shape), p.dtype)
-                                           for n, p in trainer_model.model_tensors(model).items()))
+    config, layers = model.config, model.decoder.layers
+    stage = ps.get_pipeline_model_parallel_rank()
+    planned = PipelineSplit.of(vars(config)).ranges(config.num_layers, config.pipeline_model_parallel_size)[stage]
+    built = range(layers[0].layer_number - 1, layers[-1].layer_number) if len(layers) else range(0)  # numbered from 1
+    if built != planned:
+        raise RuntimeError(f"pipeline stage {stage}: megatron-core built layers {built.start}-{built.stop - 1} where "
+                           f"weight_sync.convert.stage_layer_ranges plans {planned.start}-{planned.stop - 1}; the "
+                           "weight sync would misplace them: report this with the trainer's megatron flags")
+    mine = Stage(planned.start, len(planned), tuple((n, tuple(p.shape), p.dtype)
+                                                    for n, p in trainer_model.model_tensors(model).items()))
     group = ps.get_pipeline_model_parallel_group()
     stages: list[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(stages, mine, group=group)
@@ -46,19 +104,11 @@ def describe_stages(model: torch.nn.Module) -> tuple[Stage, ...]:
 
 def planned_stage_layers(hf_config: Any, trainer: Any) -> list[tuple[int, int]]:
     """(first layer, number of layers) of every pipeline stage of the model the trainer builds for `hf_config`
-    under `trainer` (a glue.trainer.config.TrainerConfig), before any rank starts: megatron-core's own split
-    (even, or its uneven first / last stage options) on the TransformerConfig `build_model` makes."""
-    pp = trainer.pipeline_model_parallel_size
-    if pp == 1:
-        return [(0, hf_config.num_hidden_layers)]
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build  # lazy: megatron
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    config = trainer_model.with_passthrough(
-        trainer_model.transformer_config(hf_config, tp_size=trainer.tensor_model_parallel_size),
-        trainer.megatron_values())
-    return [(get_transformer_layer_offset(config, pp_rank=s), get_num_layers_to_build(config, pp_rank=s))
-            for s in range(pp)]
+    under `trainer` (a glue.trainer.config.TrainerConfig), before any rank starts: the split its megatron values set
+    (`PipelineSplit`), which is megatron-core's own."""
+    ranges = PipelineSplit.of(trainer.megatron_values()).ranges(hf_config.num_hidden_layers,
+                                                                trainer.pipeline_model_parallel_size)
+    return [(r.start, len(r)) for r in ranges]
 
 
 def run_micro_batches(module: torch.nn.Module, micro_batches: list[MicroBatch], tokens: torch.Tensor,

@@ -1,5 +1,6 @@
 """How many bytes a trainer rank holds, counted from config.json alone: the HF model's parameters sorted by where
-megatron-core puts them (TP shards, whole on every TP rank, routed experts over EP x expert TP, pipeline stages),
+megatron-core puts them (TP shards, whole on every TP rank, routed experts over EP x expert TP, pipeline stages as
+megatron-core splits them: glue.trainer.pipeline.PipelineSplit),
 then per rank its weights, megatron's gradient buffer, fp32 main weights and Adam moments (sharded by the distributed
 optimizer over the dense and the expert data-parallel groups) and the critic's and reference model's. Pure
 arithmetic; launch.plan.memory_lines prints it in `--dry-run` and refuses a layout that cannot fit a GPU."""
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 from glue.trainer.config import TrainerConfig
 from glue.trainer.optim import OFFLOAD_NEEDS_BF16, resolve_precision
+from glue.trainer.pipeline import PipelineSplit
 from launch.config import ConfigError, SluiceConfig
 from launch.plan.model_check import hf_parameters, model_config
 from weight_sync.families import family_of
@@ -39,17 +41,10 @@ class ModelParams:
         return self.embedding + self.output + self.final_norm + sum(self.split) + sum(self.whole) + sum(self.experts)
 
     @functools.lru_cache(maxsize=None)
-    def stage_sums(self, pp: int) -> tuple[tuple[int, int, int], ...]:
-        """(split, whole, experts) summed over each pipeline stage's layers."""
-        return tuple(tuple(sum(kind[i] for i in stage_layers(len(self.split), pp, s))
-                           for kind in (self.split, self.whole, self.experts)) for s in range(pp))
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """The layers pipeline stage `stage` of `pp` builds: megatron's even split (the last stage short when PP does not
-    divide them, which megatron refuses at start)."""
-    per_stage = -(-num_layers // pp)
-    return range(stage * per_stage, min(num_layers, (stage + 1) * per_stage))
+    def stage_sums(self, stages: tuple[range, ...]) -> tuple[tuple[int, int, int], ...]:
+        """(split, whole, experts) summed over each pipeline stage's layers (`stages`: each one's layer range)."""
+        return tuple(tuple(sum(kind[i] for i in layers) for kind in (self.split, self.whole, self.experts))
+                     for layers in stages)
 
 
 def model_params(hf_config: Any) -> ModelParams:
@@ -87,12 +82,18 @@ class Layout:
     dp: int
     ep: int
     etp: int
+    split: PipelineSplit = PipelineSplit()  # how the layers split over the pipeline stages
 
     @classmethod
     def of(cls, t: TrainerConfig) -> "Layout":
         return cls(tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size, cp=t.context_parallel_size,
                    dp=t.data_parallel_size, ep=t.expert_model_parallel_size,
-                   etp=t.expert_tensor_parallel_size or t.tensor_model_parallel_size)
+                   etp=t.expert_tensor_parallel_size or t.tensor_model_parallel_size,
+                   split=PipelineSplit.of(t.megatron_values()))
+
+    def stages(self, num_layers: int) -> tuple[range, ...]:
+        """Each pipeline stage's layers (ValueError when megatron-core refuses the split)."""
+        return self.split.ranges(num_layers, self.pp)
 
     @property
     def world(self) -> int:
@@ -158,6 +159,7 @@ class RankMemory:
     """One rank of pipeline stage `stage` (the TP, DP and EP ranks of a stage hold the same)."""
 
     stage: int
+    layers: range  # the stage's decoder layers
     parameters: int
     policy: StateBytes
     critic: StateBytes | None
@@ -173,7 +175,7 @@ def stage_params(p: ModelParams, layout: Layout, stage: int, *, value_head: bool
     whole, experts' shards over EP x expert TP; the embedding on the first stage; the final norm and the output layer
     on the last (its own copy of a tied embedding when that lives on another stage; the critic's value head, hidden
     + 1 weights, in its place)."""
-    split, whole, experts = p.stage_sums(layout.pp)[stage]
+    split, whole, experts = p.stage_sums(layout.stages(len(p.split)))[stage]
     dense = split // layout.tp + whole
     if stage == 0:
         dense += p.embedding // layout.tp
@@ -204,11 +206,12 @@ def state_bytes(dense: int, experts: int, layout: Layout, s: Settings) -> StateB
 def rank_memory(p: ModelParams, layout: Layout, s: Settings) -> list[RankMemory]:
     """The training state of a rank of each pipeline stage."""
     ranks = []
-    for stage in range(layout.pp):
+    for stage, layers in enumerate(layout.stages(len(p.split))):
         dense, experts = stage_params(p, layout, stage)
         critic = state_bytes(*stage_params(p, layout, stage, value_head=True), layout, s) if s.critic else None
-        ranks.append(RankMemory(stage=stage, parameters=dense + experts, policy=state_bytes(dense, experts, layout, s),
-                                critic=critic, reference=(dense + experts) * s.weight_bytes if s.reference else 0))
+        ranks.append(RankMemory(stage=stage, layers=layers, parameters=dense + experts,
+                                policy=state_bytes(dense, experts, layout, s), critic=critic,
+                                reference=(dense + experts) * s.weight_bytes if s.reference else 0))
     return ranks
 
 
@@ -223,15 +226,16 @@ def fitting_layout(p: ModelParams, layout: Layout, s: Settings, limit: float, *,
     """The layout nearest `layout` (and its settings: the distributed optimizer turned on, or in bf16 the whole
     optimizer state offloaded to host memory, if need be) whose every rank's training state fits `limit` bytes, with
     that state: on as many GPUs if any does, else on the fewest (up to 1024); offloading only where no layout fits
-    without it on those GPUs; changing the fewest sizes. `tp_ok(tp)`: the model splits over that TP."""
+    without it on those GPUs; changing the fewest sizes. `tp_ok(tp)`: the model splits over that TP. The layout's
+    pipeline split (first / last stage sizes) stays: a PP size it cannot take is not offered."""
     found = []
     powers = [2**k for k in range(11)]
     offloads = {s.optimizer_offload, 1.0} if s.bf16 else {s.optimizer_offload}
     for tp, pp, dp, ep, distributed, offload in itertools.product(powers[:4], powers[:5], powers, powers,
                                                                   {s.distributed_optimizer, True}, offloads):
         for etp in {1, tp}:
-            candidate = Layout(tp=tp, pp=pp, cp=layout.cp, dp=dp, ep=ep, etp=etp)
-            if (candidate.world > 1024 or len(p.split) % pp or (experts or 1) % ep
+            candidate = Layout(tp=tp, pp=pp, cp=layout.cp, dp=dp, ep=ep, etp=etp, split=layout.split)
+            if (candidate.world > 1024 or not splits(candidate, len(p.split)) or (experts or 1) % ep
                     or (tp * layout.cp * dp) % (ep * etp) or (not experts and etp != tp) or not tp_ok(tp)
                     or (offload and not distributed)):  # the hybrid optimizer runs on the distributed one
                 continue
@@ -246,6 +250,15 @@ def fitting_layout(p: ModelParams, layout: Layout, s: Settings, limit: float, *,
         return None
     _, candidate, settings, peak = min(found, key=lambda f: f[0])
     return candidate, settings, peak
+
+
+def splits(layout: Layout, num_layers: int) -> bool:
+    """Whether megatron-core takes the layout's pipeline split of `num_layers` layers."""
+    try:
+        layout.stages(num_layers)
+    except ValueError:
+        return False
+    return True
 
 
 FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",

@@ -10,8 +10,7 @@ from typing import Any
 from glue.trainer.model import check_tensor_parallel
 from glue.trainer.token_budget import activation_bytes_per_token, budget_from_memory
 from launch.config import ConfigError, SluiceConfig
-from launch.plan.memory import (Layout, RankMemory, Settings, fitting_layout, layout_change, model_params, rank_memory,
-                                stage_layers)
+from launch.plan.memory import Layout, RankMemory, Settings, fitting_layout, layout_change, model_params, rank_memory
 from launch.plan.fleets import devices_text, fleet_sizes
 from launch.plan.model_check import format_bytes, model_config, section_model_config
 from weight_sync.families import family_of, num_experts
@@ -44,9 +43,11 @@ def memory_plan(cfg: SluiceConfig) -> dict[str, Any]:
 
 def rank_line(r: RankMemory, layout: Layout, s: Settings, limit: float | None) -> str:
     """`every rank: N parameters (layout): weights + gradients + main weights + Adam moments [+ critic] [+ reference]
-    = total of the GPU[; in host memory besides: the offloaded optimizer state]`."""
+    = total of the GPU[; in host memory besides: the offloaded optimizer state]`; under PP `stage 1 (layers 20-47)
+    ranks 8-15` in place of `every rank`."""
     n = layout.world // layout.pp  # megatron's rank order puts PP slowest: a stage's ranks are consecutive
-    who = "every rank" if layout.pp == 1 else f"stage {r.stage} ranks {r.stage * n}-{(r.stage + 1) * n - 1}"
+    who = "every rank" if layout.pp == 1 else (f"stage {r.stage} (layers {r.layers.start}-{r.layers.stop - 1}) ranks "
+                                               f"{r.stage * n}-{(r.stage + 1) * n - 1}")
     p = r.policy
     sharded = ", not sharded (trainer.use_distributed_optimizer: false)"
     if s.distributed_optimizer:
@@ -78,7 +79,7 @@ def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settin
                              ffn_hidden_size=hf_config.intermediate_size, num_moe_experts=num_experts(hf_config),
                              moe_ffn_hidden_size=fields.get("moe_ffn_hidden_size"),
                              moe_router_topk=fields.get("moe_router_topk"))
-    layers, vocab = len(stage_layers(hf_config.num_hidden_layers, layout.pp, 0)), hf_config.vocab_size
+    layers, vocab = max(map(len, layout.stages(hf_config.num_hidden_layers))), hf_config.vocab_size
     plain = activation_bytes_per_token(config, vocab, layers)  # what the trainer sizes `auto` with
     if t.megatron.get("recompute_granularity") == "full":
         per_token = activation_bytes_per_token(config, vocab, 1) + layers * 2 * hf_config.hidden_size // layout.tp
@@ -87,7 +88,7 @@ def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settin
         per_token, how = plain, "no recompute: every layer's activations"
     per_token *= 1 if s.bf16 else 2
     if layout.pp > 1:
-        how += f"; up to {layout.pp} micro-batches in flight on the first stage (1F1B)"
+        how += f"; the largest stage's {layers} layers, up to {layout.pp} micro-batches in flight (1F1B)"
     tokens, source = micro_batch_tokens(cfg)
     if tokens is None:
         budget = budget_from_memory(int(max(free, 0)), plain)

@@ -12,6 +12,7 @@ from typing import Any
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
 from glue.trainer.model import check_tensor_parallel, read_hf_config
+from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
 from launch.slime.megatron import check_shape
@@ -94,12 +95,16 @@ def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:
 
 def check_trainer_model(trainer: Any, hf_config: Any) -> None:
     """What megatron-core (and this trainer) would refuse once every rank has started, for this model and the
-    trainer's parallel layout (a glue.trainer.config.TrainerConfig)."""
+    trainer's parallel layout (a glue.trainer.config.TrainerConfig): TP, the pipeline split, EP."""
     tp, ep, experts = trainer.tensor_model_parallel_size, trainer.expert_model_parallel_size, num_experts(hf_config)
     try:
         check_tensor_parallel(hf_config, tp)
     except ValueError as err:
         raise ConfigError(f"trainer.{err}") from None
+    try:
+        planned_stage_layers(hf_config, trainer)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if ep > 1 and not experts:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} needs a mixture-of-experts model, and the model "
                           f"is a dense {hf_config.model_type}: set --expert-model-parallel-size 1")

@@ -219,6 +219,26 @@ def apply(raw: dict[str, Any], translation: Translation) -> None:
             put(raw, key, value)
 
 
+MISSING = object()
+
+
+def check_same_keys(given: dict[str, Any], flags: dict[str, Any]) -> None:
+    """A slime (Megatron-LM) flag and a pass-through flag that set one config key (--decoder-first-pipeline-num-layers
+    and --num-layers-in-first-pipeline-stage) must agree: two values on one command line are refused naming both."""
+    for name, value in given.items():
+        row = BY_NAME[name]
+        for key, mine in (row.apply(value, given) if row.apply is not None else {}).items():
+            node: Any = flags
+            for part in key.split("."):
+                node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
+            if node is MISSING or node == mine:
+                continue
+            flag = key.rsplit(".", 1)[1].replace("_", "-")
+            other = f"--{'' if node else 'no-'}{flag}" if isinstance(node, bool) else f"--{flag} {node}"
+            raise ValueError(f"{row.flag if row.takes == 'none' else f'{row.flag} {value}'} and {other} set one "
+                             f"config key, {key}, to different values; give one of them")
+
+
 def check_label_key(raw: dict[str, Any], given: dict[str, Any]) -> None:
     """slime's --prompt-data has no label key by default; sluice's text task scores every answer against one."""
     if "prompt_data" in given and not has(raw, "rollout.task_args.label_key"):

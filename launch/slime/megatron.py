@@ -21,6 +21,10 @@ SCHEDULE = [
        note="gradients reduced in fp32 (megatron-core's DDP grad_reduce_in_fp32)"),
     same("--make-vocab-size-divisible-by", "megatron-lm", "the vocabulary is config.json's, never padded", takes="one",
          scalar=int),
+    to("--decoder-first-pipeline-num-layers", "trainer.megatron.num_layers_in_first_pipeline_stage", "megatron-lm",
+       int, note="layers on the first pipeline stage; the stages between the first and the last split the rest evenly"),
+    to("--decoder-last-pipeline-num-layers", "trainer.megatron.num_layers_in_last_pipeline_stage", "megatron-lm", int,
+       note="layers on the last pipeline stage; the stages between the first and the last split the rest evenly"),
 ]
 
 

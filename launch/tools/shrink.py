@@ -223,6 +223,9 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
         ep = edit.get("trainer.expert_model_parallel_size", 1) or 1
         tiny.update(num_experts=2 * max(ep, 2), moe_top_k=2)
     edit.set("model.path", None, f"the checkpoint swapped for a tiny random {family} (model.tiny)")
+    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # the stage split
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        edit.drop(f"trainer.megatron.{key}", "sized for the recipe's layers; the tiny stand-in's 2 split evenly")
     edit.set("model.tiny", tiny, f"a tiny {family} of the recipe's family"
              + (" with a byte-level BPE tokenizer and ChatML template (the task tokenizes text)"
                 if tiny["tokenizer"] else ""))
