@@ -188,3 +188,41 @@ def test_a_released_shape_plans_from_config_json_alone_with_transformers_paramet
     buffers = RELEASED[name].get("n_routed_experts", 0) * (  # the expert bias of every MoE layer is sent too
         RELEASED[name]["num_hidden_layers"] - RELEASED[name].get("first_k_dense_replace", 0))
     assert sync["bytes_per_sync"].startswith(f"{2 * (count + buffers):,} = "), sync["bytes_per_sync"]  # bf16
+
+
+# slime's MODEL_ARGS for GLM-4.5 (scripts/models/glm4.5-355B-A32B.sh), flag by flag as its scripts pass them
+SLIME_GLM45 = ("--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 96 "
+               "--num-query-groups 8 --kv-channels 128 --num-layers 92 --hidden-size 5120 --ffn-hidden-size 12288 "
+               "--add-qkv-bias --normalization RMSNorm --position-embedding-type rope --rotary-percent 0.5 --swiglu "
+               "--untie-embeddings-and-output-weights --vocab-size 151552 --rotary-base 1000000 "
+               "--moe-ffn-hidden-size 1536 --moe-shared-expert-intermediate-size 1536 --moe-router-pre-softmax "
+               "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0 "
+               "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall "
+               "--moe-router-topk 8 --moe-router-topk-scaling-factor 2.5 --moe-layer-freq [0]*3+[1]*89 "
+               "--num-experts 160 --moe-grouped-gemm --moe-router-dtype fp32 --moe-permute-fusion "
+               "--moe-aux-loss-coeff 0").split()
+
+
+def glm45_dry_run(capsys, tmp_path, model_args: list[str]) -> tuple[int, str]:
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["GLM-4.5"]))
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
+                 *LAYOUTS["GLM-4.5"], *model_args])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_slimes_glm45_model_flags_as_written_plan_against_its_config_json(tmp_path, capsys):
+    assert glm45_dry_run(capsys, tmp_path, SLIME_GLM45) == (0, "")
+
+
+@pytest.mark.parametrize("flag, value, field, implied", [
+    ("--moe-router-topk-scaling-factor", "1.0", "moe_router_topk_scaling_factor", "2.5"),
+    ("--moe-shared-expert-intermediate-size", "3072", "moe_shared_expert_intermediate_size", "1536"),
+    ("--rotary-percent", "1.0", "partial_rotary_factor", "0.5"),
+])
+def test_a_slime_model_flag_that_config_json_contradicts_is_refused_naming_both(tmp_path, capsys, flag, value, field,
+                                                                                  implied):
+    args = list(SLIME_GLM45)
+    args[args.index(flag) + 1] = value
+    code, err = glm45_dry_run(capsys, tmp_path, args)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{flag} {value}" in err and f"{field}" in err and implied in err, err

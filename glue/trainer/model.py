@@ -79,14 +79,18 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
 
 
 def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
-    """TransformerConfig fields that differ by family (the family's own, weight_sync.families), plus how this
-    machine runs routed experts."""
+    """TransformerConfig fields that differ by family (the family's own, weight_sync.families), plus the trainer's
+    defaults for routed experts, which pass-through flags may change."""
     kwargs = family_of(hf_config).megatron_fields(hf_config)
     if num_experts(hf_config):
-        # SequentialMLP unless --moe-grouped-gemm (TE's grouped experts) is passed through; the all-to-all
-        # dispatcher needs CUDA streams
-        kwargs.update(moe_grouped_gemm=False,
+        # fp32 routing as HF routes, no auxiliary loss (RL trains on the reward alone), and a frozen expert bias: the
+        # engines keep routing by the checkpoint's. SequentialMLP unless --moe-grouped-gemm (TE's grouped experts);
+        # the all-to-all dispatcher needs CUDA streams.
+        kwargs.update(moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                      moe_grouped_gemm=False,
                       moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall")
+        if kwargs.get("moe_router_enable_expert_bias"):
+            kwargs["moe_router_bias_update_rate"] = 0.0
     return kwargs
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
 from launch.slime.megatron import check_shape
-from weight_sync.families import num_experts
+from weight_sync.families import family_of, num_experts
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -56,6 +57,7 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
     and no weights is a plan-only directory: enough for a dry run (`plan_only`), refused by a real start."""
     hf_config = model_config(cfg)
     check_shape_flags(cfg, hf_config)
+    check_family_flags(cfg, hf_config)
     check_routing(cfg, hf_config)
     check_trainer_model(cfg.trainer, hf_config)
     if cfg.model.path is None:
@@ -80,6 +82,22 @@ def check_shape_flags(cfg: SluiceConfig, hf_config: Any) -> None:
         check_shape(cfg.model.shape, hf_config, where)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_family_flags(cfg: SluiceConfig, hf_config: Any) -> None:
+    """The megatron-core flags passed through that config.json fixes (the family's fields: its router's score
+    function, scaling, shared experts ...) say what config.json says: the engines serve config.json's model, and a
+    trainer built otherwise would train another one."""
+    family = family_of(hf_config)
+    where = "model.tiny's config" if cfg.model.path is None else f"{cfg.model.path}/config.json"
+    for field, implied in family.megatron_fields(hf_config).items():
+        given = cfg.trainer.megatron.get(field, implied)
+        same = math.isclose(given, implied) if isinstance(implied, float) and isinstance(given, (int, float)) \
+            else given == implied
+        if not same:
+            raise ConfigError(f"--{field.replace('_', '-')} {given} does not match {where}: the {family.name} family "
+                              f"reads {field}={implied} from it, and the engines serve that model; drop the flag or "
+                              "point model.path at the checkpoint it describes")
 
 
 def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:

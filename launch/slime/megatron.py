@@ -85,7 +85,7 @@ SHAPE: dict[str, tuple[str, Callable[[Any], Any], Takes, type]] = {
     "--norm-epsilon": ("rms_norm_eps", _cfg("rms_norm_eps"), "one", float),
     "--layernorm-epsilon": ("rms_norm_eps", _cfg("rms_norm_eps"), "one", float),
     "--rotary-base": ("rope_theta", rope_theta, "one", float),
-    "--rotary-percent": ("partial_rotary_factor", _cfg("partial_rotary_factor", 1.0), "one", float),
+    "--rotary-percent": ("partial_rotary_factor", lambda hf: family_of(hf).rotary_percent(hf), "one", float),
     "--vocab-size": ("vocab_size", _cfg("vocab_size"), "one", int),
     "--max-position-embeddings": ("max_position_embeddings", _cfg("max_position_embeddings"), "one", int),
     "--num-experts": ("num_experts", num_experts, "one", int),

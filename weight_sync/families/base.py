@@ -74,7 +74,9 @@ class Family:
                                                     cfg(hf_config, "partial_rotary_factor", 1.0)))
 
     def megatron_fields(self, hf_config: Any) -> dict[str, Any]:
-        """megatron-core TransformerConfig fields that differ by family (the shared shape is the trainer's)."""
+        """megatron-core TransformerConfig fields that differ by family, each a fact of config.json (the shared shape
+        is the trainer's): a pass-through flag that sets one to another value is refused (launch.plan.model_check),
+        since the engines serve config.json's model."""
         return {"qk_layernorm": self.has_qk_norm(hf_config), "add_qkv_bias": self.has_qkv_bias(hf_config)}
 
     # --- layers
@@ -199,4 +201,4 @@ class MoeFamily(Family):
                 # HF: softmax over all experts, then top-k, renormalised or not. Megatron without pre-softmax
                 # softmaxes the top-k logits, which is exactly the renormalised form.
                 "moe_router_pre_softmax": not self.renormalises_top_k(hf_config),
-                "moe_router_score_function": "softmax", "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0}
+                "moe_router_score_function": "softmax"}

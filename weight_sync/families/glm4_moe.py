@@ -4,7 +4,8 @@ q/k RMSNorm (`use_qk_norm`) and RoPE over part of each head (`partial_rotary_fac
 DeepSeek-V3's router: sigmoid scores, the expert bias `e_score_correction_bias` added only to choose experts,
 group-limited top-k (`n_group`, `topk_group`), the chosen scores renormalised and scaled by `routed_scaling_factor`.
 
-The expert bias is frozen in training (megatron's bias update rate 0): an RL run keeps the engines' routing rule.
+The expert bias is frozen in training by default (the trainer sets megatron's bias update rate to 0): an RL run
+keeps the engines' routing rule.
 MTP layers (`num_nextn_predict_layers`) are not in the HF model transformers builds; a checkpoint that carries them
 is refused by the converter's unknown-tensor check rather than losing them silently."""
 from __future__ import annotations
@@ -52,10 +53,10 @@ class Glm4Moe(MoeFamily):
         fields = super().megatron_fields(hf_config)
         if not self.num_experts(hf_config):
             return fields
+        fields.pop("moe_router_pre_softmax")  # megatron reads it for softmax scores only
         fields.update(
-            moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=float(cfg(hf_config,
-                                                                                        "routed_scaling_factor", 1.0)),
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=float(cfg(hf_config, "routed_scaling_factor", 1.0)),
             moe_shared_expert_intermediate_size=int(hf_config.moe_intermediate_size)
             * int(cfg(hf_config, "n_shared_experts", 0)) or None)
         if int(cfg(hf_config, "n_group", 1)) > 1:
