@@ -18,6 +18,33 @@ from launch.run.cluster import ClusterError
 from launch.run.user_code import put_on_import_path
 
 
+def plot_main(argv: list[str]) -> int:
+    """`sluice plot RUN_DIR [--out DIR]`: write the run's plots and list them; exit 2 with one line when RUN_DIR
+    holds no metrics."""
+    parser = Parser(prog="sluice plot", usage="sluice plot RUN_DIR [--out DIR]",
+                    description="Draw a run's metrics.jsonl as PNGs: reward, response length, train/*, staleness, "
+                                "off-policy ratios and the per-step timeline.")
+    parser.add_argument("run_dir", help="the run folder (<run.output_dir>/<run.name>), holding metrics.jsonl")
+    parser.add_argument("--out", help="where the PNGs go (default RUN_DIR/plots)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    if not metrics.is_file() or not metrics.read_text().strip():
+        print(f"sluice plot: error: {metrics} {'is empty' if metrics.is_file() else 'does not exist'}: point "
+              "RUN_DIR at a run folder (<run.output_dir>/<run.name>) that has logged a step", file=sys.stderr)
+        return 2
+
+    written = write_plots(Path(args.run_dir), Path(args.out) if args.out else None)
+    for path in written:
+        print(path)
+    if not written:
+        print(f"sluice plot: {metrics} holds none of the keys the plots draw", file=sys.stderr)
+    return 0
+
+
 def start(cfg, plan) -> Path:
     """Run the resolved config to completion: an SFT run (launch.run.sft) or an RL run (launch.run.runner); returns the run
     directory. Each is imported here, when it runs: both bring up Ray and the trainer."""
