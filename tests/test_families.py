@@ -226,3 +226,32 @@ def test_a_slime_model_flag_that_config_json_contradicts_is_refused_naming_both(
     code, err = glm45_dry_run(capsys, tmp_path, args)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{flag} {value}" in err and f"{field}" in err and implied in err, err
+
+
+@pytest.mark.slow
+def test_glm45s_mtp_layer_is_kept_frozen_said_in_the_plan_and_copied_into_the_export(tmp_path, capsys):
+    """A GLM-4.5-shaped checkpoint with one MTP layer after its decoder layers (num_nextn_predict_layers: 1, as
+    GLM-4.5 ships): --dry-run says it is kept frozen; a run trains the rest, and its exported HF directory holds the
+    MTP tensors bit for bit as loaded, beside trained weights that changed."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_checkpoint(tmp_path / "glm", "glm4_moe", num_nextn_predict_layers=1)
+    config = json.loads((tmp_path / "glm" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 2
+    state = load_file(f"{path}/model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    mtp = {f"model.layers.2.{name}": torch.randn(shape, generator=gen) for name, shape in (
+        ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+        ("self_attn.q_proj.weight", (64, 64)), ("shared_head.norm.weight", (64,)))}
+    save_file({**state, **mtp}, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+    capsys.readouterr()
+    assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={path}"]) == 0
+    assert ("1 multi-token-prediction layer(s) (model.layers.2) kept frozen: not trained or synced, copied unchanged "
+            "into every export") in capsys.readouterr().out
+    records = short_run(tmp_path, "glm_mtp", [f"model.path={path}"])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    exported = load_file(str(tmp_path / "glm_mtp" / "hf" / "model.safetensors"))
+    assert set(exported) == set(state) | set(mtp)
+    assert all(torch.equal(exported[name], t) for name, t in mtp.items())
+    assert not torch.equal(exported["model.layers.1.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])

@@ -6,7 +6,8 @@
   and any TP / PP / DP / EP layout reads them back (megatron reshards on load);
 - `trainer/rank_<r>.pt`: the lr schedule, precision, torch RNG state, policy version, layout and optimizer count;
 - `hf_config/`: the initial model's config and tokenizer files (what `launch.tools.export_hf` needs to write an HF
-  directory from `dist/`, offline, tensor by tensor).
+  directory from `dist/`, offline, tensor by tensor), and its frozen tensors (a family's MTP layers), which every
+  export copies unchanged.
 
 Resuming at the layout the checkpoint was taken at is exact; at another layout weights, main weights and Adam
 moments all reshard (the RNG state is per rank and restarts), except between layouts that chain megatron's
@@ -21,7 +22,10 @@ from typing import Any
 
 import torch
 
+from weight_sync.families import family_of
+
 DIST, HF_CONFIG = "dist", "hf_config"
+FROZEN = "frozen.safetensors"  # in hf_config/: the initial model's tensors the trainer does not build (MTP layers)
 
 
 def save_rank(worker: Any, directory: str) -> None:
@@ -36,6 +40,7 @@ def save_rank(worker: Any, directory: str) -> None:
         save_sharded(worker.model, worker.training, dist)
         if worker.rank == 0:
             _copy_config_files(worker.model_path, os.path.join(directory, HF_CONFIG))
+            _copy_frozen_tensors(worker.model_path, os.path.join(directory, HF_CONFIG), worker.hf_config)
         os.makedirs(os.path.join(directory, "trainer"), exist_ok=True)
         torch.save({"scheduler": worker.training.scheduler.state_dict(), "optimizers": worker.training.optimizer_count,
                     "precision": worker.precision,
@@ -132,6 +137,21 @@ def layout_key(worker: Any) -> dict[str, int]:
     p = worker.place
     return {"world_size": worker.world_size, "tp": p.tp_size, "pp": p.pp_size, "dp": p.dp_size, "ep": p.ep_size,
             "etp": p.etp_size}
+
+
+def _copy_frozen_tensors(initial_model: str, out: str, hf_config: Any) -> None:
+    """The initial model's tensors its family keeps frozen (weight_sync.families: MTP layers), into `out`/FROZEN."""
+    import glob
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    family, frozen = family_of(hf_config), {}
+    for path in sorted(glob.glob(os.path.join(initial_model, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            frozen.update({n: f.get_tensor(n) for n in f.keys() if family.is_frozen(hf_config, n)})
+    if frozen:
+        save_file(frozen, os.path.join(out, FROZEN), metadata={"format": "pt"})
 
 
 def _copy_config_files(initial_model: str, out: str) -> None:

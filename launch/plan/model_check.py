@@ -66,13 +66,24 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
     weights = weight_files(cfg.model.path)
     if not weights and plan_only:
         return (f"model: {path} holds config.json and no weight files: a plan-only directory (the plan is computed "
-                "from config.json; a run needs the *.safetensors)")
+                "from config.json; a run needs the *.safetensors)" + frozen_line(hf_config))
     if not weights:
         raise ConfigError(f"model.path {cfg.model.path!r} holds no *.safetensors or *.bin weight files: copy the "
                           "checkpoint's weights there (a directory with config.json alone serves --dry-run only)")
     check_weight_files(cfg.model.path, weights)
     size = sum(p.stat().st_size for p in weights)
-    return f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {format_bytes(size)})"
+    return (f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {format_bytes(size)})"
+            + frozen_line(hf_config))
+
+
+def frozen_line(hf_config: Any) -> str:
+    """What the plan says of the layers the family keeps frozen (MTP): kept, not trained, in every export."""
+    frozen = family_of(hf_config).frozen_layers(hf_config)
+    if not frozen:
+        return ""
+    which = ", ".join(f"model.layers.{i}" for i in frozen)
+    return (f"; {len(frozen)} multi-token-prediction layer(s) ({which}) kept frozen: not trained or synced, copied "
+            "unchanged into every export")
 
 
 def check_shape_flags(cfg: SluiceConfig, hf_config: Any) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from glue.trainer import cpu_compat
 from glue.trainer import model as trainer_model
-from glue.trainer.checkpointing import DIST, HF_CONFIG, rank_file
+from glue.trainer.checkpointing import DIST, FROZEN, HF_CONFIG, rank_file
 from weight_sync.convert import rules
 from weight_sync.convert.mapping import rule_to_hf
 
@@ -42,7 +42,8 @@ def export(checkpoint: str, out: str, *, shard_bytes: int = SHARD_BYTES) -> list
     with _single_rank():
         files = _write_safetensors(dist, config_dir, precision, out, shard_bytes)
     for name in os.listdir(config_dir):
-        shutil.copy(os.path.join(config_dir, name), out)
+        if name != FROZEN:  # written into the weight files above
+            shutil.copy(os.path.join(config_dir, name), out)
     return files
 
 
@@ -76,6 +77,11 @@ def _write_safetensors(dist: str, config_dir: str, precision: str, out: str, sha
             pending.update(rule_to_hf(rule, [loaded.pop(name)], hf_config))
         if sum(t.numel() * t.element_size() for t in pending.values()) >= shard_bytes:
             flush()
+    frozen = os.path.join(config_dir, FROZEN)
+    if os.path.exists(frozen):  # the family's frozen layers (MTP), unchanged from the initial model
+        from safetensors.torch import load_file
+
+        pending.update(load_file(frozen))
     if pending or not files:
         flush()
     return _name_files(out, files, weight_map)

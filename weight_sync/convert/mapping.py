@@ -222,10 +222,11 @@ def _check_known_hf_names(hf_state: dict[str, torch.Tensor], table: list[Rule], 
     known = {h for rule in table for h in rule.hf}
     if is_tied(hf_config):
         known.add(OUTPUT.hf[0])  # some tied checkpoints still save lm_head
-    unknown = sorted(n for n in hf_state if n not in known and not n.endswith(IGNORED_HF_SUFFIXES))
+    family = family_of(hf_config)  # its frozen layers (MTP) are kept beside the model, not in it
+    unknown = sorted(n for n in hf_state if n not in known and not n.endswith(IGNORED_HF_SUFFIXES)
+                     and not family.is_frozen(hf_config, n))
     if unknown:
-        family = family_of(hf_config).name
-        raise ValueError(f"{len(unknown)} checkpoint tensors are not in the {family} name table, e.g. "
+        raise ValueError(f"{len(unknown)} checkpoint tensors are not in the {family.name} name table, e.g. "
                          f"{unknown[:4]}; does config.json match the checkpoint (attention_bias, num_experts, "
                          "mlp_only_layers, tie_word_embeddings)?")
 

@@ -111,6 +111,15 @@ class Family:
         """Every entry this family's tables may hold (the megatron side's layout kinds are read from them)."""
         return (EMBEDDING, FINAL_NORM, OUTPUT, *ATTENTION, QKV_BIAS, *QK_NORM, *DENSE_MLP, *LAYER_NORMS)
 
+    def frozen_layers(self, hf_config: Any) -> range:
+        """Checkpoint layers the trainer does not build (multi-token prediction, after the decoder's): kept frozen,
+        never trained or synced, copied unchanged into every export (glue.trainer.checkpointing)."""
+        return range(0)
+
+    def is_frozen(self, hf_config: Any, checkpoint_name: str) -> bool:
+        m = re.match(r"model\.layers\.(\d+)\.", checkpoint_name)
+        return m is not None and int(m.group(1)) in self.frozen_layers(hf_config)
+
     def loaded_name(self, checkpoint_name: str) -> str:
         """The HF model's own parameter name for a checkpoint tensor (transformers renames some on load)."""
         return checkpoint_name

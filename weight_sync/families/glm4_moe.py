@@ -5,9 +5,9 @@ DeepSeek-V3's router: sigmoid scores, the expert bias `e_score_correction_bias` 
 group-limited top-k (`n_group`, `topk_group`), the chosen scores renormalised and scaled by `routed_scaling_factor`.
 
 The expert bias is frozen in training by default (the trainer sets megatron's bias update rate to 0): an RL run
-keeps the engines' routing rule.
-MTP layers (`num_nextn_predict_layers`) are not in the HF model transformers builds; a checkpoint that carries them
-is refused by the converter's unknown-tensor check rather than losing them silently."""
+keeps the engines' routing rule. The multi-token-prediction layers after the decoder's (`num_nextn_predict_layers`,
+`model.layers.92` of GLM-4.5) are not in the HF model transformers builds, nor in the trainer's: they are kept frozen
+and copied unchanged into every export."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +33,10 @@ class Glm4Moe(MoeFamily):
 
     def num_experts(self, hf_config: Any) -> int:
         return int(cfg(hf_config, "n_routed_experts", 0))
+
+    def frozen_layers(self, hf_config: Any) -> range:
+        layers = int(cfg(hf_config, "num_hidden_layers"))
+        return range(layers, layers + int(cfg(hf_config, "num_nextn_predict_layers", 0)))
 
     def is_moe_layer(self, hf_config: Any, layer: int) -> bool:
         return self.num_experts(hf_config) > 0 and layer >= int(cfg(hf_config, "first_k_dense_replace", 0))
