@@ -30,12 +30,9 @@ from loss import LossConfig
 from weight_sync.families import FAMILIES
 
 
-TINY_FAMILIES = tuple(FAMILIES)  # every family of weight_sync.families builds a tiny random model
-
-
 @dataclass(kw_only=True)
 class TinyModelConfig:
-    family: Literal[TINY_FAMILIES] = "qwen2"  # a model family (docs/models.md): qwen2, llama, qwen3 (q/k norms), or a mixture of experts (qwen3_moe: for EP and routing replay)
+    family: Literal[tuple(FAMILIES)] = "qwen2"  # a model family (docs/models.md): dense qwen2, llama, qwen3 (q/k norms), or a mixture of experts for EP and routing replay (qwen3_moe, mixtral, glm4_moe)
     vocab_size: int = 32  # tokens of the tiny model (>= 260 with tokenizer: true)
     hidden_size: int = 64  # model width
     num_layers: int = 2  # transformer layers
