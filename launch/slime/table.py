@@ -128,7 +128,7 @@ CLUSTER = [
 ]
 
 TRAIN = [
-    no("--qwen-gdn-backend", "train", "the trainer builds llama, qwen2, qwen3 and qwen3_moe (no linear attention)"),
+    no("--qwen-gdn-backend", "train", "the trainer builds the families of docs/models.md (no linear attention)"),
     no("--train-env-vars", "train", "export the variables before sluice starts; Ray passes them to the trainer"),
     SlimeArg("--update-weight-mode", "train", "-", "one", str, weight_mode,
              "full (slime's default, sluice's too); delta has no equivalent: sync.delta: true sends changed elements "
