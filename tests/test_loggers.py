@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,17 @@ def test_tensorboard_event_files_hold_the_numeric_values_and_not_the_strings(tmp
     assert [r["rollout/group_ids"] for r in lines] == ["0,2-3"] * 3 and lines[0]["train/loss"] == "nan"
 
 
+def next_second() -> None:
+    """torch names an event file by the second it was opened, then by a per-process counter compared as text
+    ("...10" sorts before "...9"), and TensorBoard reads a folder's files in name order: two writers one process opens
+    in one second can be read out of order, once enough writers came before them in the session. A resumed run is a
+    new process, seconds after the one it resumes, so only a test meets this."""
+    time.sleep(1.01 - time.time() % 1)
+
+
 def test_a_resumed_run_replaces_the_tensorboard_steps_logged_after_its_checkpoint(tmp_path):
     log_steps(tmp_path, [1, 2, 3, 4, 5])
+    next_second()
     log_steps(tmp_path, [4, 5], resume_step=3, scale=10.0)
     values = [(e.step, round(e.value, 5)) for e in read_events(tmp_path / "tensorboard").Scalars("rollout/reward_mean")]
     assert values == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0), (5, 5.0)]
