@@ -38,9 +38,9 @@ class TinyModelConfig:
     num_layers: int = 2  # transformer layers
     num_heads: int = 4  # attention heads
     num_kv_heads: int = 2  # key/value heads (grouped-query attention)
-    intermediate_size: int = 128  # MLP width (qwen3_moe: each expert is a quarter of it)
-    num_experts: int = 4  # qwen3_moe: routed experts per MoE layer (divisible by --expert-model-parallel-size)
-    moe_top_k: int = 2  # qwen3_moe: experts each token is routed to (HF num_experts_per_tok), 1 to num_experts
+    intermediate_size: int = 128  # MLP width (qwen3_moe, glm4_moe: each expert is a quarter of it; mixtral: as wide)
+    num_experts: int = 4  # MoE families: routed experts per MoE layer (divisible by --expert-model-parallel-size)
+    moe_top_k: int = 2  # MoE families: experts each token is routed to (HF num_experts_per_tok), 1 to num_experts
     seed: int = 0  # initial weights' seed
     tokenizer: bool = False  # also train a byte-level BPE tokenizer with a chat template (glue.embedded_engine.tiny_text_model), for text tasks; needs vocab_size >= 260
 

@@ -231,8 +231,8 @@ def test_help_lists_every_tiny_family_and_the_tiny_moe_keys(capsys):
     text = capsys.readouterr().out
     family = next(line for line in text.splitlines() if line.startswith("  model.tiny.family  ("))
     assert all(repr(name) in family for name in FAMILIES), family
-    assert "  model.tiny.num_experts  (int, default: 4)\n      qwen3_moe: routed experts" in text
-    assert "  model.tiny.moe_top_k  (int, default: 2)\n      qwen3_moe: experts each token is routed to" in text
+    assert "  model.tiny.num_experts  (int, default: 4)\n      MoE families: routed experts" in text
+    assert "  model.tiny.moe_top_k  (int, default: 2)\n      MoE families: experts each token is routed to" in text
 
 
 def test_a_tiny_moe_built_with_other_experts_and_top_k_has_them(tmp_path, capsys):

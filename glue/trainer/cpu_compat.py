@@ -136,11 +136,7 @@ def _patch_moe_router() -> None:
 
     # Why: TopKRouter.__init__ puts the expert-bias buffers (sigmoid routers: DeepSeek-V3, GLM-4.5) on
     # torch.cuda.current_device(). Same bytecode, run with a CPU `torch`.
-    init = router.TopKRouter.__init__
-    patched = types.FunctionType(init.__code__, {**vars(router), "torch": _TorchOnCpu("torch")}, init.__name__,
-                                 init.__defaults__, init.__closure__)
-    patched.__kwdefaults__ = init.__kwdefaults__
-    router.TopKRouter.__init__ = patched
+    router.TopKRouter.__init__ = _on_cpu_torch(router.TopKRouter.__init__, router)
 
 
 class _HostStream:
@@ -190,13 +186,16 @@ def _patch_first_dim_collectives() -> None:
     # TP or EP > 1) allocate their outputs on torch.cuda.current_device(). Same bytecode, run with a CPU `torch`.
     from megatron.core.tensor_parallel import mappings
 
-    cpu_torch = _TorchOnCpu("torch")
     for name in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim", "_gather_along_last_dim"):
-        f = getattr(mappings, name)
-        patched = types.FunctionType(f.__code__, {**vars(mappings), "torch": cpu_torch}, f.__name__, f.__defaults__,
-                                     f.__closure__)
-        patched.__kwdefaults__ = f.__kwdefaults__
-        setattr(mappings, name, patched)
+        setattr(mappings, name, _on_cpu_torch(getattr(mappings, name), mappings))
+
+
+def _on_cpu_torch(f: Any, module: Any) -> Any:
+    """`f`, a function of megatron's `module`, with the same bytecode run against the CPU `torch` (_TorchOnCpu)."""
+    patched = types.FunctionType(f.__code__, {**vars(module), "torch": _TorchOnCpu("torch")}, f.__name__,
+                                 f.__defaults__, f.__closure__)
+    patched.__kwdefaults__ = f.__kwdefaults__
+    return patched
 
 
 def _patch_parallel_linear_backward() -> None:
