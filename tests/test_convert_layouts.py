@@ -71,7 +71,7 @@ def test_hf_to_megatron_ranks_to_hf_is_bit_exact_for_every_family_and_layout(che
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
 def test_a_moe_family_round_trips_through_tp2_pp2_ep2_with_vocab_padding(checkpoints, family):
     config, hf_state = checkpoints[family]
     ranks = layouts(4, tp=2, pp=2, ep=2, padded=64)

@@ -1,6 +1,6 @@
 """The name tables against REAL megatron-core GPTModels on CPU/gloo (2 spawned ranks): the megatron names and shapes
 the converter produces are exactly those of a model built at TP=1/TP=2 (every family), PP=2 and EP=2 (the MoE
-families), scaled RoPE included;
+families), scaled RoPE and multi-latent attention included;
 loading them and reading the model's own state back round-trips to the HF checkpoint bit-exactly; and the loaded
 models compute the HF model's logprobs, which proves the table right, not just self-consistent."""
 from __future__ import annotations
@@ -32,6 +32,10 @@ MODELS = {
     # GLM-4.5's features (tiny_fields): the first layer dense, a shared expert, half-rotary heads, attention biases,
     # sigmoid routing with a (random, below) expert bias scaled by 2.5
     "glm4_moe": ("glm4_moe", dict(num_layers=4)),
+    # DeepSeek-V3's features (tiny_fields): MLA with a query rank, YaRN with mscale, the first layer dense, a shared
+    # expert, sigmoid routing over two expert groups with a random expert bias; and MLA with the query projected whole
+    "deepseek_v3": ("deepseek_v3", dict(num_layers=4)),
+    "deepseek_v3_q_whole": ("deepseek_v3", dict(q_lora_rank=None)),
     # scaled RoPE: Llama 3.1's (original context 16 tokens, so the rows below reach the scaled frequencies) and
     # linear scaling on Qwen2
     "llama3_rope": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
@@ -52,6 +56,9 @@ CASES = [
     ("mixtral_ep2", "mixtral", 1, 1, 2),
     ("glm4_moe_tp1", "glm4_moe", 1, 1, 1), ("glm4_moe_tp2", "glm4_moe", 2, 1, 1), ("glm4_moe_pp2", "glm4_moe", 1, 2, 1),
     ("glm4_moe_ep2", "glm4_moe", 1, 1, 2),
+    ("deepseek_v3_tp1", "deepseek_v3", 1, 1, 1), ("deepseek_v3_tp2", "deepseek_v3", 2, 1, 1),
+    ("deepseek_v3_pp2", "deepseek_v3", 1, 2, 1), ("deepseek_v3_ep2", "deepseek_v3", 1, 1, 2),
+    ("deepseek_v3_q_whole_tp2", "deepseek_v3_q_whole", 2, 1, 1),
     ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
     ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1),
 ]
@@ -214,8 +221,8 @@ def test_the_layouts_really_split_the_model(runs):
     assert "decoder.layers.0.mlp.linear_fc1.weight" in dense0 and "decoder.layers.1.mlp.router.weight" in dense0
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0].startswith(("qwen2", "qwen3", "mixtral", "glm4_moe", "llama3"))
-                                  and "_pp" not in c[0]])
+@pytest.mark.parametrize("case", [c[0] for c in CASES if "_pp" not in c[0] and c[0].startswith(
+    ("qwen2", "qwen3", "mixtral", "glm4_moe", "deepseek_v3", "llama3"))])
 def test_megatron_loaded_through_the_table_gives_the_hf_models_logprobs(runs, model_dirs, case):
     from transformers import AutoModelForCausalLM
 

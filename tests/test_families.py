@@ -121,7 +121,7 @@ def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe", "deepseek_v3"])
 def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
     records = short_run(tmp_path, family, [f"model.tiny.family={family}", "model.tiny.num_experts=4",
                                            "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",

@@ -41,21 +41,12 @@ def tiny_config(
     fields = FAMILIES[family].tiny_fields(hidden_size=hidden_size, num_heads=num_heads,
                                           intermediate_size=intermediate_size, num_experts=num_experts,
                                           moe_top_k=moe_top_k)
-    return getattr(transformers, FAMILIES[family].tiny_classes[0])(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="float32",
-        **fields,
-    )
+    shared = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+                  max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=bos_token_id,
+                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, torch_dtype="float32")
+    # the family's fields win (multi-latent attention has as many key heads as query heads)
+    return getattr(transformers, FAMILIES[family].tiny_classes[0])(**{**shared, **fields})
 
 
 def save_tiny_model(

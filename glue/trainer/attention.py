@@ -71,7 +71,8 @@ class SluiceCoreAttention(MegatronModule):
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None):
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         unsupported = {"context_parallel_size > 1": config.context_parallel_size > 1,
@@ -83,8 +84,9 @@ class SluiceCoreAttention(MegatronModule):
                              "set --attention-backend local for megatron's unfused attention")
         tp_size = config.tensor_model_parallel_size
         self.num_heads = config.num_attention_heads // tp_size
-        self.num_groups = config.num_query_groups // tp_size
-        self.head_dim = config.kv_channels
+        self.num_groups = self.num_heads if k_channels else config.num_query_groups // tp_size
+        # multi-latent attention: as many key heads as query heads, keys of k_channels and values of v_channels dims
+        self.head_dim = k_channels or config.kv_channels
         # megatron's query-key layer scaling divides the scale by the layer number and multiplies it back in the
         # softmax: the product is this plain scale
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)

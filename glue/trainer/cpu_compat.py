@@ -95,6 +95,15 @@ def _patch_rotary_embedding() -> None:
 
     RotaryEmbedding.get_emb = get_emb
 
+    # Why: multi-latent attention builds its RoPE (plain or YaRN) per layer without use_cpu_initialization, so their
+    # __init__ make the inverse frequencies on torch.cuda.current_device(), and YaRN's get_emb moves them there on
+    # first use. Same bytecode, run with a CPU `torch`.
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding as yarn
+
+    RotaryEmbedding.__init__ = _on_cpu_torch(RotaryEmbedding.__init__, rotary_pos_embedding)
+    for name in ("__init__", "get_emb"):
+        setattr(yarn.YarnRotaryEmbedding, name, _on_cpu_torch(getattr(yarn.YarnRotaryEmbedding, name), yarn))
+
 
 def _patch_global_memory_buffer() -> None:
     # Why: GlobalMemoryBuffer.get_tensor (attention score buffer) allocates on torch.cuda.current_device().

@@ -12,6 +12,10 @@ from glue.trainer import rope
 from glue.trainer.norm import CompiledRMSNorm, ReferenceRMSNorm, RMSNorm
 from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_layer_spec
 
+# megatron's unfused DotProductAttention sizes keys and values alike; multi-latent attention's differ
+MLA_REFERENCE = ("multi-latent attention (deepseek_v3) runs on sluice's core attention, not megatron's unfused "
+                 "reference: drop --attention-backend local / unfused")
+
 
 def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
@@ -35,12 +39,17 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any
     if config.num_moe_experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     else:
-        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                         multi_latent_attention=config.multi_latent_attention)
         spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     core_attention = core_attention_class(config.attention_backend)
+    if config.multi_latent_attention:
+        if core_attention is DotProductAttention:
+            raise ValueError(MLA_REFERENCE)
+        _without_te_stand_ins()
     norm = CompiledRMSNorm if compiled else RMSNorm
     if core_attention is DotProductAttention:  # the unfused reference keeps megatron's RoPE and torch's norm too
         norm = ReferenceRMSNorm
@@ -59,3 +68,15 @@ def _swap(node: Any, swaps: dict[type, type]) -> Any:
         return dataclasses.replace(node, **{f.name: _swap(getattr(node, f.name), swaps)
                                             for f in dataclasses.fields(node) if f.init})
     return node
+
+
+def _without_te_stand_ins() -> None:
+    """megatron-core 0.16's multi_latent_attention sets HAVE_TE when its TE wrappers' module imports, which it does
+    without Transformer Engine (its classes are then mocks), and then calls isinstance(..., a mock). Where TE does not
+    import, tell that module so (fixed in megatron-core 0.19)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    from glue.trainer.te_spec import te_available
+
+    if not te_available():
+        multi_latent_attention.HAVE_TE = False

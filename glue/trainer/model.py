@@ -54,15 +54,20 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
 
 
 def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
-    """megatron-core TransformerConfig equivalent to an HF Llama/Qwen2/Qwen3/Qwen3-MoE config, float32, fusions off."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron-core TransformerConfig equivalent to the HF config of a family (weight_sync.families), float32,
+    fusions off: an MLATransformerConfig for multi-latent attention (DeepSeek-V3)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_tensor_parallel(hf_config, tp_size)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
     family_of(hf_config).check(hf_config)
-    return TransformerConfig(
+    family_fields = family_config_kwargs(hf_config)
+    if family_fields.get("multi_latent_attention"):
+        head_dim = family_fields["v_head_dim"]  # what megatron's attention sizes its output by
+    config_class = MLATransformerConfig if family_fields.get("multi_latent_attention") else TransformerConfig
+    return config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
         num_query_groups=num_groups, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
@@ -74,7 +79,7 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
         attention_softmax_in_fp32=True,
         # glue.trainer.pipeline runs megatron's schedules; losses arrive normalised by the batch's global counts, so
         # the schedule must backpropagate them as they are
-        calculate_per_token_loss=True, **family_config_kwargs(hf_config),
+        calculate_per_token_loss=True, **family_fields,
     )
 
 
@@ -144,7 +149,7 @@ def scale_rope(model: torch.nn.Module, hf_config: Any) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = rope_parameters(hf_config)["rope_type"]
-    if rope_type == "default":
+    if rope_type == "default" or model.config.multi_latent_attention:  # MLA builds YaRN in each layer itself
         return
     with torch.device("cpu"):  # real numbers even where the model is built on the meta device (sluice export-hf)
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
@@ -242,6 +247,11 @@ def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Ite
     def per_token(module: torch.nn.Module, args: Any, angles: torch.Tensor) -> torch.Tensor:
         return angles[position_ids.t().to(angles.device)].squeeze(2)
 
+    if model.config.multi_latent_attention:
+        # MLA keeps its RoPE per layer and rotates a THD row span by span from position 0 (megatron's own THD path),
+        # which is what packed rows' position ids say; padded rows take positions 0..S-1 as they stand
+        yield
+        return
     handle = model.rotary_pos_emb.register_forward_hook(per_token)
     try:
         yield

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weight_sync.families.table import (ATTENTION, DENSE_MLP, EMBEDDING, EXPERT_FC1, EXPERT_FC2, FINAL_NORM, GATE_UP,
-                                        LAYER_NORMS, OUTPUT, QK_NORM, QKV_BIAS, REPLICATED, ROUTER_MCORE, ROW, Entry,
-                                        Rule, cfg, in_expert, in_layer)
+                                        LAYER_NORMS, OUTPUT, QK_NORM, QKV_BIAS, REPLICATED, ROUTER_BIAS, ROUTER_MCORE,
+                                        ROW, SHARED_EXPERTS, Entry, Rule, cfg, in_expert, in_layer)
 
 # RoPE types the trainer builds: each changes only the inverse frequencies (transformers' attention factor is 1), which
 # the trainer computes with transformers' own function. YaRN's attention factor, dynamic NTK's and LongRoPE's
@@ -48,14 +48,15 @@ class Family:
     qkv_bias: bool = False  # q/k/v biases whatever `attention_bias` says (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
     explicit_head_dim: bool = False  # the HF config's head_dim defaults to a fixed number, not hidden / heads (Qwen3)
+    rope_types: tuple[str, ...] = TRAINED_ROPE_TYPES  # config.json rope_types the trainer builds for this family
 
     # --- what the trainer builds
     def check(self, hf_config: Any) -> None:
         """Raise ValueError, in one line naming the field and what to do, for what the trainer cannot build yet."""
         rope_type = rope_parameters(hf_config)["rope_type"]
-        if rope_type not in TRAINED_ROPE_TYPES:
+        if rope_type not in self.rope_types:
             raise ValueError(f"rope_type {rope_type!r} is not supported by the megatron trainer yet (it builds "
-                             f"{', '.join(TRAINED_ROPE_TYPES)}); use a checkpoint with one of those")
+                             f"{', '.join(self.rope_types)} for {self.name}); use a checkpoint with one of those")
         if cfg(hf_config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported; set use_sliding_window=false")
         if cfg(hf_config, "mlp_bias", False):
@@ -99,10 +100,13 @@ class Family:
         return out
 
     def layer_rules(self, hf_config: Any, layer: int) -> list[Rule]:
-        attention = [ATTENTION[0], *([QKV_BIAS] if self.has_qkv_bias(hf_config) else []), *ATTENTION[1:],
-                     *(QK_NORM if self.has_qk_norm(hf_config) else ())]
-        return ([in_layer(e, layer) for e in attention] + self.mlp_rules(hf_config, layer)
+        return ([in_layer(e, layer) for e in self.attention_entries(hf_config)] + self.mlp_rules(hf_config, layer)
                 + [in_layer(e, layer) for e in LAYER_NORMS])
+
+    def attention_entries(self, hf_config: Any) -> list[Entry]:
+        """A layer's attention tensors, in HF module order."""
+        return [ATTENTION[0], *([QKV_BIAS] if self.has_qkv_bias(hf_config) else []), *ATTENTION[1:],
+                *(QK_NORM if self.has_qk_norm(hf_config) else ())]
 
     def mlp_rules(self, hf_config: Any, layer: int) -> list[Rule]:
         return [in_layer(e, layer) for e in DENSE_MLP]
@@ -211,3 +215,62 @@ class MoeFamily(Family):
                 # softmaxes the top-k logits, which is exactly the renormalised form.
                 "moe_router_pre_softmax": not self.renormalises_top_k(hf_config),
                 "moe_router_score_function": "softmax"}
+
+
+@dataclass(frozen=True)
+class SigmoidRouterMoe(MoeFamily):
+    """DeepSeek-V3's MoE layers (GLM-4.5 took them as they are): the first `first_k_dense_replace` layers dense, the
+    rest `n_routed_experts` routed experts with `n_shared_experts` shared ones beside them; a sigmoid router whose
+    expert bias `e_score_correction_bias` is added only to choose experts, group-limited top-k (`n_group`,
+    `topk_group`), the chosen scores renormalised and scaled by `routed_scaling_factor`. The multi-token-prediction
+    layers after the decoder's (`num_nextn_predict_layers`) are in neither the HF model transformers builds nor the
+    trainer's: kept frozen and copied unchanged into every export.
+
+    The expert bias is frozen in training by default (the trainer sets megatron's bias update rate to 0): an RL run
+    keeps the engines' routing rule."""
+
+    def check(self, hf_config: Any) -> None:
+        super().check(hf_config)
+        groups, chosen, top_k = (int(cfg(hf_config, name, 1)) for name in ("n_group", "topk_group",
+                                                                          "num_experts_per_tok"))
+        if groups > 1 and top_k != 2 * chosen:  # megatron sums a group's top topk/topk_group scores, HF its top 2
+            raise ValueError(f"n_group={groups}, topk_group={chosen}, num_experts_per_tok={top_k}: megatron-core "
+                             "scores a group by its top num_experts_per_tok / topk_group experts and HF by its top 2, "
+                             "which agree only when num_experts_per_tok = 2 x topk_group")
+        if not cfg(hf_config, "norm_topk_prob", True) and top_k > 1:
+            raise ValueError("norm_topk_prob=false: megatron-core always renormalises the chosen sigmoid scores; "
+                             "the trainer builds norm_topk_prob=true only")
+
+    def num_experts(self, hf_config: Any) -> int:
+        return int(cfg(hf_config, "n_routed_experts", 0))
+
+    def frozen_layers(self, hf_config: Any) -> range:
+        layers = int(cfg(hf_config, "num_hidden_layers"))
+        return range(layers, layers + int(cfg(hf_config, "num_nextn_predict_layers", 0)))
+
+    def is_moe_layer(self, hf_config: Any, layer: int) -> bool:
+        return self.num_experts(hf_config) > 0 and layer >= int(cfg(hf_config, "first_k_dense_replace", 0))
+
+    def mlp_rules(self, hf_config: Any, layer: int) -> list[Rule]:
+        rules = super().mlp_rules(hf_config, layer)
+        if not self.is_moe_layer(hf_config, layer):
+            return rules
+        return rules + [in_layer(e, layer) for e in (ROUTER_BIAS, *SHARED_EXPERTS)]
+
+    def entries(self) -> tuple[Entry, ...]:
+        return (*super().entries(), ROUTER_BIAS, *SHARED_EXPERTS)
+
+    def megatron_fields(self, hf_config: Any) -> dict[str, Any]:
+        fields = super().megatron_fields(hf_config)
+        if not self.num_experts(hf_config):
+            return fields
+        fields.pop("moe_router_pre_softmax")  # megatron reads it for softmax scores only
+        fields.update(
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=float(cfg(hf_config, "routed_scaling_factor", 1.0)),
+            moe_shared_expert_intermediate_size=int(cfg(hf_config, "moe_intermediate_size"))
+            * int(cfg(hf_config, "n_shared_experts", 0)) or None)
+        if int(cfg(hf_config, "n_group", 1)) > 1:
+            fields.update(moe_router_num_groups=int(cfg(hf_config, "n_group")),
+                          moe_router_group_topk=int(cfg(hf_config, "topk_group")))
+        return fields

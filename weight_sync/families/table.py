@@ -64,6 +64,22 @@ DENSE_MLP = (
     Entry("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GATE_UP),
     Entry("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW),
 )
+# Multi-latent attention (DeepSeek-V2 / V3, Kimi-K2, Moonlight), megatron's MLASelfAttention on the local spec: the
+# query either projected whole (no `q_lora_rank`) or down to a rank, normed and up again; keys and values down to
+# `kv_lora_rank` (plus the shared RoPE key), normed, and up per head. Every projection is column-parallel (the down
+# projections' outputs are gathered back whole inside the layer), the output projection row-parallel.
+MLA_Q = (Entry("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), COLUMN),)
+MLA_Q_LORA = (
+    Entry("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), COLUMN),
+    Entry("self_attention.q_layernorm.weight", ("self_attn.q_a_layernorm.weight",), REPLICATED),
+    Entry("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), COLUMN),
+)
+MLA_KV = (
+    Entry("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), COLUMN),
+    Entry("self_attention.kv_layernorm.weight", ("self_attn.kv_a_layernorm.weight",), REPLICATED),
+    Entry("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), COLUMN),
+    Entry("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
+)
 LAYER_NORMS = (
     Entry("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED),
     Entry("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
