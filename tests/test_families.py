@@ -123,9 +123,11 @@ def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "glm4_moe", "deepseek_v3"])
 def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
+    # DeepSeek-V3's on packed rows: MLA rotates a THD row span by span, where the others' padded rows do not
+    packed = ["trainer.max_tokens_per_micro_batch=96"] if family == "deepseek_v3" else []
     records = short_run(tmp_path, family, [f"model.tiny.family={family}", "model.tiny.num_experts=4",
                                            "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",
-                                           "trainer.routing_replay=true"])
+                                           "trainer.routing_replay=true", *packed])
     print(f"{family} |train - rollout| by step:", [r["train/train_rollout_logprob_abs_diff"] for r in records],
           "routing agreement:", [r["moe/routing_agreement"] for r in records])
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -149,6 +151,17 @@ RELEASED = {
                 "rope_theta": 1000000, "vocab_size": 151552, "attention_bias": True, "use_qk_norm": True,
                 "num_nextn_predict_layers": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "Moonlight-16B-A3B": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                          "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
+                          "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+                          "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+                          "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None,
+                          "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+                          "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1,
+                          "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+                          "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+                          "rope_theta": 50000.0, "rope_scaling": None, "tie_word_embeddings": False,
+                          "torch_dtype": "bfloat16", "bos_token_id": 163584, "eos_token_id": 163585},
     "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                      "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
@@ -165,6 +178,8 @@ LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB
     "Mixtral-8x7B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4", "--expert-model-parallel-size",
                      "8", "--expert-tensor-parallel-size", "1"],
     "Llama-3.1-8B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4"],
+    "Moonlight-16B-A3B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
+                          "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"],
     "GLM-4.5": ["cluster.num_nodes=5", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=8",
                 "rollout.num_engines=1", "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
                 "--expert-tensor-parallel-size", "1"],
@@ -226,6 +241,64 @@ def test_a_slime_model_flag_that_config_json_contradicts_is_refused_naming_both(
     code, err = glm45_dry_run(capsys, tmp_path, args)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{flag} {value}" in err and f"{field}" in err and implied in err, err
+
+
+# slime's MODEL_ARGS for Moonlight-16B-A3B (scripts/models/moonlight.sh), with its shell variables expanded
+SLIME_MOONLIGHT = ("--disable-bias-linear --num-layers 27 --hidden-size 2048 --ffn-hidden-size 11264 "
+                   "--num-attention-heads 16 --kv-channels 128 --normalization RMSNorm --position-embedding-type rope "
+                   "--norm-epsilon 1e-5 --rotary-percent 1.0 --swiglu --untie-embeddings-and-output-weights "
+                   "--no-masked-softmax-fusion --vocab-size 163840 --multi-latent-attention --kv-lora-rank 512 "
+                   "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
+                   "--rotary-scaling-factor 1 --rotary-base 50000 --mscale 1.0 --mscale-all-dim 1.0 "
+                   "--attention-softmax-in-fp32 --no-rope-fusion --num-experts 64 "
+                   f"--moe-layer-freq [{','.join(['0'] + ['1'] * 26)}] --moe-ffn-hidden-size 1408 --moe-router-topk 6 "
+                   "--moe-shared-expert-intermediate-size 2816 --moe-router-pre-softmax --moe-router-score-function "
+                   "sigmoid --moe-router-enable-expert-bias --moe-router-load-balancing-type seq_aux_loss "
+                   "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0 --moe-router-bias-update-rate 0 "
+                   "--moe-router-group-topk 1 --moe-router-num-groups 1 --moe-grouped-gemm "
+                   "--moe-router-topk-scaling-factor 2.446 --moe-token-drop-policy probs --moe-router-dtype fp32 "
+                   "--moe-permute-fusion").split()
+
+
+def moonlight_dry_run(capsys, tmp_path, model_args: list[str]) -> tuple[int, str]:
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["Moonlight-16B-A3B"]))
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
+                 *LAYOUTS["Moonlight-16B-A3B"], *model_args])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_slimes_moonlight_mla_flags_as_written_plan_against_its_config_json(tmp_path, capsys):
+    assert moonlight_dry_run(capsys, tmp_path, SLIME_MOONLIGHT) == (0, "")
+
+
+@pytest.mark.parametrize("flag, value, field, implied", [
+    ("--kv-lora-rank", "256", "kv_lora_rank", "512"),
+    ("--qk-pos-emb-head-dim", "32", "qk_pos_emb_head_dim", "64"),
+    ("--moe-router-topk-scaling-factor", "2.5", "moe_router_topk_scaling_factor", "2.446"),
+])
+def test_an_mla_flag_that_config_json_contradicts_is_refused_naming_both(tmp_path, capsys, flag, value, field,
+                                                                          implied):
+    args = list(SLIME_MOONLIGHT)
+    args[args.index(flag) + 1] = value
+    code, err = moonlight_dry_run(capsys, tmp_path, args)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{flag} {value}" in err and field in err and implied in err, err
+
+
+def test_an_mla_flag_given_for_a_model_without_mla_is_refused(tmp_path, capsys):
+    code, err = glm45_dry_run(capsys, tmp_path, [*SLIME_GLM45, "--q-lora-rank", "1536"])
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "--q-lora-rank is a field of multi-latent attention" in err and "glm4_moe" in err, err
+
+
+def test_a_kimi_k2_config_json_reads_as_deepseek_v3_though_transformers_has_no_kimi_k2_class(tmp_path):
+    from glue.trainer.model import read_hf_config
+
+    kimi = {**RELEASED["Moonlight-16B-A3B"], "model_type": "kimi_k2", "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    config = read_hf_config(str(tmp_path))
+    assert family_of(config).name == "deepseek_v3"
+    assert (config.n_routed_experts, config.kv_lora_rank, config.q_lora_rank) == (64, 512, None)
 
 
 @pytest.mark.slow

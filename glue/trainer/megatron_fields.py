@@ -29,6 +29,9 @@ MEGATRON_CONFIGS = (
     "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig",
     "megatron.core.optimizer.optimizer_config:OptimizerConfig",
 )
+# subclasses whose own fields pass through too (those they inherit are their base's): multi-latent attention's
+# (DeepSeek-V3: --q-lora-rank, --kv-lora-rank, YaRN's --mscale ...)
+EXTENSION_CONFIGS = ("megatron.core.transformer.transformer_config:MLATransformerConfig",)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "uint8", "int8")
 
 
@@ -167,7 +170,7 @@ def live_megatron_fields() -> dict[str, MegatronField]:
     import warnings
 
     out: dict[str, MegatronField] = {}
-    for path in MEGATRON_CONFIGS:
+    for path in MEGATRON_CONFIGS + EXTENSION_CONFIGS:
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to field lists
             warnings.simplefilter("ignore", UserWarning)
             cls = _import(path)
@@ -177,7 +180,7 @@ def live_megatron_fields() -> dict[str, MegatronField]:
                 continue
             if f.name in out:
                 prev = out[f.name]
-                if cls.__name__ not in prev.owners:
+                if cls.__name__ not in prev.owners and path not in EXTENSION_CONFIGS:
                     out[f.name] = dataclasses.replace(prev, owners=prev.owners + (cls.__name__,))
                 continue
             kind, scalar, choices, allows_scalar = describe(hints[f.name])

@@ -24,14 +24,24 @@ from glue.trainer.megatron_fields import to_megatron
 from glue.trainer.optim import unwrap
 from glue.trainer.te_spec import check_te_options
 from weight_sync.convert import hf_to_megatron_local, in_names_of, is_tied, num_experts
-from weight_sync.families import family_of, rope_parameters, rope_theta
+from weight_sync.families import BY_MODEL_TYPE, family_of, rope_parameters, rope_theta
 
 
 def read_hf_config(model_dir: str) -> Any:
     """The HF config of a checkpoint directory, checked to be a model this trainer can build (its family's check)."""
-    from transformers import AutoConfig
+    import json
 
-    config = AutoConfig.from_pretrained(model_dir)
+    import transformers
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    family = BY_MODEL_TYPE.get(raw.get("model_type"))
+    if family is not None and raw["model_type"] not in transformers.CONFIG_MAPPING:
+        # a model_type transformers has no class for (Kimi-K2's kimi_k2 ships its own code): its family's class
+        raw.pop("model_type")
+        config = getattr(transformers, family.tiny_classes[0]).from_dict(raw)
+    else:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
     check_buildable(config, model_dir)
     return config
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
+from glue.trainer.megatron_fields import megatron_fields
 from glue.trainer.model import check_tensor_parallel, read_hf_config
 from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.te_spec import resolve_layer_spec
@@ -101,7 +102,13 @@ def check_family_flags(cfg: SluiceConfig, hf_config: Any) -> None:
     trainer built otherwise would train another one."""
     family = family_of(hf_config)
     where = "model.tiny's config" if cfg.model.path is None else f"{cfg.model.path}/config.json"
-    for field, implied in family.megatron_fields(hf_config).items():
+    fields = family.megatron_fields(hf_config)
+    if not fields.get("multi_latent_attention"):
+        mla = [f for f in cfg.trainer.megatron if f in mla_fields() and cfg.trainer.megatron[f] not in (None, False)]
+        if mla:
+            raise ConfigError(f"--{mla[0].replace('_', '-')} is a field of multi-latent attention "
+                              f"(MLATransformerConfig), and {where} is a {family.name} model without it; drop the flag")
+    for field, implied in fields.items():
         given = cfg.trainer.megatron.get(field, implied)
         same = math.isclose(given, implied) if isinstance(implied, float) and isinstance(given, (int, float)) \
             else given == implied
@@ -109,6 +116,12 @@ def check_family_flags(cfg: SluiceConfig, hf_config: Any) -> None:
             raise ConfigError(f"--{field.replace('_', '-')} {given} does not match {where}: the {family.name} family "
                               f"reads {field}={implied} from it, and the engines serve that model; drop the flag or "
                               "point model.path at the checkpoint it describes")
+
+
+def mla_fields() -> set[str]:
+    """The pass-through fields only multi-latent attention reads (MLATransformerConfig's own, and its switch)."""
+    return {"multi_latent_attention"} | {name for name, f in megatron_fields().items()
+                                         if f.owners == ("MLATransformerConfig",)}
 
 
 def check_routing(cfg: SluiceConfig, hf_config: Any) -> None:

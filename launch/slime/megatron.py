@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable
 
-from launch.slime.spec import SlimeArg, Takes, no, same, to
+from launch.slime.spec import SlimeArg, Takes, no, same, switch, to
 from weight_sync.families import family_of, is_moe_layer, is_tied, num_experts, rope_theta
 
 SCHEDULE = [
@@ -21,6 +21,8 @@ SCHEDULE = [
        note="gradients reduced in fp32 (megatron-core's DDP grad_reduce_in_fp32)"),
     same("--make-vocab-size-divisible-by", "megatron-lm", "the vocabulary is config.json's, never padded", takes="one",
          scalar=int),
+    switch("--no-rope-fusion", {"trainer.megatron.apply_rope_fusion": False}, "megatron-lm",
+           note="megatron-core's apply_rope_fusion off (Megatron-LM's spelling; slime's DeepSeek / Kimi scripts)"),
     to("--decoder-first-pipeline-num-layers", "trainer.megatron.num_layers_in_first_pipeline_stage", "megatron-lm",
        int, note="layers on the first pipeline stage; the stages between the first and the last split the rest evenly"),
     to("--decoder-last-pipeline-num-layers", "trainer.megatron.num_layers_in_last_pipeline_stage", "megatron-lm", int,
@@ -61,7 +63,11 @@ def _cfg(name: str, default: Any = None) -> Callable[[Any], Any]:
     return lambda hf: getattr(hf, name, default)
 
 
-def _head_dim(hf: Any) -> int:
+def _head_dim(hf: Any) -> int | None:
+    """None where the family's attention does not read --kv-channels (multi-latent attention sizes its heads by
+    --qk-head-dim / --v-head-dim; slime's DeepSeek-V3 script passes 128, its Kimi-K2 script 64)."""
+    if family_of(hf).megatron_fields(hf).get("multi_latent_attention"):
+        return None
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
@@ -128,6 +134,8 @@ def check_shape(shape: dict[str, Any], hf_config: Any, where: str) -> None:
             raise ValueError(f"model.shape.{name}: not a model-shape flag; known: {', '.join(SHAPE)}")
         attr, expected_of, takes, scalar = SHAPE[flag]
         expected = expected_of(hf_config)
+        if expected is None:  # a flag this family's model does not read
+            continue
         if flag == "--moe-layer-freq" and isinstance(value, int):
             value = [int(i % value == 0) for i in range(hf_config.num_hidden_layers)]  # Megatron-LM's N form
         if not _same(value, expected):
