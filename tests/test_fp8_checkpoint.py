@@ -1,0 +1,113 @@
+"""Block-FP8 checkpoints (DeepSeek-V3's format: float8_e4m3fn weights with a float32 `weight_scale_inv` per block):
+a tiny Qwen3 written by transformers, its linear weights quantized here by hand in 16x16 blocks over dims that leave
+partial blocks. The trainer's reader sees the dequantized model, computed here block by block; a quantization sluice
+cannot dequantize is refused in one line naming the field."""
+import json
+import math
+
+import pytest
+import torch
+
+from weight_sync.fp8_blocks import BlockFp8, block_fp8_of, dequantize_weight
+
+BLOCK = 16
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+             "up_proj.weight", "down_proj.weight")
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per BLOCK x BLOCK block): each block scaled so its largest |value|
+    is e4m3's largest, 448, as DeepSeek's quantizer does."""
+    rows, cols = weight.shape
+    scale = torch.empty(math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = weight[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+            scale[i, j] = block.abs().max() / 448
+            quantized[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scale[i, j]).to(
+                torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def by_hand(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The real value, block by block: each block's FP8 values times its one scale, in float32."""
+    out = torch.empty(quantized.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            out[rows, cols] = quantized[rows, cols].float() * scale[i, j]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """(directory of the block-FP8 checkpoint, its dequantized weights by hand): a transformers-written tiny Qwen3,
+    hidden 40 and intermediate 56 (not multiples of 16), every linear weight quantized and the rest kept."""
+    from safetensors.torch import load_file, save_file
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("fp8") / "qwen3", family="qwen3", hidden_size=40, num_heads=4,
+                           num_kv_heads=2, intermediate_size=56)
+    plain = load_file(f"{path}/model.safetensors")
+    stored, expected = {}, {}
+    for name, tensor in plain.items():
+        if name.endswith(QUANTIZED):
+            stored[name], stored[name + "_scale_inv"] = quantize(tensor)
+            expected[name] = by_hand(stored[name], stored[name + "_scale_inv"])
+        else:
+            stored[name] = expected[name] = tensor
+    save_file(stored, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**config, "quantization_config": FP8_CONFIG}, f)
+    return path, expected
+
+
+def test_a_partial_block_is_scaled_by_its_own_scale():
+    weight = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]).to(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[2.0, 3.0], [5.0, 7.0]])  # blocks of 2x2: the last row and column are partial
+    out = dequantize_weight(weight, scale_inv, (2, 2), torch.float32)
+    assert torch.equal(out, torch.tensor([[2.0, 4.0, 9.0], [8.0, 10.0, 18.0], [35.0, 40.0, 63.0]]))
+
+
+def test_the_dequantized_checkpoint_is_the_hand_computed_value_exactly_and_holds_no_scales(fp8_model):
+    from safetensors.torch import load_file
+
+    path, expected = fp8_model
+    stored = load_file(f"{path}/model.safetensors")
+    assert stored["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (3, 3)  # 40 = 16 + 16 + 8
+    assert stored["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    out = BlockFp8(block=(BLOCK, BLOCK)).dequantize(stored, torch.float32)
+    assert sorted(out) == sorted(expected)
+    assert all(torch.equal(out[name], expected[name]) for name in expected)
+
+
+def test_the_trainers_reader_returns_plain_float_weights_in_its_dtype(fp8_model):
+    from glue.trainer.model import read_hf_state
+
+    path, expected = fp8_model
+    state = read_hf_state(path, torch.bfloat16)
+    assert not [name for name in state if name.endswith("_scale_inv")]
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], expected[name].to(torch.bfloat16))
+    assert state["model.norm.weight"].dtype == torch.float32  # unquantized tensors stay as stored
+    assert all(torch.equal(t, expected[n]) for n, t in read_hf_state(path).items())
+
+
+@pytest.mark.parametrize("field, value", [("quant_method", "mxfp4"), ("fmt", "e5m2"), ("weight_block_size", None),
+                                          ("activation_scheme", "static")])
+def test_a_quantization_sluice_cannot_dequantize_is_refused_in_one_line_naming_the_field(field, value):
+    with pytest.raises(ValueError) as err:
+        block_fp8_of({"model_type": "qwen3", "quantization_config": {**FP8_CONFIG, field: value}})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"config.json quantization_config.{field} is {value!r}: sluice loads block-FP8 "
+                              "checkpoints only")
+
+
+def test_a_checkpoint_without_quantization_config_is_not_block_fp8():
+    assert block_fp8_of({"model_type": "qwen3"}) is None
