@@ -1,7 +1,7 @@
 """Block-FP8 checkpoints (DeepSeek-V3's format: float8_e4m3fn weights with a float32 `weight_scale_inv` per block):
 a tiny Qwen3 written by transformers, its linear weights quantized here by hand in 16x16 blocks over dims that leave
-partial blocks. The trainer's reader sees the dequantized model, computed here block by block; a quantization sluice
-cannot dequantize is refused in one line naming the field."""
+partial blocks. The trainer's reader and the embedded engine see the dequantized model, computed here block by
+block; a quantization sluice cannot dequantize is refused in one line naming the field."""
 import json
 import math
 
@@ -96,6 +96,23 @@ def test_the_trainers_reader_returns_plain_float_weights_in_its_dtype(fp8_model)
     assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], expected[name].to(torch.bfloat16))
     assert state["model.norm.weight"].dtype == torch.float32  # unquantized tensors stay as stored
     assert all(torch.equal(t, expected[n]) for n, t in read_hf_state(path).items())
+
+
+def test_the_embedded_engine_serves_the_logits_of_the_unquantized_model_with_the_dequantized_weights(fp8_model):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from glue.embedded_engine.engine import load_model
+
+    path, expected = fp8_model
+    engine_model = load_model(path)
+    assert getattr(engine_model.config, "quantization_config", None) is None
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    plain.load_state_dict(expected)
+    tokens = torch.tensor([[0, 5, 9, 3, 17, 2]])
+    with torch.no_grad():
+        assert torch.equal(engine_model(tokens).logits, plain(tokens).logits)
 
 
 @pytest.mark.parametrize("field, value", [("quant_method", "mxfp4"), ("fmt", "e5m2"), ("weight_block_size", None),
