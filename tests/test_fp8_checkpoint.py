@@ -1,7 +1,7 @@
 """Block-FP8 checkpoints (DeepSeek-V3's format: float8_e4m3fn weights with a float32 `weight_scale_inv` per block):
 a tiny Qwen3 written by transformers, its linear weights quantized here by hand in 16x16 blocks over dims that leave
-partial blocks. The trainer's reader and the embedded engine see the dequantized model, computed here block by
-block; a quantization sluice cannot dequantize is refused in one line naming the field."""
+partial blocks. The trainer's reader, the embedded engine and the plan all see the dequantized model, computed here
+block by block; a quantization sluice cannot dequantize is refused in one line naming the field."""
 import json
 import math
 
@@ -128,3 +128,24 @@ def test_a_quantization_sluice_cannot_dequantize_is_refused_in_one_line_naming_t
 
 def test_a_checkpoint_without_quantization_config_is_not_block_fp8():
     assert block_fp8_of({"model_type": "qwen3"}) is None
+
+
+def test_the_dry_run_says_the_checkpoint_is_block_fp8_and_dequantized_to_the_trainers_dtype(fp8_model, capsys):
+    import os
+
+    import yaml
+
+    from launch.cli import main
+    from launch.plan.model_check import format_bytes
+
+    path, expected = fp8_model
+    on_disk, elements = os.path.getsize(f"{path}/model.safetensors"), sum(t.numel() for t in expected.values())
+    for precision, element_size in (("fp32", 4), ("bf16", 2)):
+        argv = ["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={path}",
+                f"trainer.precision={precision}"]
+        assert main(argv) == 0
+        checked = yaml.safe_load(capsys.readouterr().out)["checked"]
+        assert f"model: {path} is a qwen3 checkpoint (1 weight files, {format_bytes(on_disk)}); block-FP8 " \
+               f"(float8_e4m3fn weights, weight_scale_inv per 16x16 block): dequantized to the trainer's {precision} " \
+               f"at load ({format_bytes(elements * element_size)} once dequantized), and exported dequantized" \
+               in checked
