@@ -1,9 +1,11 @@
 """Block-FP8 checkpoints (DeepSeek-V3's format: float8_e4m3fn weights with a float32 `weight_scale_inv` per block):
 a tiny Qwen3 written by transformers, its linear weights quantized here by hand in 16x16 blocks over dims that leave
 partial blocks. The trainer's reader, the embedded engine and the plan all see the dequantized model, computed here
-block by block; a quantization sluice cannot dequantize is refused in one line naming the field."""
+block by block, and the export writes what the trainer loaded and trained (frozen MTP layers dequantized too); a
+quantization sluice cannot dequantize is refused in one line naming the field."""
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -149,3 +151,84 @@ def test_the_dry_run_says_the_checkpoint_is_block_fp8_and_dequantized_to_the_tra
                f"(float8_e4m3fn weights, weight_scale_inv per 16x16 block): dequantized to the trainer's {precision} " \
                f"at load ({format_bytes(elements * element_size)} once dequantized), and exported dequantized" \
                in checked
+
+
+def _trainer_rank(model_path, port, checkpoint, results):
+    """One trainer rank (world size 1) started from `model_path`: its weights as loaded, then after one step, which
+    it saves as a checkpoint."""
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.worker import TrainerWorker
+    from helpers.trainer import make_batch
+    from loss import LossConfig
+
+    worker = TrainerWorker(model_path=model_path, cfg=TrainerConfig(micro_batch_size=6, lr=1e-2),
+                           loss_cfg=LossConfig(), rank=0, world_size=1)
+    try:
+        worker.initialize("127.0.0.1", port)
+        loaded = {n: t.clone() for n, t in worker.full_hf_state().items()}
+        worker.train_step(make_batch())
+        worker.save_checkpoint(checkpoint)
+        results.put(pickle.dumps((loaded, {n: t.clone() for n, t in worker.full_hf_state().items()})))
+    except Exception as err:  # reported to the test, which asserts on it
+        results.put(pickle.dumps(err))
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.slow
+def test_the_trainer_loads_the_dequantized_weights_and_its_export_writes_them_without_quantization_config(
+        fp8_model, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from conftest import REPO_ROOT, free_port
+    from helpers.forkserver import rank_context
+
+    path, expected = fp8_model
+    ctx = rank_context()
+    results = ctx.Queue()
+    rank = ctx.Process(target=_trainer_rank, args=(path, free_port(), str(tmp_path / "step_1"), results))
+    rank.start()
+    try:
+        loaded = pickle.loads(results.get(timeout=240))
+    finally:
+        rank.join(timeout=60)
+    assert not isinstance(loaded, Exception), loaded
+    loaded, trained = loaded
+    assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[n], expected[n]) for n in expected)
+    done = subprocess.run([sys.executable, "-m", "launch", "export-hf", str(tmp_path / "step_1"), str(tmp_path / "hf")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("(1 safetensors file(s)); the initial model was block-FP8: its weights are written dequantized, in the "
+            "trainer's fp32, and config.json has no quantization_config") in done.stdout
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {t.dtype for t in exported.values()} == {torch.float32}  # the trainer's dtype (fp32 here), no FP8
+    assert sorted(exported) == sorted(trained) and all(torch.equal(exported[n], trained[n]) for n in trained)
+    assert not torch.equal(exported["model.layers.0.self_attn.q_proj.weight"],
+                           expected["model.layers.0.self_attn.q_proj.weight"])  # trained, not copied
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "qwen3"
+
+
+def test_a_checkpoint_keeps_a_block_fp8_models_frozen_mtp_layer_dequantized_for_the_export(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from glue.embedded_engine.tiny_model import tiny_config
+    from glue.trainer.checkpointing import FROZEN, _copy_frozen_tensors
+
+    config = tiny_config(family="glm4_moe")  # 2 decoder layers; its MTP layer is model.layers.2
+    config.num_nextn_predict_layers, config.quantization_config = 1, FP8_CONFIG
+    gen = torch.Generator().manual_seed(0)
+    eh_proj, scale = quantize(torch.randn(40, 72, generator=gen))
+    enorm = torch.randn(64, generator=gen)
+    save_file({"model.layers.2.eh_proj.weight": eh_proj, "model.layers.2.eh_proj.weight_scale_inv": scale,
+               "model.layers.2.enorm.weight": enorm, "model.norm.weight": torch.ones(64)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "hf_config").mkdir()  # save_rank copies the config files there first
+    _copy_frozen_tensors(str(tmp_path), str(tmp_path / "hf_config"), config, torch.bfloat16)
+    frozen = load_file(str(tmp_path / "hf_config" / FROZEN))
+    assert sorted(frozen) == ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"]
+    assert torch.equal(frozen["model.layers.2.eh_proj.weight"], by_hand(eh_proj, scale).to(torch.bfloat16))
+    assert torch.equal(frozen["model.layers.2.enorm.weight"], enorm)
