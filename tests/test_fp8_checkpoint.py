@@ -74,6 +74,8 @@ def test_a_partial_block_is_scaled_by_its_own_scale():
     scale_inv = torch.tensor([[2.0, 3.0], [5.0, 7.0]])  # blocks of 2x2: the last row and column are partial
     out = dequantize_weight(weight, scale_inv, (2, 2), torch.float32)
     assert torch.equal(out, torch.tensor([[2.0, 4.0, 9.0], [8.0, 10.0, 18.0], [35.0, 40.0, 63.0]]))
+    # Qwen's FP8 releases store the scales in bf16: the same value
+    assert torch.equal(dequantize_weight(weight, scale_inv.to(torch.bfloat16), (2, 2), torch.float32), out)
 
 
 def test_the_dequantized_checkpoint_is_the_hand_computed_value_exactly_and_holds_no_scales(fp8_model):
