@@ -130,6 +130,16 @@ def test_a_quantization_sluice_cannot_dequantize_is_refused_in_one_line_naming_t
                               "checkpoints only")
 
 
+def test_the_trainers_start_up_line_says_the_checkpoint_is_block_fp8_and_dequantized(fp8_model):
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.model import read_hf_config
+    from glue.trainer.optim import precision_line
+
+    line = precision_line("bf16", TrainerConfig(), read_hf_config(fp8_model[0]), 1)
+    assert line.startswith("trainer precision bf16: checkpoint block-FP8, dequantized at load (its unquantized "
+                           "tensors float32), model weights bfloat16")
+
+
 def test_a_checkpoint_without_quantization_config_is_not_block_fp8():
     assert block_fp8_of({"model_type": "qwen3"}) is None
 
