@@ -44,13 +44,13 @@ def export(checkpoint: str, out: str, *, shard_bytes: int = SHARD_BYTES) -> list
     with _single_rank():
         files = _write_safetensors(dist, config_dir, trained_precision(checkpoint), out, shard_bytes)
     for name in os.listdir(config_dir):
-        if name == "config.json":  # a block-FP8 initial model's without quantization_config: the weights are not
-            with open(os.path.join(config_dir, name)) as f:
-                config = without_quantization(json.load(f))
-            with open(os.path.join(out, name), "w") as f:
-                json.dump(config, f, indent=2)
-        elif name != FROZEN:  # written into the weight files above
+        if name != FROZEN:  # written into the weight files above
             shutil.copy(os.path.join(config_dir, name), out)
+    if read_block_fp8(config_dir) is not None:  # the weights were written dequantized: config.json says so
+        with open(os.path.join(out, "config.json")) as f:
+            config = without_quantization(json.load(f))
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
     return files
 
 
