@@ -43,16 +43,14 @@ def by_hand(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(scope="module")
-def fp8_model(tmp_path_factory):
-    """(directory of the block-FP8 checkpoint, its dequantized weights by hand): a transformers-written tiny Qwen3,
-    hidden 40 and intermediate 56 (not multiples of 16), every linear weight quantized and the rest kept."""
+def write_fp8_checkpoint(path, family: str, **dims) -> tuple[str, dict[str, torch.Tensor]]:
+    """(directory of a block-FP8 checkpoint, its dequantized weights by hand): a tiny `family` model written by
+    transformers, every linear weight (attention, MLP, each expert) quantized and the rest kept."""
     from safetensors.torch import load_file, save_file
 
     from glue.embedded_engine.tiny_model import save_tiny_model
 
-    path = save_tiny_model(tmp_path_factory.mktemp("fp8") / "qwen3", family="qwen3", hidden_size=40, num_heads=4,
-                           num_kv_heads=2, intermediate_size=56)
+    path = save_tiny_model(path, family=family, hidden_size=40, num_heads=4, num_kv_heads=2, **dims)
     plain = load_file(f"{path}/model.safetensors")
     stored, expected = {}, {}
     for name, tensor in plain.items():
@@ -67,6 +65,19 @@ def fp8_model(tmp_path_factory):
     with open(f"{path}/config.json", "w") as f:
         json.dump({**config, "quantization_config": FP8_CONFIG}, f)
     return path, expected
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """A Qwen3, hidden 40 and intermediate 56: not multiples of the 16 x 16 block."""
+    return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8") / "qwen3", "qwen3", intermediate_size=56)
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_model(tmp_path_factory):
+    """A Qwen3-MoE, as Qwen's FP8 MoE releases: each expert's weights quantized on their own ([16, 40] and [40, 16]),
+    the router unquantized."""
+    return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8") / "qwen3_moe", "qwen3_moe", intermediate_size=64)
 
 
 def test_a_partial_block_is_scaled_by_its_own_scale():
@@ -102,18 +113,22 @@ def test_the_trainers_reader_returns_plain_float_weights_in_its_dtype(fp8_model)
     assert all(torch.equal(t, expected[n]) for n, t in read_hf_state(path).items())
 
 
-def test_the_embedded_engine_serves_the_logits_of_the_unquantized_model_with_the_dequantized_weights(fp8_model):
+@pytest.mark.parametrize("model", ["fp8_model", "fp8_moe_model"])
+def test_the_embedded_engine_serves_the_logits_of_the_unquantized_model_with_the_dequantized_weights(model, request,
+                                                                                                     tmp_path):
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from glue.embedded_engine.engine import load_model
 
-    path, expected = fp8_model
+    path, expected = request.getfixturevalue(model)
     engine_model = load_model(path)
     assert getattr(engine_model.config, "quantization_config", None) is None
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    plain.load_state_dict(expected)
+    config.save_pretrained(tmp_path)
+    save_file(expected, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     tokens = torch.tensor([[0, 5, 9, 3, 17, 2]])
     with torch.no_grad():
         assert torch.equal(engine_model(tokens).logits, plain(tokens).logits)
