@@ -14,6 +14,7 @@ from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.server import EngineServer
 from glue.embedded_engine.strict_server import StrictEngineServer
 from glue.embedded_engine.weight_update import WeightReceiver
+from weight_sync.fp8_blocks import BlockFp8, read_block_fp8, read_dequantized
 
 SEGMENT_PRUNE_S = 2.0  # how often the engine unmaps shared segments whose ipc source has closed them
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM and the abort of every request: how long answers may take to go out
@@ -47,8 +48,28 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu"):
         )
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=serving_dtype(model_path, dtype))
+    fp8 = read_block_fp8(model_path)
+    if fp8 is not None:
+        model = load_dequantized(model_path, fp8, serving_dtype(model_path, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=serving_dtype(model_path, dtype))
     return model.to(device).eval()
+
+
+def load_dequantized(model_path: str, fp8: BlockFp8, dtype: torch.dtype):
+    """A block-FP8 checkpoint as the unquantized model it stands for, its weights dequantized to `dtype`: what the
+    trainer loads. transformers' own FP8 path would need a GPU (or accelerate, to dequantize on CPU in bf16)."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(model_path)
+    del config.quantization_config
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    model = model_class.from_pretrained(None, config=config, state_dict=read_dequantized(model_path, fp8, dtype),
+                                        dtype=dtype)
+    if os.path.isfile(os.path.join(model_path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
+    return model
 
 
 def eos_token_ids(model) -> set[int]:

@@ -7,7 +7,7 @@
 - `trainer/rank_<r>.pt`: the lr schedule, precision, torch RNG state, policy version, layout and optimizer count;
 - `hf_config/`: the initial model's config and tokenizer files (what `launch.tools.export_hf` needs to write an HF
   directory from `dist/`, offline, tensor by tensor), and its frozen tensors (a family's MTP layers), which every
-  export copies unchanged.
+  export copies unchanged (a block-FP8 model's dequantized, like everything the trainer loads).
 
 Resuming at the layout the checkpoint was taken at is exact; at another layout weights, main weights and Adam
 moments all reshard (the RNG state is per rank and restarts), except between layouts that chain megatron's
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from weight_sync.families import family_of
+from weight_sync.fp8_blocks import block_fp8_of
 
 DIST, HF_CONFIG = "dist", "hf_config"
 FROZEN = "frozen.safetensors"  # in hf_config/: the initial model's tensors the trainer does not build (MTP layers)
@@ -40,7 +41,8 @@ def save_rank(worker: Any, directory: str) -> None:
         save_sharded(worker.model, worker.training, dist)
         if worker.rank == 0:
             _copy_config_files(worker.model_path, os.path.join(directory, HF_CONFIG))
-            _copy_frozen_tensors(worker.model_path, os.path.join(directory, HF_CONFIG), worker.hf_config)
+            _copy_frozen_tensors(worker.model_path, os.path.join(directory, HF_CONFIG), worker.hf_config,
+                                 torch.bfloat16 if worker.precision == "bf16" else torch.float32)
         os.makedirs(os.path.join(directory, "trainer"), exist_ok=True)
         torch.save({"scheduler": worker.training.scheduler.state_dict(), "optimizers": worker.training.optimizer_count,
                     "precision": worker.precision,
@@ -139,8 +141,9 @@ def layout_key(worker: Any) -> dict[str, int]:
             "etp": p.etp_size}
 
 
-def _copy_frozen_tensors(initial_model: str, out: str, hf_config: Any) -> None:
-    """The initial model's tensors its family keeps frozen (weight_sync.families: MTP layers), into `out`/FROZEN."""
+def _copy_frozen_tensors(initial_model: str, out: str, hf_config: Any, dtype: torch.dtype) -> None:
+    """The initial model's tensors its family keeps frozen (weight_sync.families: MTP layers), into `out`/FROZEN;
+    a block-FP8 model's dequantized to `dtype` (the trainer's), as the trained weights are."""
     import glob
 
     from safetensors import safe_open
@@ -150,6 +153,9 @@ def _copy_frozen_tensors(initial_model: str, out: str, hf_config: Any) -> None:
     for path in sorted(glob.glob(os.path.join(initial_model, "*.safetensors"))):
         with safe_open(path, "pt") as f:
             frozen.update({n: f.get_tensor(n) for n in f.keys() if family.is_frozen(hf_config, n)})
+    fp8 = block_fp8_of(hf_config)
+    if fp8 is not None:
+        frozen = fp8.dequantize(frozen, dtype)
     if frozen:
         save_file(frozen, os.path.join(out, FROZEN), metadata={"format": "pt"})
 

@@ -25,6 +25,7 @@ from glue.trainer.optim import unwrap
 from glue.trainer.te_spec import check_te_options
 from weight_sync.convert import hf_to_megatron_local, in_names_of, is_tied, num_experts
 from weight_sync.families import BY_MODEL_TYPE, family_of, rope_parameters, rope_theta
+from weight_sync.fp8_blocks import block_fp8_of, read_block_fp8
 
 
 def read_hf_config(model_dir: str) -> Any:
@@ -50,6 +51,7 @@ def check_buildable(hf_config: Any, where: str) -> None:
     """What the trainer would refuse once its ranks start, said in one line naming `where` the config is from."""
     try:
         family_of(hf_config).check(hf_config)
+        block_fp8_of(hf_config)  # a quantization the loader cannot dequantize
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -170,8 +172,9 @@ def scale_rope(model: torch.nn.Module, hf_config: Any) -> None:
     rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
 
 
-def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF safetensors checkpoint (single or sharded files), on CPU."""
+def read_hf_state(model_dir: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint (single or sharded files), on CPU; a block-FP8 checkpoint's
+    quantized weights dequantized to `dtype` (the trainer's), their scales dropped (weight_sync.fp8_blocks)."""
     from safetensors.torch import load_file
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -181,7 +184,8 @@ def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(path, device="cpu"))
-    return state
+    fp8 = read_block_fp8(model_dir)
+    return state if fp8 is None else fp8.dequantize(state, dtype)
 
 
 def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layout: Any) -> None:
@@ -189,7 +193,8 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str, hf_config: Any, layo
     (`layout`: a weight_sync.convert.ParallelLayout), in the names of its layer spec (local or Transformer
     Engine's). Every parameter must be covered."""
     params = model_tensors(model)
-    local = in_names_of(hf_to_megatron_local(read_hf_state(model_dir), hf_config, layout), params)
+    trainer_dtype = next(model.parameters()).dtype
+    local = in_names_of(hf_to_megatron_local(read_hf_state(model_dir, trainer_dtype), hf_config, layout), params)
     missing = sorted(set(params) - set(local))
     unexpected = sorted(set(local) - set(params))
     if missing or unexpected:

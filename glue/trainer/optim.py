@@ -20,6 +20,7 @@ import torch
 
 from glue.trainer.config import TrainerConfig
 from glue.trainer.megatron_fields import to_megatron
+from weight_sync.fp8_blocks import block_fp8_of
 
 PRECISIONS = ("fp32", "bf16")
 OFFLOAD_NEEDS_BF16 = (
@@ -51,6 +52,8 @@ def precision_line(precision: str, cfg: TrainerConfig, hf_config: Any, dp_size: 
     """The start-up line: what the checkpoint holds and what the trainer and the bridge use."""
     stored = checkpoint_dtype(hf_config)
     stored_name = str(stored).removeprefix("torch.") if stored is not None else "unknown"
+    if block_fp8_of(hf_config) is not None:
+        stored_name = f"block-FP8, dequantized at load (its unquantized tensors {stored_name})"
     weights = "bfloat16" if precision == "bf16" else "float32"
     sharded = f", sharded over DP={dp_size} (distributed optimizer)" if cfg.use_distributed_optimizer else ""
     main = ("float32 main weights and Adam state" if precision == "bf16"

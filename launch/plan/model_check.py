@@ -14,11 +14,13 @@ from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
 from glue.trainer.megatron_fields import megatron_fields
 from glue.trainer.model import check_tensor_parallel, read_hf_config
+from glue.trainer.optim import resolve_precision
 from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.te_spec import resolve_layer_spec
 from launch.config import ConfigError, SluiceConfig
 from launch.slime.megatron import check_shape
 from weight_sync.families import family_of, num_experts
+from weight_sync.fp8_blocks import SCALE_SUFFIX, block_fp8_of
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -67,14 +69,15 @@ def check_model(cfg: SluiceConfig, *, plan_only: bool) -> str:
     weights = weight_files(cfg.model.path)
     if not weights and plan_only:
         return (f"model: {path} holds config.json and no weight files: a plan-only directory (the plan is computed "
-                "from config.json; a run needs the *.safetensors)" + frozen_line(hf_config))
+                "from config.json; a run needs the *.safetensors)" + frozen_line(hf_config)
+                + fp8_line(cfg.trainer, hf_config, []))
     if not weights:
         raise ConfigError(f"model.path {cfg.model.path!r} holds no *.safetensors or *.bin weight files: copy the "
                           "checkpoint's weights there (a directory with config.json alone serves --dry-run only)")
     check_weight_files(cfg.model.path, weights)
     size = sum(p.stat().st_size for p in weights)
     return (f"model: {path} is a {hf_config.model_type} checkpoint ({len(weights)} weight files, {format_bytes(size)})"
-            + frozen_line(hf_config))
+            + frozen_line(hf_config) + fp8_line(cfg.trainer, hf_config, weights))
 
 
 def frozen_line(hf_config: Any) -> str:
@@ -85,6 +88,30 @@ def frozen_line(hf_config: Any) -> str:
     which = ", ".join(f"model.layers.{i}" for i in frozen)
     return (f"; {len(frozen)} multi-token-prediction layer(s) ({which}) kept frozen: not trained or synced, copied "
             "unchanged into every export")
+
+
+def fp8_line(trainer: Any, hf_config: Any, weights: list[Path]) -> str:
+    """What the plan says of a block-FP8 checkpoint (weight_sync.fp8_blocks): dequantized to the trainer's dtype at
+    load, and how many bytes its weights take then (from the files' headers: FP8 weights take 1 byte each on disk)."""
+    fp8 = block_fp8_of(hf_config)
+    if fp8 is None:
+        return ""
+    precision = resolve_precision(trainer, hf_config)
+    loaded = (f" ({format_bytes(dequantized_bytes(weights, 2 if precision == 'bf16' else 4))} once dequantized)"
+              if weights and all(p.suffix == ".safetensors" for p in weights) else "")
+    return (f"; {fp8.describe()}: dequantized to the trainer's {precision} at load{loaded}, and exported "
+            "dequantized")
+
+
+def dequantized_bytes(weights: list[Path], element_size: int) -> int:
+    """The bytes of every tensor in the safetensors `weights` at `element_size` bytes each, the FP8 scales left
+    out (they are folded into the weights)."""
+    total = 0
+    for path in weights:
+        for name, info in _safetensors_header(path)[1].items():
+            if name != "__metadata__" and not name.endswith(SCALE_SUFFIX):
+                total += math.prod(info["shape"]) * element_size
+    return total
 
 
 def check_shape_flags(cfg: SluiceConfig, hf_config: Any) -> None:
@@ -246,16 +273,23 @@ def check_weight_files(model_path: str, weights: list[Path]) -> None:
 def _safetensors_size(path: Path) -> int:
     """The size a safetensors file must have: 8 bytes of header length, the JSON header, then the data up to the
     last tensor's end offset; -1 when the header cannot be read (reported as cut short)."""
+    try:
+        header_len, header = _safetensors_header(path)
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return -1
+    return 8 + header_len + max(ends, default=0)
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """The length and the JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets); ValueError
+    when it cannot be read."""
     with path.open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         if not 0 < header_len <= path.stat().st_size - 8:
-            return -1
-        try:
-            header = json.loads(f.read(header_len))
-            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return -1
-    return 8 + header_len + max(ends, default=0)
+            raise ValueError(f"{path.name}: header length {header_len} does not fit the file")
+        header = json.loads(f.read(header_len))
+    return header_len, header
 
 
 def has_tokenizer(directory: str) -> bool:

@@ -1,6 +1,8 @@
 """`sluice export-hf CHECKPOINT OUT_DIR`: a trainer checkpoint's sharded weights (`dist/`, megatron-core's
 dist_checkpointing format, any TP / PP / EP layout) as an HF directory that `transformers` loads: sharded
-safetensors files with their index, and the initial model's config and tokenizer files (`hf_config/`).
+safetensors files with their index, and the initial model's config and tokenizer files (`hf_config/`). A block-FP8
+initial model (weight_sync.fp8_blocks) is exported as it was loaded and trained: dequantized, in the trainer's dtype,
+its config.json without quantization_config.
 
 Offline and weight by weight: one process, a gloo group of one, the model built on the meta device (no memory), and
 one stored tensor at a time read from `dist/` (megatron reshards it to one rank: a layer's weight, or one weight
@@ -25,6 +27,7 @@ from glue.trainer import model as trainer_model
 from glue.trainer.checkpointing import DIST, FROZEN, HF_CONFIG, rank_file
 from weight_sync.convert import rules
 from weight_sync.convert.mapping import rule_to_hf
+from weight_sync.fp8_blocks import read_block_fp8, without_quantization
 
 SHARD_BYTES = 2 << 30  # bytes per output safetensors file
 
@@ -37,14 +40,31 @@ def export(checkpoint: str, out: str, *, shard_bytes: int = SHARD_BYTES) -> list
         if not os.path.exists(need):
             raise FileNotFoundError(f"{need} is missing: {checkpoint} is not a sharded sluice checkpoint "
                                     "(checkpoints/step_<N> of a run)")
-    precision = torch.load(rank_file(checkpoint, 0), map_location="cpu", weights_only=False).get("precision", "fp32")
     os.makedirs(out, exist_ok=True)
     with _single_rank():
-        files = _write_safetensors(dist, config_dir, precision, out, shard_bytes)
+        files = _write_safetensors(dist, config_dir, trained_precision(checkpoint), out, shard_bytes)
     for name in os.listdir(config_dir):
         if name != FROZEN:  # written into the weight files above
             shutil.copy(os.path.join(config_dir, name), out)
+    if read_block_fp8(config_dir) is not None:  # the weights were written dequantized: config.json says so
+        with open(os.path.join(out, "config.json")) as f:
+            config = without_quantization(json.load(f))
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
     return files
+
+
+def trained_precision(checkpoint: str) -> str:
+    """The precision the checkpoint's trainer ran in (bf16 / fp32): the dtype of its weights and of the export."""
+    return torch.load(rank_file(checkpoint, 0), map_location="cpu", weights_only=False).get("precision", "fp32")
+
+
+def dequantized_note(checkpoint: str) -> str:
+    """What the export line adds for a block-FP8 initial model: its weights are written as loaded and trained."""
+    if read_block_fp8(os.path.join(checkpoint, HF_CONFIG)) is None:
+        return ""
+    return (f"; the initial model was block-FP8: its weights are written dequantized, in the trainer's "
+            f"{trained_precision(checkpoint)}, and config.json has no quantization_config")
 
 
 def _write_safetensors(dist: str, config_dir: str, precision: str, out: str, shard_bytes: int) -> list[str]:
@@ -142,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"sluice export-hf: {err}", file=sys.stderr)
         return 2
-    print(f"sluice export-hf: {args.checkpoint} -> {args.out} ({len(files)} safetensors file(s))", flush=True)
+    print(f"sluice export-hf: {args.checkpoint} -> {args.out} ({len(files)} safetensors file(s))"
+          f"{dequantized_note(args.checkpoint)}", flush=True)
     return 0
 
 
