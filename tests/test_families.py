@@ -110,7 +110,7 @@ def short_run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
     return read_metrics(run(load_config(args.config, rest, args.flags)) / "metrics.jsonl")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a second variant: tests/test_convert_megatron.py checks llama3 RoPE's logprobs against HF's
 def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
     path = write_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3_ROPE)
     records = short_run(tmp_path, "llama3", [f"model.path={path}"])
@@ -121,7 +121,7 @@ def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.long), "glm4_moe", "deepseek_v3"])
 def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
     # DeepSeek-V3's on packed rows: MLA rotates a THD row span by span, where the others' padded rows do not
     packed = ["trainer.max_tokens_per_micro_batch=96"] if family == "deepseek_v3" else []
@@ -161,7 +161,8 @@ RELEASED = {
                           "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
                           "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
                           "rope_theta": 50000.0, "rope_scaling": None, "tie_word_embeddings": False,
-                          "torch_dtype": "bfloat16", "bos_token_id": 163584, "eos_token_id": 163585},
+                          "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16", "bos_token_id": 163584,
+                          "eos_token_id": 163585},
     "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                      "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,

@@ -230,6 +230,15 @@ GLM45_AIR = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", 
              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
              "torch_dtype": "bfloat16"}
 
+MOONLIGHT = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+             "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+             "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+             "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+             "first_k_dense_replace": 1, "norm_topk_prob": True, "max_position_embeddings": 8192,
+             "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
 
 def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     """With a model directory holding only a config.json that suits every recipe (a Qwen3-MoE shape the MoE
@@ -249,7 +258,8 @@ def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     # the slime-shaped scripts give their checkpoint's shape (MODEL_ARGS), checked against config.json: theirs
     # and the GLM-4.5-Air recipe plans its own checkpoint's shape
     models = {"slime_qwen3_8b_dense.sh": CONFIGS["strands_qwen3_8b.sh"],
-              "slime_qwen3_30b_a3b_moe.sh": CONFIGS["run-qwen3-30B-A3B.sh"], "glm45_air_moe.sh": GLM45_AIR}
+              "slime_qwen3_30b_a3b_moe.sh": CONFIGS["run-qwen3-30B-A3B.sh"], "glm45_air_moe.sh": GLM45_AIR,
+              "moonlight_moe.sh": MOONLIGHT}
     for script, config in models.items():
         (tmp_path / script).mkdir()
         (tmp_path / script / "config.json").write_text(json.dumps(config))
