@@ -24,6 +24,12 @@ FAMILIES = {
                  {"head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "n_shared_experts": 1, "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True,
                   "partial_rotary_factor": 0.5}),
+    # multi-latent attention: as many key heads as query heads, a query rank, latent widths TP 2 splits evenly
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+                     "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                     "topk_group": 1}),
 }
 
 

@@ -14,9 +14,9 @@ from weight_sync.families.base import Family, MoeFamily, is_tied, rope_parameter
 from weight_sync.families.table import Rule, cfg
 
 # sluice's name -> family, in the order a checkpoint's name is matched against their name patterns (the more
-# specific first: a qwen3 MoE name also matches qwen3's pattern)
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, qwen3.FAMILY, qwen2.FAMILY, mixtral.FAMILY,
-                                                  glm4_moe.FAMILY, deepseek_v3.FAMILY, llama.FAMILY)}
+# specific first: a qwen3 MoE name also matches qwen3's pattern, and "moonlight_moe" qwen3_moe's "moe")
+FAMILIES: dict[str, Family] = {f.name: f for f in (deepseek_v3.FAMILY, glm4_moe.FAMILY, mixtral.FAMILY,
+                                                  qwen3_moe.FAMILY, qwen3.FAMILY, qwen2.FAMILY, llama.FAMILY)}
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 __all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "MoeFamily", "family_of", "is_moe_layer", "is_tied", "kind_by_suffix",

@@ -64,19 +64,19 @@ class DeepseekV3(SigmoidRouterMoe):
 
     def tiny_fields(self, *, hidden_size: int, num_heads: int, intermediate_size: int, num_experts: int,
                     moe_top_k: int) -> dict[str, Any]:
-        """DeepSeek-V3's features on: MLA with a query rank, YaRN with mscale (original context 16 tokens, so short
-        rows reach the scaled frequencies), one shared expert, the first layer dense, scaled sigmoid routing with an
-        expert bias in two groups."""
+        """DeepSeek-V3's features on: MLA with a query rank, YaRN with mscale (a context of 2048 tokens scaled 4x
+        from 512: YaRN blends the frequencies of every position), one shared expert, the first layer dense, scaled
+        sigmoid routing with an expert bias in two groups."""
         head = hidden_size // num_heads
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0}
         return {"num_key_value_heads": num_heads, "q_lora_rank": hidden_size // 2, "kv_lora_rank": hidden_size // 4,
                 "qk_nope_head_dim": head, "qk_rope_head_dim": head // 2, "v_head_dim": head,
                 "n_routed_experts": num_experts, "num_experts_per_tok": moe_top_k,
                 "moe_intermediate_size": intermediate_size // 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
                 "n_group": 2 if moe_top_k == 2 and num_experts % 2 == 0 else 1, "topk_group": 1,
                 "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0,
-                "max_position_embeddings": 64, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 16,
-                                    "beta_fast": 32.0, "beta_slow": 1.0}}
+                "max_position_embeddings": 2048, "rope_parameters": yarn}
 
 
 FAMILY = DeepseekV3(
