@@ -133,6 +133,17 @@ def test_an_uneven_pipeline_split_sized_for_the_checkpoint_is_dropped_with_the_c
     assert shrunk.raw["trainer"]["pipeline_model_parallel_size"] == 2 and shrunk.raw["model"]["tiny"]["num_layers"] == 2
 
 
+def test_a_recipes_mla_and_router_flags_are_dropped_with_its_checkpoint(tmp_path):
+    # slime's Moonlight flags (--kv-lora-rank 512, --moe-router-topk-scaling-factor 2.446 ...) describe the recipe's
+    # checkpoint; the tiny stand-in has other values, so they go with the checkpoint
+    _, shrunk = shrunk_recipe("launch/scripts/moonlight_moe.sh", tmp_path)
+    assert shrunk.raw["model"]["tiny"]["family"] == "deepseek_v3"
+    megatron = shrunk.raw["trainer"].get("megatron", {})
+    for key in ("kv_lora_rank", "moe_router_topk_scaling_factor", "multi_latent_attention"):
+        assert key not in megatron and "config.json" in shrunk.record.dropped[f"trainer.megatron.{key}"]["why"], key
+    assert megatron["moe_router_bias_update_rate"] == 0  # a training choice, not a fact of the checkpoint: kept
+
+
 def test_the_checkpoint_family_comes_from_its_config_or_else_its_name(tmp_path):
     assert infer_family("/models/Qwen3-30B-A3B", "") == "qwen3_moe"
     assert infer_family("/models/Qwen3-8B", "") == "qwen3"

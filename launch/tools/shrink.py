@@ -229,6 +229,18 @@ def _shrink_model(edit: _Editor, name_hint: str) -> None:
     edit.set("model.tiny", tiny, f"a tiny {family} of the recipe's family"
              + (" with a byte-level BPE tokenizer and ChatML template (the task tokenizes text)"
                 if tiny["tokenizer"] else ""))
+    _drop_checkpoint_fields(edit, family, tiny)
+
+
+def _drop_checkpoint_fields(edit: _Editor, family: str, tiny: dict) -> None:
+    """Pass-through fields that config.json fixes (the family's megatron_fields: slime's MLA and router flags) carry
+    the recipe's checkpoint's values, checked against it where it is; the tiny stand-in has values of its own."""
+    from glue.embedded_engine.tiny_model import tiny_config
+
+    fixed = FAMILIES[family].megatron_fields(tiny_config(**{k: v for k, v in tiny.items() if k != "tokenizer"}))
+    for key in sorted(set(edit.get("trainer.megatron") or {}) & set(fixed)):
+        edit.drop(f"trainer.megatron.{key}", "a fact of the recipe's config.json (checked against it where the "
+                                             "checkpoint is); the tiny stand-in has its own")
 
 
 def _shrink_reward_models(edit: _Editor) -> None:
