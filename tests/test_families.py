@@ -204,6 +204,13 @@ def test_a_released_shape_plans_from_config_json_alone_with_transformers_paramet
     buffers = RELEASED[name].get("n_routed_experts", 0) * (  # the expert bias of every MoE layer is sent too
         RELEASED[name]["num_hidden_layers"] - RELEASED[name].get("first_k_dense_replace", 0))
     assert sync["bytes_per_sync"].startswith(f"{2 * (count + buffers):,} = "), sync["bytes_per_sync"]  # bf16
+    if RELEASED[name].get("num_nextn_predict_layers"):  # MTP: transformers builds none; the plan adds and says it
+        config.num_hidden_layers += 1  # one more MoE decoder layer, plus the MTP layer's own embedding and head
+        with torch.device("meta"):  # copies, its [embedding; hidden] projection and three norms
+            layer = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()) - count
+        hidden, vocab = config.hidden_size, config.vocab_size
+        mtp = layer + 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden
+        assert f"; + {mtp:,} in 1 multi-token-prediction layer(s), kept frozen" in sync["parameters"], sync
 
 
 # slime's MODEL_ARGS for GLM-4.5 (scripts/models/glm4.5-355B-A32B.sh), flag by flag as its scripts pass them

@@ -16,10 +16,11 @@ from glue.trainer.optim import resolve_precision
 from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.weight_stream import SOURCE_RANK, Coords, SourcePart, weight_sources
 from launch.config import ConfigError, SluiceConfig
-from launch.plan.model_check import format_bytes, model_config
+from launch.plan.model_check import format_bytes, hf_parameters, model_config
 from launch.plan.run_plan import RunPlan, rank_coords
 from weight_sync.buckets import pipeline_bucket_bytes
 from weight_sync.convert import ParallelLayout, rules
+from weight_sync.families import family_of
 from weight_sync.parallel import parallel_sources, source_group_prefix
 from weight_sync.transports import GROUP_PREFIX, engine_rank_offset
 
@@ -139,6 +140,21 @@ def sent_numels(hf_config: Any) -> tuple[dict[str, int], int]:
     return numel, sum(p.numel() for p in model.parameters())
 
 
+def frozen_parameters(hf_config: Any) -> str:
+    """`; + N in K multi-token-prediction layer(s) ...` for a family whose checkpoints carry MTP layers (transformers
+    builds none, so its count leaves them out): each is the last decoder layer's parameters plus what the family
+    adds; '' otherwise."""
+    family = family_of(hf_config)
+    frozen = family.frozen_layers(hf_config)
+    if not frozen:
+        return ""
+    last = f"model.layers.{frozen.start - 1}."
+    per_layer = (sum(n for name, n in hf_parameters(hf_config).items() if name.startswith(last))
+                 + family.frozen_layer_extra(hf_config))
+    return (f"; + {len(frozen) * per_layer:,} in {len(frozen)} multi-token-prediction layer(s), kept frozen and "
+            "never synced")
+
+
 def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
     """What every weight sync moves, from config.json alone: the bytes (every parameter in the dtype the trainer's
     weights have, `trainer.precision` resolved against the checkpoint as the trainer resolves it, which is what the
@@ -159,7 +175,7 @@ def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
     shown = {"transport": {"broadcast": f"broadcast ({s.backend})", "disk": "disk"}.get(
                  s.transport, "ipc (/update_weights_from_tensor: CUDA IPC handles on GPU, shared memory on CPU)"),
              "parameters": f"{count:,} ({hf_config.model_type}, counted from "
-                           f"{'config.json' if cfg.model.path else 'model.tiny'})",
+                           f"{'config.json' if cfg.model.path else 'model.tiny'}{frozen_parameters(hf_config)})",
              "bytes_per_sync": f"{total:,} = {format_bytes(total)} ({itemsize} bytes per parameter: {wire}, the "
                                f"trainer's weights{as_stored})",
              "buckets": f"at least {math.ceil(total / bucket)} of at most {bucket / 2**20:.4g} MiB"

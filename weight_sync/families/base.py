@@ -120,6 +120,10 @@ class Family:
         never trained or synced, copied unchanged into every export (glue.trainer.checkpointing)."""
         return range(0)
 
+    def frozen_layer_extra(self, hf_config: Any) -> int:
+        """Parameters a frozen (MTP) layer holds beyond a decoder layer's: none unless the family has such layers."""
+        return 0
+
     def is_frozen(self, hf_config: Any, checkpoint_name: str) -> bool:
         m = re.match(r"model\.layers\.(\d+)\.", checkpoint_name)
         return m is not None and int(m.group(1)) in self.frozen_layers(hf_config)
@@ -250,6 +254,13 @@ class SigmoidRouterMoe(MoeFamily):
 
     def is_moe_layer(self, hf_config: Any, layer: int) -> bool:
         return self.num_experts(hf_config) > 0 and layer >= int(cfg(hf_config, "first_k_dense_replace", 0))
+
+    def frozen_layer_extra(self, hf_config: Any) -> int:
+        """An MTP layer is a MoE decoder layer plus its own embedding and output head copies, the projection of
+        [normed embedding; normed hidden] (`eh_proj`) and three norms (`enorm`, `hnorm`, `shared_head.norm`), as the
+        released checkpoints store them (SGLang's nextn models load the same)."""
+        hidden, vocab = int(cfg(hf_config, "hidden_size")), int(cfg(hf_config, "vocab_size"))
+        return 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden
 
     def mlp_rules(self, hf_config: Any, layer: int) -> list[Rule]:
         rules = super().mlp_rules(hf_config, layer)
