@@ -299,6 +299,16 @@ def test_an_mla_flag_given_for_a_model_without_mla_is_refused(tmp_path, capsys):
     assert "--q-lora-rank is a field of multi-latent attention" in err and "glm4_moe" in err, err
 
 
+def test_a_tp_size_that_splits_mlas_latent_widths_unevenly_is_refused_by_the_dry_run(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "ds", "deepseek_v3", kv_lora_rank=15)  # 15 + qk_rope_head_dim 8 = 23
+    capsys.readouterr()
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={path}",
+                 "--tensor-model-parallel-size", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "must divide multi-latent attention's kv_lora_rank + qk_rope_head_dim=23" in err, err
+
+
 def test_a_kimi_k2_config_json_reads_as_deepseek_v3_though_transformers_has_no_kimi_k2_class(tmp_path):
     from glue.trainer.model import read_hf_config
 

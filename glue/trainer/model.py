@@ -63,6 +63,14 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
     if num_groups % tp_size or hf_config.vocab_size % tp_size:
         raise ValueError(f"tensor_model_parallel_size={tp_size} must divide num_key_value_heads={num_groups} and "
                          f"vocab_size={hf_config.vocab_size}; choose a smaller TP size")
+    fields = family_of(hf_config).megatron_fields(hf_config)
+    if fields.get("multi_latent_attention"):  # MLA's down projections are column-parallel, gathered back whole
+        widths = {"q_lora_rank": fields["q_lora_rank"] or 0,
+                  "kv_lora_rank + qk_rope_head_dim": fields["kv_lora_rank"] + fields["qk_pos_emb_head_dim"]}
+        uneven = [f"{name}={width}" for name, width in widths.items() if width % tp_size]
+        if uneven:
+            raise ValueError(f"tensor_model_parallel_size={tp_size} must divide multi-latent attention's "
+                             f"{' and '.join(uneven)}; choose a TP size that does")
 
 
 def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
