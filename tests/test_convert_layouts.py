@@ -24,6 +24,9 @@ FAMILIES = {
                  {"head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "n_shared_experts": 1, "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True,
                   "partial_rotary_factor": 0.5}),
+    # GLM-4: [gate; up] fused in the checkpoint, norms after the attention and the MLP
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 32, "attention_bias": True, "partial_rotary_factor": 0.5,
+                                               "pad_token_id": 0}),
     # multi-latent attention: as many key heads as query heads, a query rank, latent widths TP 2 splits evenly
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
@@ -202,7 +205,7 @@ def test_a_tp_size_that_splits_a_query_group_is_refused_with_the_fix(checkpoints
         hf_to_megatron_local(hf_state, config, ParallelLayout(tp_rank=0, tp_size=4))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "glm4"])
 def test_shards_copied_one_at_a_time_into_the_hf_tensors_rebuild_the_checkpoint(checkpoints, family):
     """`shard_into_hf` at TP=2, the vocab of 30 padded to 32 and to 64 (the second shard all padding): every kind
     (row, column, vocab, q/k/v with bias, gate/up, replicated), shards taken in reverse rank order, gives the

@@ -32,6 +32,8 @@ MODELS = {
     # GLM-4.5's features (tiny_fields): the first layer dense, a shared expert, half-rotary heads, attention biases,
     # sigmoid routing with a (random, below) expert bias scaled by 2.5
     "glm4_moe": ("glm4_moe", dict(num_layers=4)),
+    # GLM-4's (tiny_fields): q/k/v biases, half-rotary interleaved heads, norms after the attention and the MLP
+    "glm4": ("glm4", {}),
     # DeepSeek-V3's features (tiny_fields): MLA with a query rank, YaRN with mscale, the first layer dense, a shared
     # expert, sigmoid routing over two expert groups with a random expert bias; and MLA with the query projected whole
     "deepseek_v3": ("deepseek_v3", dict(num_layers=4)),
@@ -56,6 +58,7 @@ CASES = [
     ("mixtral_ep2", "mixtral", 1, 1, 2),
     ("glm4_moe_tp1", "glm4_moe", 1, 1, 1), ("glm4_moe_tp2", "glm4_moe", 2, 1, 1), ("glm4_moe_pp2", "glm4_moe", 1, 2, 1),
     ("glm4_moe_ep2", "glm4_moe", 1, 1, 2),
+    ("glm4_tp1", "glm4", 1, 1, 1), ("glm4_tp2", "glm4", 2, 1, 1),
     ("deepseek_v3_tp1", "deepseek_v3", 1, 1, 1), ("deepseek_v3_tp2", "deepseek_v3", 2, 1, 1),
     ("deepseek_v3_pp2", "deepseek_v3", 1, 2, 1), ("deepseek_v3_ep2", "deepseek_v3", 1, 1, 2),
     ("deepseek_v3_q_whole_tp2", "deepseek_v3_q_whole", 2, 1, 1),
@@ -112,7 +115,8 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
     padded = padded_vocab_size(hf_config.vocab_size, tp, divisible_by=16)
     config = dataclasses.replace(tmodel.transformer_config(hf_config, tp_size=tp), pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
-    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(config), vocab_size=padded,
+    gpt = GPTModel(config=config, vocab_size=padded,
+                   transformer_layer_spec=layer_spec(config, post_norms=family_of(hf_config).post_norms),
                    max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                    post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                    position_embedding_type="rope", rotary_base=tmodel.rope_theta(hf_config), parallel_output=True,
@@ -222,7 +226,7 @@ def test_the_layouts_really_split_the_model(runs):
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES if "_pp" not in c[0] and c[0].startswith(
-    ("qwen2", "qwen3", "mixtral", "glm4_moe", "deepseek_v3", "llama3"))])
+    ("qwen2", "qwen3", "mixtral", "glm4", "deepseek_v3", "llama3"))])
 def test_megatron_loaded_through_the_table_gives_the_hf_models_logprobs(runs, model_dirs, case):
     from transformers import AutoModelForCausalLM
 

@@ -121,6 +121,15 @@ def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
 
 
 @pytest.mark.slow
+def test_glm4_with_its_post_norms_and_interleaved_half_rope_trains_on_packed_rows_on_the_engines_policy(tmp_path):
+    records = short_run(tmp_path, "glm4", ["model.tiny.family=glm4", "trainer.max_tokens_per_micro_batch=96"])
+    print("glm4 |train - rollout| by step:", [r["train/train_rollout_logprob_abs_diff"] for r in records])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3, records
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.long), "glm4_moe", "deepseek_v3"])
 def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
     # DeepSeek-V3's on packed rows: MLA rotates a THD row span by span, where the others' padded rows do not

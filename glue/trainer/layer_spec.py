@@ -16,8 +16,11 @@ from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_laye
 MLA_REFERENCE = ("multi-latent attention (deepseek_v3) runs on sluice's core attention, not megatron's unfused "
                  "reference: drop --attention-backend local / unfused")
 
+POST_NORMS_TE = ("GLM-4's post-attention and post-MLP norms are built on the local layer spec only; set "
+                 "trainer.layer_spec: local (or auto)")
 
-def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any:
+
+def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_norms: bool = False) -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
     (glue.trainer.te_spec). Else the local one: MoE models get megatron's per-layer block spec (dense or MoE by
     `moe_layer_freq`, SequentialMLP experts), dense ones the local layer spec on every layer; then every apex-less
@@ -27,6 +30,10 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any
     under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
+    if post_norms and choice == "auto":  # Transformer Engine's fused layers have no slot for them
+        choice = "local"
+    if post_norms and resolve_layer_spec(choice) == "te":
+        raise ValueError(POST_NORMS_TE)
     if resolve_layer_spec(choice) == "te":
         rope.install()
         return te_layer_spec(config)
@@ -55,7 +62,16 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any
         norm = ReferenceRMSNorm
     else:
         rope.install(compiled)
-    return _swap(spec, {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention})
+    swaps = {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention}
+    if post_norms:  # the attention's and the MLP's output projections (every RowParallelLinear of a dense layer)
+        from megatron.core.tensor_parallel import RowParallelLinear
+
+        from glue.trainer.post_norm import with_post_norm
+
+        if config.num_moe_experts:
+            raise ValueError("post-attention / post-MLP norms are built for dense layers only")
+        swaps[RowParallelLinear] = with_post_norm(norm)
+    return _swap(spec, swaps)
 
 
 def _swap(node: Any, swaps: dict[type, type]) -> Any:

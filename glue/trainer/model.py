@@ -151,7 +151,8 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
                      "pipeline_dtype": dtype}
     config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice, compiled),
+        config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice, compiled,
+                                                         post_norms=family_of(hf_config).post_norms),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=is_tied(hf_config), position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), rotary_percent=family_of(hf_config).rotary_percent(hf_config),

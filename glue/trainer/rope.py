@@ -19,8 +19,9 @@ _cache: dict[str, Any] = {}  # the last angle table (key: table, dtype, layout) 
 
 def install(compiled: bool = False) -> None:
     """Route megatron's attention through `apply_rotary_pos_emb` below (idempotent), the rotation compiled by
-    torch.compile when `compiled` (trainer.compile). Cases it does not cover (fused RoPE, interleaved, YaRN scaling,
-    MLA, context parallelism) go to megatron's function unchanged; partial rotary turns the first dims only."""
+    torch.compile when `compiled` (trainer.compile). Cases it does not cover (fused RoPE, YaRN scaling, MLA, context
+    parallelism) go to megatron's function unchanged; partial rotary turns the first dims only, interleaved pairs
+    (GLM-4) turn uncompiled."""
     global _installed, _compiled
     _compiled = compiled
     if _installed:
@@ -36,21 +37,21 @@ def install(compiled: bool = False) -> None:
         if cu_seqlens is not None and freqs.shape[0] != t.shape[0]:
             # a position table, not one row per token: megatron's per-sample path
             return megatron_rope(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        turned = freqs.shape[-1]
-        if turned < t.shape[-1]:  # partial rotary (GLM-4.5): the first dims of each head turn, the rest pass
-            return torch.cat((rotate(t[..., :turned], freqs, packed=cu_seqlens is not None), t[..., turned:]), dim=-1)
+        turned, packed = freqs.shape[-1], cu_seqlens is not None
         # THD [T, heads, d] takes one angle row per token [T, 1, 1, d]
-        return rotate(t, freqs, packed=cu_seqlens is not None)
+        rotation = rotate_interleaved if config.rotary_interleaved else rotate
+        if turned < t.shape[-1]:  # partial rotary (GLM-4 / 4.5): the first dims of each head turn, the rest pass
+            return torch.cat((rotation(t[..., :turned], freqs, packed=packed), t[..., turned:]), dim=-1)
+        return rotation(t, freqs, packed=packed)
 
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
     _installed = True
 
 
 def _is_plain(config: Any, freqs: torch.Tensor, t: torch.Tensor, mscale: float, cp_group: Any) -> bool:
-    """True when the rotation is megatron's unfused half-rotation over the whole head (the Llama/Qwen case) or over
-    its first dims (partial rotary)."""
-    return (not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
-            and mscale == 1.0 and freqs.shape[-1] <= t.shape[-1] and (cp_group is None or cp_group.size() == 1))
+    """True when the rotation is megatron's unfused rotation (halves, or interleaved pairs) over the whole head (the
+    Llama/Qwen case) or over its first dims (partial rotary)."""
+    return (not config.apply_rope_fusion and not config.multi_latent_attention and mscale == 1.0 and freqs.shape[-1] <= t.shape[-1] and (cp_group is None or cp_group.size() == 1))
 
 
 def rotate(t: torch.Tensor, freqs: torch.Tensor, packed: bool = False) -> torch.Tensor:
@@ -70,6 +71,15 @@ def rotate(t: torch.Tensor, freqs: torch.Tensor, packed: bool = False) -> torch.
     for tensor in (t, _cache["cos"], _cache["sin"]):  # the sequence dimension changes every micro-batch
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     return _compiled_rotation()(t, _cache["cos"], _cache["sin"])
+
+
+def rotate_interleaved(t: torch.Tensor, freqs: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3) ... (GLM-4), whose angle table repeats each angle twice in place
+    ([a0, a0, a1, a1, ...]): t * cos + rot(t) * sin with rot(t) = (-x1, x0, -x3, x2, ...). Shapes as `rotate`."""
+    angles = freqs[:, 0] if packed else freqs
+    x1, x2 = t[..., 0::2], t[..., 1::2]
+    turned = torch.stack((-x2, x1), dim=-1).flatten(-2)
+    return t * angles.cos().to(t.dtype) + turned * angles.sin().to(t.dtype)
 
 
 def _rotation(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,8 @@ def shard_into_hf(rule: Rule, shard_: torch.Tensor, rank: int, size: int, hf: Se
         hf[0][:, rank * cols: (rank + 1) * cols].copy_(shard_)
     elif rule.kind == GATE_UP:
         rows = shard_.shape[0] // 2
-        for out, half in zip(hf, shard_.chunk(2, dim=0)):
+        halves = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)  # one fused [gate; up] tensor: its two halves
+        for out, half in zip(halves, shard_.chunk(2, dim=0)):
             out[rank * rows: (rank + 1) * rows].copy_(half)
     elif rule.kind == QKV:  # group-major: TP rank r holds query groups [r * g, (r + 1) * g)
         nq, ng, head_dim = attention_shape(hf_config)
@@ -208,7 +209,7 @@ def _fuse(rule: Rule, parts: list[torch.Tensor], shape: tuple[int, int, int]) ->
 def _split(rule: Rule, full: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
     if rule.kind == QKV:
         return split_qkv(full, *shape)
-    if rule.kind == GATE_UP:
+    if rule.kind == GATE_UP and len(rule.hf) == 2:  # GLM-4's checkpoint keeps [gate; up] as one tensor
         return tuple(p.contiguous() for p in full.chunk(2, dim=0))
     return (full,)
 

@@ -80,6 +80,14 @@ MLA_KV = (
     Entry("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), COLUMN),
     Entry("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
 )
+# GLM-4's dense layers: the MLP's gate and up projections fused in the checkpoint as [gate; up], and a norm after the
+# attention and after the MLP, before each residual add ("sandwich" norms; megatron's layer has none, so the trainer's
+# output projections carry them: glue.trainer.post_norm)
+FUSED_GATE_UP = Entry("mlp.linear_fc1.weight", ("mlp.gate_up_proj.weight",), GATE_UP)
+POST_NORMS = (
+    Entry("self_attention.linear_proj.post_layernorm.weight", ("post_self_attn_layernorm.weight",), REPLICATED),
+    Entry("mlp.linear_fc2.post_layernorm.weight", ("post_mlp_layernorm.weight",), REPLICATED),
+)
 LAYER_NORMS = (
     Entry("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED),
     Entry("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
