@@ -160,6 +160,12 @@ RELEASED = {
                 "rope_theta": 1000000, "vocab_size": 151552, "attention_bias": True, "use_qk_norm": True,
                 "num_nextn_predict_layers": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "GLM-4-9B-0414": {"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "hidden_size": 4096,
+                      "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32,
+                      "num_key_value_heads": 2, "head_dim": 128, "attention_bias": True, "partial_rotary_factor": 0.5,
+                      "rope_theta": 10000.0, "vocab_size": 151552, "rms_norm_eps": 1e-5,
+                      "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                      "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338]},
     "Moonlight-16B-A3B": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
                           "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
                           "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
@@ -188,6 +194,8 @@ LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB
     "Mixtral-8x7B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4", "--expert-model-parallel-size",
                      "8", "--expert-tensor-parallel-size", "1"],
     "Llama-3.1-8B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4"],
+    "GLM-4-9B-0414": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=2", "--tensor-model-parallel-size", "2",
+                      "trainer.data_parallel_size=4"],
     "Moonlight-16B-A3B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
                           "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"],
     "GLM-4.5": ["cluster.num_nodes=5", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=8",
@@ -316,6 +324,28 @@ def test_a_tp_size_that_splits_mlas_latent_widths_unevenly_is_refused_by_the_dry
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "must divide multi-latent attention's kv_lora_rank + qk_rope_head_dim=23" in err, err
+
+
+# slime's MODEL_ARGS for GLM-4-9B (scripts/models/glm4-9B.sh), its layer spec plugin included
+SLIME_GLM4_9B = ("--spec slime_plugins.models.glm4 get_glm_spec --swiglu --num-layers 40 --hidden-size 4096 "
+                 "--ffn-hidden-size 13696 --num-attention-heads 32 --group-query-attention --num-query-groups 2 "
+                 "--use-rotary-position-embeddings --disable-bias-linear --add-qkv-bias --normalization RMSNorm "
+                 "--norm-epsilon 1e-5 --rotary-base 10000 --vocab-size 151552 --post-self-attn-layernorm "
+                 "--post-mlp-layernorm --rotary-interleaved --rotary-percent 0.5 --no-rope-fusion "
+                 "--untie-embeddings-and-output-weights").split()
+
+
+def test_slimes_glm4_9b_flags_as_written_plan_and_post_norms_on_another_family_are_refused(tmp_path, capsys):
+    (tmp_path / "glm4").mkdir()
+    (tmp_path / "glm4" / "config.json").write_text(json.dumps(RELEASED["GLM-4-9B-0414"]))
+    common = ["--dry-run", "--config", "examples/configs/demo.yaml", *LAYOUT, *LAYOUTS["GLM-4-9B-0414"]]
+    assert main([*common, f"model.path={tmp_path / 'glm4'}", *SLIME_GLM4_9B]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(RELEASED["Llama-3.1-8B"]))
+    assert main([*common, f"model.path={tmp_path / 'llama'}", "--post-mlp-layernorm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--post-mlp-layernorm does not match" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_kimi_k2_config_json_reads_as_deepseek_v3_though_transformers_has_no_kimi_k2_class(tmp_path):
