@@ -45,6 +45,10 @@ MODELS = {
                                                    "original_max_position_embeddings": 16})),
     "qwen2_linear_rope": ("qwen2", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                          "factor": 4.0})),
+    # YaRN as Qwen3's long-context checkpoints set it: new frequencies and an attention factor (0.1 ln 4 + 1)
+    "qwen3_yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 16},
+                                 max_position_embeddings=64)),
 }
 # (case id, model, tp, pp, ep)
 CASES = [
@@ -63,7 +67,7 @@ CASES = [
     ("deepseek_v3_pp2", "deepseek_v3", 1, 2, 1), ("deepseek_v3_ep2", "deepseek_v3", 1, 1, 2),
     ("deepseek_v3_q_whole_tp2", "deepseek_v3_q_whole", 2, 1, 1),
     ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
-    ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1),
+    ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1), ("qwen3_yarn_tp2", "qwen3_yarn", 2, 1, 1),
 ]
 TOKENS = torch.randint(2, 30, (2, 9), generator=torch.Generator().manual_seed(5))
 

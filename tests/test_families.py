@@ -89,12 +89,16 @@ def dry_run(capsys, model_dir: str) -> tuple[int, str]:
     return code, captured.err.strip()
 
 
-def test_dry_run_passes_llama_3_1s_scaled_rope_and_refuses_one_the_trainer_does_not_build(tmp_path, capsys):
+def test_dry_run_passes_llama_3_1s_scaled_rope_and_refuses_those_the_trainer_does_not_build(tmp_path, capsys):
     assert dry_run(capsys, write_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3_ROPE)) == (0, "")
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
-    code, err = dry_run(capsys, write_checkpoint(tmp_path / "yarn", "llama", rope_parameters=yarn))
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    code, err = dry_run(capsys, write_checkpoint(tmp_path / "dynamic", "llama", rope_parameters=dynamic))
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "rope_type 'yarn' is not supported by the megatron trainer yet" in err, err
+    assert "rope_type 'dynamic' is not supported by the megatron trainer yet" in err, err
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    code, err = dry_run(capsys, write_checkpoint(tmp_path / "glm_yarn", "glm4_moe", rope_parameters=yarn))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "rope_type 'yarn' with partial_rotary_factor=0.5" in err, err
 
 
 def test_dry_run_refuses_a_mixtral_with_a_sliding_window_in_one_line(tmp_path, capsys):

@@ -116,7 +116,29 @@ def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
                       moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall")
         if kwargs.get("moe_router_enable_expert_bias"):
             kwargs["moe_router_bias_update_rate"] = 0.0
+    scale = rope_softmax_scale(hf_config)
+    if scale is not None:
+        kwargs["softmax_scale"] = scale
     return kwargs
+
+
+def rope_softmax_scale(hf_config: Any) -> float | None:
+    """The softmax scale of a RoPE scaling with an attention factor (YaRN): transformers multiplies cos and sin by it,
+    so q and k by it wherever RoPE turns the whole head, so every score by its square (family checks refuse partial
+    rotary with it). None for the scalings without one, and for multi-latent attention, whose YaRN megatron builds."""
+    import math
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(hf_config)["rope_type"]
+    if rope_type == "default" or family_of(hf_config).megatron_fields(hf_config).get("multi_latent_attention"):
+        return None
+    with torch.device("cpu"):
+        _, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    if attention_factor == 1.0:
+        return None
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return attention_factor ** 2 / math.sqrt(head_dim)
 
 
 def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
@@ -164,19 +186,17 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
 
 
 def scale_rope(model: torch.nn.Module, hf_config: Any) -> None:
-    """A scaled RoPE (`rope_type` linear or llama3, weight_sync.families.base.TRAINED_ROPE_TYPES) takes the inverse
-    frequencies transformers computes for the HF model, so both rotate alike; megatron's own llama3 scaling fixes
-    its factors to Llama 3.1's. Default RoPE keeps megatron's table."""
+    """A scaled RoPE (`rope_type` linear, llama3 or yarn, weight_sync.families.base.TRAINED_ROPE_TYPES) takes the
+    inverse frequencies transformers computes for the HF model, so both rotate alike; megatron's own llama3 scaling
+    fixes its factors to Llama 3.1's. YaRN's attention factor is the softmax scale (`rope_softmax_scale`). Default
+    RoPE keeps megatron's table."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = rope_parameters(hf_config)["rope_type"]
     if rope_type == "default" or model.config.multi_latent_attention:  # MLA builds YaRN in each layer itself
         return
     with torch.device("cpu"):  # real numbers even where the model is built on the meta device (sluice export-hf)
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    if attention_factor != 1.0:
-        raise ValueError(f"rope_type {rope_type!r} scales attention by {attention_factor}; the trainer builds only "
-                         "scalings that change the frequencies alone")
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     rope = model.rotary_pos_emb
     rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
 

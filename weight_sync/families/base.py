@@ -13,10 +13,10 @@ from weight_sync.families.table import (ATTENTION, DENSE_MLP, EMBEDDING, EXPERT_
                                         LAYER_NORMS, OUTPUT, QK_NORM, QKV_BIAS, REPLICATED, ROUTER_BIAS, ROUTER_MCORE,
                                         ROW, SHARED_EXPERTS, Entry, Rule, cfg, in_expert, in_layer)
 
-# RoPE types the trainer builds: each changes only the inverse frequencies (transformers' attention factor is 1), which
-# the trainer computes with transformers' own function. YaRN's attention factor, dynamic NTK's and LongRoPE's
-# length-dependent tables are not built yet.
-TRAINED_ROPE_TYPES = ("default", "linear", "llama3")
+# RoPE types the trainer builds: it takes transformers' own inverse frequencies for them, and YaRN's attention factor
+# (on cos and sin, so on every score when RoPE turns the whole head) as the softmax scale. Dynamic NTK's and
+# LongRoPE's length-dependent tables are not built yet.
+TRAINED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -58,6 +58,9 @@ class Family:
         if rope_type not in self.rope_types:
             raise ValueError(f"rope_type {rope_type!r} is not supported by the megatron trainer yet (it builds "
                              f"{', '.join(self.rope_types)} for {self.name}); use a checkpoint with one of those")
+        if rope_type == "yarn" and self.rotary_percent(hf_config) != 1.0:
+            raise ValueError(f"rope_type 'yarn' with partial_rotary_factor={self.rotary_percent(hf_config)}: YaRN's "
+                             "attention factor scales the turned dims only, which the trainer does not build")
         if cfg(hf_config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported; set use_sliding_window=false")
         if cfg(hf_config, "mlp_bias", False):
