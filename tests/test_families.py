@@ -101,6 +101,16 @@ def test_dry_run_passes_llama_3_1s_scaled_rope_and_refuses_those_the_trainer_doe
     assert "rope_type 'yarn' with partial_rotary_factor=0.5" in err, err
 
 
+def test_a_field_combination_megatron_core_rejects_is_refused_by_the_dry_run_in_one_line(capsys):
+    # group-limited routing without the number of groups: megatron-core's config validation raises at every rank's
+    # start; the dry run builds the same config
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", "model.tiny.family=qwen3_moe",
+                 "--moe-router-group-topk", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "megatron-core refuses" in err and "moe_router_num_groups must be specified" in err, err
+
+
 def test_dry_run_refuses_a_mixtral_with_a_sliding_window_in_one_line(tmp_path, capsys):
     code, err = dry_run(capsys, write_checkpoint(tmp_path / "mixtral", "mixtral", sliding_window=8))
     assert code == 2 and len(err.splitlines()) == 1, err

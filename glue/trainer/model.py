@@ -141,6 +141,19 @@ def rope_softmax_scale(hf_config: Any) -> float | None:
     return attention_factor ** 2 / math.sqrt(head_dim)
 
 
+def megatron_config(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] | None = None,
+                    precision: str = "fp32", fused: bool = False) -> Any:
+    """The megatron-core config `build_model` builds the model from: the family's fields, the pass-through values
+    (TrainerConfig.megatron_values()), the precision's dtypes and, with `fused` (trainer.compile on sluice's spec),
+    megatron's bias-activation and bias-dropout fusions. megatron's __post_init__ validates it (`--dry-run` builds it
+    too, so what megatron refuses is refused before anything starts)."""
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    fusions = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if fused else {}
+    megatron_args = {**fusions, **(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
+                     "pipeline_dtype": dtype}
+    return with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
+
+
 def with_passthrough(config: Any, megatron_args: dict[str, Any] | None) -> Any:
     """`config` with the passed-through megatron-core fields it declares set unchanged (they win over the derived
     ones; megatron's own __post_init__ validates the result)."""
@@ -163,15 +176,12 @@ def build_model(hf_config: Any, *, tp_size: int, megatron_args: dict[str, Any] |
     from megatron.core.models.gpt import GPTModel
 
     check_te_options(megatron_args or {})
-    dtype = "bfloat16" if precision == "bf16" else "float32"
     # only sluice's fast local spec: the unfused reference stays megatron's path as it was, and Transformer
     # Engine's spec fuses these itself
     compiled = (compiled and resolve_layer_spec(layer_spec_choice) == "local"
                 and core_attention_class((megatron_args or {}).get("attention_backend", "auto")) is SluiceCoreAttention)
-    fused = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if compiled else {}
-    megatron_args = {**fused, **(megatron_args or {}), "bf16": precision == "bf16", "params_dtype": dtype,
-                     "pipeline_dtype": dtype}
-    config = with_passthrough(transformer_config(hf_config, tp_size=tp_size), megatron_args)
+    config = megatron_config(hf_config, tp_size=tp_size, megatron_args=megatron_args, precision=precision,
+                             fused=compiled)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(config, layer_spec_choice, compiled,
                                                          post_norms=family_of(hf_config).post_norms),

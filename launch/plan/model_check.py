@@ -13,7 +13,7 @@ from typing import Any
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
 from glue.trainer.megatron_fields import megatron_fields
-from glue.trainer.model import check_tensor_parallel, read_hf_config
+from glue.trainer.model import check_tensor_parallel, megatron_config, read_hf_config
 from glue.trainer.optim import resolve_precision
 from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.te_spec import resolve_layer_spec
@@ -180,11 +180,28 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
     if experts % ep:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
                           "(megatron-core gives every EP rank the same number); choose another EP size")
+    check_megatron_accepts(trainer, hf_config)
     # megatron-core's MoELayer.forward raises in training when its TP group has > 1 rank without sequence parallelism
     if experts and tp > 1 and not trainer.megatron.get("sequence_parallel"):
         raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "
                           "experts) needs sequence parallelism, which megatron-core requires to train MoE layers with "
                           "TP > 1: add --sequence-parallel (trainer.megatron.sequence_parallel: true)")
+
+
+def check_megatron_accepts(trainer: Any, hf_config: Any) -> None:
+    """megatron-core's own validation of the config every trainer rank builds (its __post_init__: a field combination
+    it rejects), run here so that --dry-run refuses what a real start would. Options that need Transformer Engine are
+    validated where it imports (check_transformer_engine says which)."""
+    if te_spec.te_options(trainer.megatron):
+        return
+    precision = "bf16" if trainer.precision == "bf16" else "fp32"
+    try:
+        megatron_config(hf_config, tp_size=trainer.tensor_model_parallel_size,
+                        megatron_args=trainer.megatron_values(), precision=precision)
+    except (ValueError, AssertionError, TypeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"megatron-core refuses the trainer's model config for this checkpoint and these flags: "
+                          f"{first}") from None
 
 
 def check_layer_spec(trainer: Any, *, elsewhere: bool = False) -> str:
