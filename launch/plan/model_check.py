@@ -194,10 +194,14 @@ def check_megatron_accepts(trainer: Any, hf_config: Any) -> None:
     validated where it imports (check_transformer_engine says which)."""
     if te_spec.te_options(trainer.megatron):
         return
+    import warnings
+
     precision = "bf16" if trainer.precision == "bf16" else "fp32"
     try:
-        megatron_config(hf_config, tp_size=trainer.tensor_model_parallel_size,
-                        megatron_args=trainer.megatron_values(), precision=precision)
+        with warnings.catch_warnings():  # megatron's deprecation notes are for the ranks' logs, not the plan
+            warnings.simplefilter("ignore")
+            megatron_config(hf_config, tp_size=trainer.tensor_model_parallel_size,
+                            megatron_args=trainer.megatron_values(), precision=precision)
     except (ValueError, AssertionError, TypeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"megatron-core refuses the trainer's model config for this checkpoint and these flags: "
