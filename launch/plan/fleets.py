@@ -6,10 +6,11 @@ them, and the policy engines' program and flags less the ones that describe the 
 Pure: imports no Ray. `launch.plan.run_plan` builds the plan with it; the runner starts each fleet on its bundles."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from glue.fleet.fleet import engine_seed
+from launch.plan.engine_nodes import NodeRank
 
 HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
 # flags of the policy's engines that describe the policy (MoE routing replay, the colocated trainer's hand-over), not
@@ -24,7 +25,12 @@ class EngineLaunch:
     bundles: list[int]
     node: int | None
     devices: list[int] | None  # GPU indices on the node (CUDA_VISIBLE_DEVICES), None on CPU
-    command: list[str]  # full command line, with HOST / PORT placeholders
+    command: list[str]  # full command line, with HOST / PORT placeholders (node rank 0's, when it spans nodes)
+    node_ranks: list[NodeRank] = field(default_factory=list)  # one server process per node; [] on one node
+
+    def rank_bundles(self, rank: int) -> list[int]:
+        """The bundles of node rank `rank`'s process (every bundle of an engine on one node)."""
+        return self.node_ranks[rank].bundles if self.node_ranks else self.bundles
 
 
 @dataclass
@@ -130,4 +136,16 @@ def devices_text(plan: Any, bundles: list[int]) -> str:
     if len(nodes) == 1 and gpus == list(range(gpus[0], gpus[0] + len(gpus))):
         span = f"gpu {gpus[0]}" if len(gpus) == 1 else f"gpus {gpus[0]}-{gpus[-1]}"
         return f"node {nodes.pop()} {span} ({named})"
+    if len(nodes) > 1:  # an engine that spans nodes: each node's part
+        return ", ".join(devices_text(plan, part) for part in node_parts(plan, bundles))
     return ", ".join(plan.device_of(b) for b in bundles)
+
+
+def node_parts(plan: Any, bundles: list[int]) -> list[list[int]]:
+    """`bundles` cut where the node changes."""
+    parts: list[list[int]] = []
+    for b in bundles:
+        if not parts or plan.bundle_slots[b][0] != plan.bundle_slots[parts[-1][-1]][0]:
+            parts.append([])
+        parts[-1].append(b)
+    return parts

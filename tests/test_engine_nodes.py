@@ -1,0 +1,105 @@
+"""Engines that span nodes, planned (issue 48 item 4): an SGLang engine whose TP takes more GPUs than a node has is
+laid out on whole nodes, one server process per node with SGLang's --nnodes / --node-rank / --dist-init-addr, the
+router pointed at node rank 0 alone, and every one of its TP ranks, on every node, a member of the weight group.
+A layout that cannot be put on whole nodes is refused in one line naming the figures and the fix."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from launch.cli import main
+from launch.config import ConfigError, load_config
+from launch.plan.run_plan import resolve
+from launch.plan.weight_groups import check_weight_groups, plan_weight_groups
+from launch.plan.model_check import model_config
+
+DEMO = "examples/configs/demo.yaml"
+# two engines of TP 16 on 8-GPU nodes (nodes 0-1 and 2-3) and one trainer rank on node 4
+SPANNING = ["cluster.gpus_per_node=8", "cluster.num_nodes=5", "cluster.engine_tensor_parallel_size=16",
+            "rollout.num_engines=2", "sync.backend=nccl", "run.ray_num_cpus=64"]
+
+
+def test_an_engine_of_tp_16_on_8_gpu_nodes_runs_a_server_per_node_on_whole_nodes_and_the_router_sees_rank_0():
+    _, plan = resolve(load_config(DEMO, SPANNING))
+    assert plan.engine_nodes == 2
+    first, second = plan.engines
+    assert [(r.rank, r.node, r.bundles, r.devices) for r in first.node_ranks] == [
+        (0, 0, list(range(0, 8)), list(range(8))), (1, 1, list(range(8, 16)), list(range(8)))]
+    assert [(r.rank, r.node, r.bundles[0], r.bundles[-1]) for r in second.node_ranks] == [(0, 2, 16, 23),
+                                                                                         (1, 3, 24, 31)]
+    for k, rank in enumerate(first.node_ranks):  # the same SGLang command, each with its --node-rank
+        assert rank.command[-6:] == ["--nnodes", "2", "--node-rank", str(k), "--dist-init-addr",
+                                     "RANK0_HOST:DIST_PORT"]
+        assert rank.command[:-6] == first.node_ranks[0].command[:-6] and "--tp-size" in rank.command
+    assert first.command == first.node_ranks[0].command and first.rank_bundles(1) == list(range(8, 16))
+    assert plan.trainer[0].node == 4 and plan.trainer[0].bundle == 32
+    # the router gets one worker per engine: node rank 0's url
+    assert plan.router_command.count("http://HOST:PORT") == 2
+    shown = plan.to_dict()["engines"][0]["node_ranks"]
+    assert shown[0] == ("node rank 0 on node 0 gpus 0-7 (bundles 0-7): serves HTTP: the router's worker, control "
+                        "and weight endpoints")
+    assert shown[1] == "node rank 1 on node 1 gpus 0-7 (bundles 8-15): joins node rank 0 at --dist-init-addr, serves no HTTP"
+
+
+def test_an_engine_that_fits_a_node_is_planned_as_before_with_no_node_flags():
+    _, plan = resolve(load_config(DEMO, ["cluster.gpus_per_node=8", "cluster.engine_tensor_parallel_size=4",
+                                         "rollout.num_engines=1"]))
+    assert plan.engine_nodes == 1 and plan.engines[0].node_ranks == []
+    assert "--nnodes" not in plan.engines[0].command and plan.engines[0].rank_bundles(0) == [0, 1, 2, 3]
+    assert "node_ranks" not in plan.to_dict()["engines"][0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.gpus_per_node=8", "cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=12"],
+     "cluster.engine_tensor_parallel_size=12 takes more GPUs than one node's cluster.gpus_per_node=8 but is not a "
+     "multiple of it: an engine that spans nodes takes whole nodes (one SGLang server per node); make it 8 or 16"),
+    (["cluster.gpus_per_node=8", "cluster.num_nodes=3", "cluster.engine_tensor_parallel_size=16",
+      "cluster.engine_nodes=4"],
+     "cluster.engine_nodes=4 but an engine of engine_tensor_parallel_size=16 on 8-GPU nodes spans 2; leave "
+     "cluster.engine_nodes null on GPUs (it follows from them)"),
+    (["cluster.gpus_per_node=8", "cluster.engine_tensor_parallel_size=6"],
+     "cluster.engine_tensor_parallel_size=6 does not divide cluster.gpus_per_node=8: an engine would span two "
+     "nodes; make it a divisor of 8, or a multiple (an engine on whole nodes)"),
+    (["cluster.engine_tensor_parallel_size=2", "cluster.engine_nodes=2"],
+     "cluster.engine_nodes=2 on CPU: only strict engines rehearse an engine that spans nodes"),
+    (["cluster.engine=sglang_strict", "cluster.engine_tensor_parallel_size=3", "cluster.engine_nodes=2"],
+     "cluster.engine_tensor_parallel_size=3 is not a multiple of cluster.engine_nodes=2"),
+    (["sglang.nnodes=2"], "--sglang-nnodes (sglang.nnodes) is set by sluice itself; use "
+                          "cluster.engine_tensor_parallel_size over cluster.gpus_per_node"),
+])
+def test_a_layout_that_cannot_span_whole_nodes_is_refused_naming_the_figures_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        resolve(load_config(DEMO, ["rollout.num_engines=1", "run.ray_num_cpus=64", *overrides]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_weight_group_counts_every_tp_rank_of_an_engine_on_every_node():
+    cfg, plan = resolve(load_config(DEMO, SPANNING))
+    (group,) = plan_weight_groups(cfg, plan, model_config(cfg))
+    assert group.world_size == 1 + 2 * 16
+    members = group.members[1:]
+    assert [m.rank for m in members] == list(range(1, 33))  # rank_offset + tp_rank, as SGLang's TP workers join
+    assert [m.bundle for m in members] == list(range(32))  # engine 0's TP ranks 8-15 stand on node 1's GPUs
+    assert [plan.bundle_slots[m.bundle][0] for m in members[:16]] == [0] * 8 + [1] * 8
+    assert check_weight_groups(cfg, plan) == "weight groups: 1 (nccl), no two members on one device"
+
+
+def test_the_dry_run_shows_the_node_ranks_the_fleet_and_the_weight_group_of_a_two_node_engine(capsys):
+    assert main(["--dry-run", "--config", DEMO, *SPANNING]) == 0, capsys.readouterr().err
+    plan = yaml.safe_load(capsys.readouterr().out)["plan"]
+    assert plan["fleets"][0].startswith("policy: 2 engines x TP 16 over 2 nodes (a server per node) on node 0 gpus "
+                                        "0-7 (bundles 0-7), node 1 gpus 0-7 (bundles 8-15), node 2 gpus 0-7")
+    members = plan["weight_sync"]["groups"][0]["members"]
+    assert members[1] == ("ranks 1-16: engine 0, rank_offset 1 (node 0 gpus 0-7, node 1 gpus 0-7); TP ranks 0-7 in "
+                          "node rank 0's server, 8-15 in node rank 1's (every one a member)")
+    assert members[2].startswith("ranks 17-32: engine 1, rank_offset 17 (node 2 gpus 0-7, node 3 gpus 0-7)")
+    assert "(2 nodes x 8, a server per node)" in plan["memory"]["engines"]
+
+
+def test_strict_engines_on_cpu_rehearse_a_two_node_engine_in_the_plan():
+    _, plan = resolve(load_config(DEMO, ["cluster.engine=sglang_strict", "cluster.engine_tensor_parallel_size=2",
+                                         "cluster.engine_nodes=2", "rollout.num_engines=1"]))
+    (engine,) = plan.engines
+    assert plan.engine_nodes == 2 and [r.bundles for r in engine.node_ranks] == [[0], [1]]
+    assert engine.node_ranks[1].command[-5:] == ["2", "--node-rank", "1", "--dist-init-addr", "RANK0_HOST:DIST_PORT"]
+    assert "--sglang-strict" in engine.node_ranks[1].command
