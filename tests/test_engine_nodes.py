@@ -103,3 +103,27 @@ def test_strict_engines_on_cpu_rehearse_a_two_node_engine_in_the_plan():
     assert plan.engine_nodes == 2 and [r.bundles for r in engine.node_ranks] == [[0], [1]]
     assert engine.node_ranks[1].command[-5:] == ["2", "--node-rank", "1", "--dist-init-addr", "RANK0_HOST:DIST_PORT"]
     assert "--sglang-strict" in engine.node_ranks[1].command
+
+
+def test_each_node_rank_is_started_on_its_own_nodes_bundle_with_its_own_gpus():
+    from launch.run.cluster import Placement
+    from launch.run.fleets import engine_env, engine_host_options, node_rank_options
+
+    _, plan = resolve(load_config(DEMO, SPANNING))
+
+    class Bundles(Placement):  # the bundles' Ray options, as launch.run.cluster.Placement pins an actor to one
+        def actor_options(self, bundle, *, num_cpus, num_gpus=0):
+            return {"bundle": bundle, "num_cpus": num_cpus}
+
+    n = len(plan.bundles)
+    placement = Bundles(group=None, ray_bundle=list(range(n)), node_ip=[f"10.0.0.{b // 8}" for b in range(n)],
+                        gpu_id=[b % 8 for b in range(n)])
+    options = node_rank_options(plan, placement, plan.engines)
+    assert options["engine_nodes"] == 2
+    assert options["rank_hosts"] == [[{"bundle": 8, "num_cpus": 0}], [{"bundle": 24, "num_cpus": 0}]]
+    assert options["rank_env"] == [[{"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}]] * 2
+    assert engine_host_options(placement, plan.engines[1]) == {"bundle": 16, "num_cpus": 0}  # node rank 0's
+    assert engine_env(plan, placement, plan.engines[0]) == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    _, one_node = resolve(load_config(DEMO, ["cluster.gpus_per_node=8", "cluster.engine_tensor_parallel_size=4",
+                                             "rollout.num_engines=1"]))
+    assert node_rank_options(one_node, placement, one_node.engines) == {}  # RolloutFleet's defaults: one process

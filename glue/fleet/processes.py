@@ -110,6 +110,10 @@ class ManagedProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
     def exit_code(self) -> int | None:
         return self.proc.poll()
 

@@ -22,7 +22,8 @@ from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.config import SluiceConfig
 from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths
-from launch.run.fleets import SideFleetRun, engine_env, engine_host_options, planned_devices_env
+from launch.run.fleets import (SideFleetRun, engine_env, engine_host_options, node_rank_options,
+                               planned_devices_env)
 from launch.run.reward_models import start_model_rewards
 from launch.run.stopping import close_loop
 from launch.run.tasks import task_args_for
@@ -102,7 +103,7 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
                          router_args=plan.router_args,
                          engine_env=[engine_env(plan, placement, e) for e in plan.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
-                         api_key=api_key, admin_api_key=admin_api_key,
+                         **node_rank_options(plan, placement, plan.engines), api_key=api_key, admin_api_key=admin_api_key,
                          engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
     stack.callback(fleet.stop)
     fleet.start(on_phase=clock)

@@ -30,10 +30,22 @@ def engine_env(plan: RunPlan, placement, engine) -> dict[str, str]:
     return {**placement.engine_env(engine), **planned_devices_env(plan, engine.bundles)}
 
 
-def engine_host_options(placement, engine) -> dict:
-    """An engine's host actor sits on its first bundle and reserves nothing: the engine process uses the bundle's
-    devices through CUDA_VISIBLE_DEVICES, and in colocated placement the trainer rank holds the bundle's GPU."""
-    return placement.actor_options(engine.bundles[0], num_cpus=0)
+def engine_host_options(placement, engine, rank: int = 0) -> dict:
+    """An engine's host actor (node rank `rank`'s, of an engine that spans nodes) sits on its first bundle and
+    reserves nothing: the engine process uses the bundle's devices through CUDA_VISIBLE_DEVICES, and in colocated
+    placement the trainer rank holds the bundle's GPU."""
+    return placement.actor_options(engine.rank_bundles(rank)[0], num_cpus=0)
+
+
+def node_rank_options(plan: RunPlan, placement, engines) -> dict:
+    """RolloutFleet's arguments for engines that span nodes: `engine_nodes`, and per engine the host actor options
+    and environment (its GPUs) of node ranks 1 and on; rank 0 keeps the engine's own (`engine_env` also carries the
+    devices of every bundle where the plan models them: a strict rank 0 stands in for every TP rank)."""
+    if plan.engine_nodes == 1:
+        return {}
+    return {"engine_nodes": plan.engine_nodes,
+            "rank_hosts": [[engine_host_options(placement, e, r.rank) for r in e.node_ranks[1:]] for e in engines],
+            "rank_env": [[placement.engine_env(e, r.rank) for r in e.node_ranks[1:]] for e in engines]}
 
 
 @dataclass
