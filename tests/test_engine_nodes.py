@@ -127,3 +127,20 @@ def test_each_node_rank_is_started_on_its_own_nodes_bundle_with_its_own_gpus():
     _, one_node = resolve(load_config(DEMO, ["cluster.gpus_per_node=8", "cluster.engine_tensor_parallel_size=4",
                                              "rollout.num_engines=1"]))
     assert node_rank_options(one_node, placement, one_node.engines) == {}  # RolloutFleet's defaults: one process
+
+
+def test_a_recipe_whose_engine_spans_nodes_is_rehearsed_with_a_two_node_strict_engine(tmp_path):
+    from launch.tools.shrink import shrink
+
+    raw = {"model": {"tiny": {"family": "qwen2"}},
+           "cluster": {"num_nodes": 3, "gpus_per_node": 8, "engine_tensor_parallel_size": 16},
+           "rollout": {"num_engines": 1}}
+    shrunk = shrink(raw, data_dir=tmp_path, engine="sglang_strict")
+    assert shrunk.raw["cluster"]["engine_tensor_parallel_size"] == 2
+    assert shrunk.record.added["cluster.engine_nodes"] == {
+        "to": 2, "why": "an engine over 2 nodes: 2 node-rank processes of a strict engine, one TP rank each"}
+    _, plan = resolve(load_config(DEMO, [f"cluster.{k}={v}" for k, v in shrunk.raw["cluster"].items()]
+                                  + ["rollout.num_engines=1"]))
+    assert plan.engine_nodes == 2 and [r.bundles for r in plan.engines[0].node_ranks] == [[0], [1]]
+    lenient = shrink(raw, data_dir=tmp_path, engine="embedded").raw["cluster"]
+    assert lenient["engine_tensor_parallel_size"] == 1 and "engine_nodes" not in lenient
