@@ -37,6 +37,23 @@ def health(url: str) -> int:
         return 0
 
 
+def test_node_rank_0_gets_a_dist_init_address_whose_next_ports_sglang_derives_are_free_too():
+    import socket
+
+    from glue.fleet.spanning import DIST_INIT_HERE, DIST_INIT_PORTS, resolve_dist_init
+
+    args = resolve_dist_init(["--nnodes", "2", "--dist-init-addr", DIST_INIT_HERE], "127.0.0.1")
+    host, port = args[-1].rsplit(":", 1)
+    socks = [socket.socket() for _ in range(DIST_INIT_PORTS)]
+    try:
+        for k, sock in enumerate(socks):  # rank 0 binds the port and derives the next ones from it
+            sock.bind((host, int(port) + k))
+    finally:
+        for sock in socks:
+            sock.close()
+    assert resolve_dist_init(["--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"], "127.0.0.1")[-1] == "10.0.0.1:5000"
+
+
 @pytest.mark.slow
 def test_node_rank_0_serves_only_once_rank_1_joined_and_rank_1_exits_when_rank_0_goes(tiny_model_dir, tmp_path):
     port, dist = free_port(), f"127.0.0.1:{free_port()}"

@@ -22,14 +22,14 @@ class EngineHost:
               env: dict[str, str] | None, log_path: str, cwd: str,
               bind: str | None = None) -> tuple[str, int, list[str]]:
         """Start the engine on `bind` (default: this node's address) and a port free here (and, for node rank 0
-        of an engine that spans nodes, its --dist-init-addr: this node's address and another free port); returns
+        of an engine that spans nodes, its --dist-init-addr: this node's address and a block of free ports); returns
         (url, pid, command line)."""
         import ray
 
         host = bind or ray.util.get_node_ip_address()
-        port, dist_port = free_ports(2, host)
+        port = free_ports(1, host)[0]
         cmd = [*command, "--model-path", model_path, "--host", host, "--port", str(port),
-               *resolve_dist_init(args, host, dist_port)]
+               *resolve_dist_init(args, host)]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         url = f"http://{host}:{port}"
         self._engine = ManagedProcess(f"{name} ({url})", cmd, Path(log_path), env, url=url,

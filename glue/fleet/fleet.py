@@ -190,10 +190,10 @@ class RolloutFleet:
         if hosts:
             return RemoteEngine(name, command=self.engine_command, model_path=self.model_path, args=args, env=env,
                                 log_path=log_path, actor_options=hosts[i % len(hosts)], bind=self.engine_bind)
-        port, dist_port = port or free_ports(1, self.host)[0], free_ports(1, self.host)[0]
+        port = port or free_ports(1, self.host)[0]
         url = f"http://{self.host}:{port}"
         cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
-               *resolve_dist_init(args, self.host, dist_port)]
+               *resolve_dist_init(args, self.host)]
         return ManagedProcess(f"{name} ({url if rank == 0 else self.host})", cmd, log_path, env, url=url)
 
     def _wait_engines_healthy(self, indices: Sequence[int] | None = None) -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+from glue.fleet.processes import free_port_block
+
 DIST_INIT_HERE = "<dist-init-addr>"  # in an engine's args: replaced by the address of the node rank 0 starts on
+DIST_INIT_PORTS = 8  # free ports from --dist-init-addr's on: SGLang's rank 0 derives its ZMQ and NCCL ports from it
 
 
 def node_rank_args(nodes: int, rank: int, dist_init: str) -> list[str]:
@@ -16,8 +19,12 @@ def node_rank_args(nodes: int, rank: int, dist_init: str) -> list[str]:
     return ["--nnodes", str(nodes), "--node-rank", str(rank), "--dist-init-addr", dist_init]
 
 
-def resolve_dist_init(args: Sequence[str], host: str, port: int) -> list[str]:
-    """`args` with DIST_INIT_HERE replaced by `host:port` (rank 0's node address and a port free there)."""
+def resolve_dist_init(args: Sequence[str], host: str) -> list[str]:
+    """`args` with DIST_INIT_HERE replaced by `host:port`: rank 0's node address and the first of DIST_INIT_PORTS
+    ports free there (unchanged when it holds none)."""
+    if DIST_INIT_HERE not in args:
+        return list(args)
+    port = free_port_block(DIST_INIT_PORTS, host)
     return [f"{host}:{port}" if a == DIST_INIT_HERE else a for a in args]
 
 
