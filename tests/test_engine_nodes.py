@@ -118,7 +118,7 @@ def test_each_node_rank_is_started_on_its_own_nodes_bundle_with_its_own_gpus():
     n = len(plan.bundles)
     placement = Bundles(group=None, ray_bundle=list(range(n)), node_ip=[f"10.0.0.{b // 8}" for b in range(n)],
                         gpu_id=[b % 8 for b in range(n)])
-    options = node_rank_options(plan, placement, plan.engines)
+    options = node_rank_options(placement, plan.engines, plan.engine_nodes)
     assert options["engine_nodes"] == 2
     assert options["rank_hosts"] == [[{"bundle": 8, "num_cpus": 0}], [{"bundle": 24, "num_cpus": 0}]]
     assert options["rank_env"] == [[{"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}]] * 2
@@ -126,7 +126,7 @@ def test_each_node_rank_is_started_on_its_own_nodes_bundle_with_its_own_gpus():
     assert engine_env(plan, placement, plan.engines[0]) == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     _, one_node = resolve(load_config(DEMO, ["cluster.gpus_per_node=8", "cluster.engine_tensor_parallel_size=4",
                                              "rollout.num_engines=1"]))
-    assert node_rank_options(one_node, placement, one_node.engines) == {}  # RolloutFleet's defaults: one process
+    assert node_rank_options(placement, one_node.engines, one_node.engine_nodes) == {}  # RolloutFleet's defaults: one process
 
 
 def test_a_recipe_whose_engine_spans_nodes_is_rehearsed_with_a_two_node_strict_engine(tmp_path):
@@ -144,3 +144,17 @@ def test_a_recipe_whose_engine_spans_nodes_is_rehearsed_with_a_two_node_strict_e
     assert plan.engine_nodes == 2 and [r.bundles for r in plan.engines[0].node_ranks] == [[0], [1]]
     lenient = shrink(raw, data_dir=tmp_path, engine="embedded").raw["cluster"]
     assert lenient["engine_tensor_parallel_size"] == 1 and "engine_nodes" not in lenient
+
+
+def test_a_teacher_engine_wider_than_a_node_spans_whole_nodes_and_one_that_starts_mid_node_is_refused():
+    distill = ["cluster.gpus_per_node=4", "cluster.num_nodes=3", "teacher.tensor_parallel_size=8",
+               "run.ray_num_cpus=32"]
+    _, plan = resolve(load_config("examples/configs/distill.yaml", [*distill, "rollout.num_engines=3"]))
+    teacher = plan.side_fleet("teacher")
+    assert teacher.nodes == 2 and plan.engine_nodes == 1  # the policy's engines fit a node
+    assert [(r.node, r.bundles) for r in teacher.engines[0].node_ranks] == [(1, [4, 5, 6, 7]), (2, [8, 9, 10, 11])]
+    assert teacher.engines[0].node_ranks[1].command[-5:-2] == ["2", "--node-rank", "1"]
+    with pytest.raises(ConfigError) as err:  # trainer 1 + policy engines 2 end mid-node 0
+        resolve(load_config("examples/configs/distill.yaml", distill))
+    assert ("teacher engine 0 would span nodes 0 and 2: its 8 GPUs (bundles 3-10) follow the 3 of the trainer and "
+            "the policy engines on 4-GPU nodes; make those a multiple of cluster.gpus_per_node=4") in str(err.value)

@@ -30,21 +30,11 @@ def engine_nodes(cluster: Any) -> int:
     strict engines alone rehearse. ValueError naming the figures and the fix."""
     c, tp = cluster, cluster.engine_tensor_parallel_size
     if c.uses_gpus:
-        per_node = c.gpus_per_node
-        if tp <= per_node and per_node % tp:
-            raise ValueError(f"cluster.engine_tensor_parallel_size={tp} does not divide cluster.gpus_per_node="
-                             f"{per_node}: an engine would span two nodes; make it a divisor of {per_node}, or a "
-                             "multiple (an engine on whole nodes)")
-        if tp > per_node and tp % per_node:
-            raise ValueError(f"cluster.engine_tensor_parallel_size={tp} takes more GPUs than one node's "
-                             f"cluster.gpus_per_node={per_node} but is not a multiple of it: an engine that spans "
-                             f"nodes takes whole nodes (one SGLang server per node); make it "
-                             f"{tp // per_node * per_node} or {(tp // per_node + 1) * per_node}")
-        nodes = max(1, tp // per_node)
+        nodes = gpu_nodes(tp, c.gpus_per_node, "cluster.engine_tensor_parallel_size")
         if c.engine_nodes is not None and c.engine_nodes != nodes:
             raise ValueError(f"cluster.engine_nodes={c.engine_nodes} but an engine of engine_tensor_parallel_size="
-                             f"{tp} on {per_node}-GPU nodes spans {nodes}; leave cluster.engine_nodes null on GPUs "
-                             "(it follows from them)")
+                             f"{tp} on {c.gpus_per_node}-GPU nodes spans {nodes}; leave cluster.engine_nodes null on "
+                             "GPUs (it follows from them)")
         return nodes
     nodes = c.engine_nodes or 1
     if nodes > 1 and c.engine != "sglang_strict":
@@ -55,6 +45,19 @@ def engine_nodes(cluster: Any) -> int:
         raise ValueError(f"cluster.engine_tensor_parallel_size={tp} is not a multiple of cluster.engine_nodes="
                          f"{nodes}: every node rank of an engine holds the same number of its TP ranks")
     return nodes
+
+
+def gpu_nodes(tp: int, per_node: int, key: str) -> int:
+    """Nodes an engine of TP `tp` (config key `key`) spans on `per_node`-GPU nodes: 1 for a divisor of per_node,
+    tp / per_node for a multiple; ValueError naming the sizes that fit otherwise."""
+    if tp <= per_node and per_node % tp:
+        raise ValueError(f"{key}={tp} does not divide cluster.gpus_per_node={per_node}: an engine would span two "
+                         f"nodes; make it a divisor of {per_node}, or a multiple (an engine on whole nodes)")
+    if tp > per_node and tp % per_node:
+        raise ValueError(f"{key}={tp} takes more GPUs than one node's cluster.gpus_per_node={per_node} but is not a "
+                         f"multiple of it: an engine that spans nodes takes whole nodes (one SGLang server per node); "
+                         f"make it {tp // per_node * per_node} or {(tp // per_node + 1) * per_node}")
+    return max(1, tp // per_node)
 
 
 def plan_node_ranks(bundles: list[int], command: list[str], nodes: int,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glue.fleet.fleet import engine_seed
-from launch.plan.engine_nodes import NodeRank
+from launch.plan.engine_nodes import NodeRank, gpu_nodes, plan_node_ranks
 
 HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
 # flags of the policy's engines that describe the policy (MoE routing replay, the colocated trainer's hand-over), not
@@ -44,6 +44,7 @@ class SideFleet:
     engines: list[EngineLaunch]
     engine_args: list[str]
     seed: str
+    nodes: int = 1  # nodes each of its engines spans (a server per node)
 
     @property
     def bundles(self) -> list[int]:
@@ -92,26 +93,30 @@ def side_engine_args(policy_args: list[str], tp: int) -> list[str]:
 def plan_side_fleets(cfg: Any, *, first_bundle: int, slots: list[tuple[int | None, int | None]],
                      engine_command: list[str], policy_args: list[str], seed: int, run_dir: Any) -> list[SideFleet]:
     """Each fleet on the bundles after `first_bundle` (those of the trainer and the policy engines end there), in
-    SIDE_FLEETS order; on GPUs an engine never spans two nodes (ValueError naming the figures)."""
-    fleets, bundle = [], first_bundle
+    SIDE_FLEETS order; on GPUs an engine lies within one node, or (TP beyond a node) on whole nodes, a server per
+    node (ValueError naming the figures)."""
+    fleets, bundle, c = [], first_bundle, cfg.cluster
     for name, (count, tp) in fleet_sizes(cfg).items():
         args, base = side_engine_args(policy_args, tp), f"{seed}:{name}"
+        nodes = gpu_nodes(tp, c.gpus_per_node, f"{name}.tensor_parallel_size") if c.uses_gpus else 1
         engines = []
         for e in range(count):
             bundles = list(range(bundle, bundle + tp))
             bundle += tp
-            nodes = sorted({slots[b][0] for b in bundles})
-            if cfg.cluster.uses_gpus and len(nodes) > 1:
-                raise ValueError(f"{name} engine {e} would span nodes {nodes[0]} and {nodes[-1]}: its {tp} GPUs "
+            spans = sorted({slots[b][0] for b in bundles})
+            if c.uses_gpus and len(spans) > 1 and (nodes == 1 or bundles[0] % c.gpus_per_node):
+                fit = (f"{name}.tensor_parallel_size={tp}" if nodes == 1 else
+                       f"cluster.gpus_per_node={c.gpus_per_node} (an engine over whole nodes starts on a node's first GPU)")
+                raise ValueError(f"{name} engine {e} would span nodes {spans[0]} and {spans[-1]}: its {tp} GPUs "
                                  f"(bundles {bundles[0]}-{bundles[-1]}) follow the {first_bundle} of the trainer and "
-                                 f"the policy engines on {cfg.cluster.gpus_per_node}-GPU nodes; make those a multiple "
-                                 f"of {name}.tensor_parallel_size={tp}")
-            devices = [slots[b][1] for b in bundles] if cfg.cluster.uses_gpus else None
+                                 f"the policy engines on {c.gpus_per_node}-GPU nodes; make those a multiple of {fit}")
+            devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
+            command = [*engine_command, "--model-path", side_model_path(cfg, name, run_dir), "--host", HOST,
+                       "--port", PORT, *args, f"--random-seed={engine_seed(base, e)}"]
+            ranks = plan_node_ranks(bundles, command, nodes, slots, c.uses_gpus)
             engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
-                                        command=[*engine_command, "--model-path", side_model_path(cfg, name, run_dir),
-                                                 "--host", HOST, "--port", PORT, *args,
-                                                 f"--random-seed={engine_seed(base, e)}"]))
-        fleets.append(SideFleet(name=name, tp=tp, engines=engines, engine_args=args, seed=base))
+                                        command=ranks[0].command if ranks else command, node_ranks=ranks))
+        fleets.append(SideFleet(name=name, tp=tp, engines=engines, engine_args=args, seed=base, nodes=nodes))
     return fleets
 
 

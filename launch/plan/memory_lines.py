@@ -225,7 +225,7 @@ def fleet_lines(cfg: SluiceConfig, plan: Any) -> list[str]:
                                 bundles, count, nodes=plan.engine_nodes))
     for fleet in plan.side_fleets:
         lines.append(fleet_line(cfg, plan, fleet.name, len(fleet.engines), fleet.tp, fleet.bundles,
-                                side_parameters(cfg, fleet.name)))
+                                side_parameters(cfg, fleet.name), nodes=fleet.nodes))
     return lines
 
 

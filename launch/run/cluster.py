@@ -176,4 +176,7 @@ def describe_placement(plan: RunPlan, placement) -> str:
     for fleet in plan.side_fleets:
         for e in fleet.engines:
             by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"{fleet.name} engine {e.index}")
+            for r in e.node_ranks[1:]:
+                by_node.setdefault(placement.node_ip[r.bundles[0]], []).append(
+                    f"{fleet.name} engine {e.index} node rank {r.rank}")
     return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())

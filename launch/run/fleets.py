@@ -37,13 +37,13 @@ def engine_host_options(placement, engine, rank: int = 0) -> dict:
     return placement.actor_options(engine.rank_bundles(rank)[0], num_cpus=0)
 
 
-def node_rank_options(plan: RunPlan, placement, engines) -> dict:
-    """RolloutFleet's arguments for engines that span nodes: `engine_nodes`, and per engine the host actor options
-    and environment (its GPUs) of node ranks 1 and on; rank 0 keeps the engine's own (`engine_env` also carries the
-    devices of every bundle where the plan models them: a strict rank 0 stands in for every TP rank)."""
-    if plan.engine_nodes == 1:
+def node_rank_options(placement, engines, nodes: int) -> dict:
+    """RolloutFleet's arguments for engines that span `nodes` nodes: `engine_nodes`, and per engine the host actor
+    options and environment (its GPUs) of node ranks 1 and on; rank 0 keeps the engine's own (`engine_env` also
+    carries the devices of every bundle where the plan models them: a strict rank 0 stands in for every TP rank)."""
+    if nodes == 1:
         return {}
-    return {"engine_nodes": plan.engine_nodes,
+    return {"engine_nodes": nodes,
             "rank_hosts": [[engine_host_options(placement, e, r.rank) for r in e.node_ranks[1:]] for e in engines],
             "rank_env": [[placement.engine_env(e, r.rank) for r in e.node_ranks[1:]] for e in engines]}
 
@@ -70,6 +70,7 @@ def start_side_fleet(cfg: SluiceConfig, plan: RunPlan, placement, name: str, *, 
                          engine_command=plan.engine_command, engine_args=side.engine_args, router_args=router_args,
                          engine_env=[engine_env(plan, placement, e) for e in side.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in side.engines],
+                         **node_rank_options(placement, side.engines, side.nodes),
                          engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None,  # one node: loopback only
                          api_key=api_key, admin_api_key=admin_api_key, seed=side.seed, name=name)
     stack.callback(fleet.stop)
