@@ -1,7 +1,7 @@
 """Engines that span nodes, started for real on loopback (issue 48 item 4): strict engines stand in for SGLang's one
 server per node. Node rank 0 serves only once node rank 1's process has joined it at --dist-init-addr, the router
-gets rank 0's url alone, and when rank 1 dies the fleet reports the engine dead as one and the watch restarts both
-of its processes."""
+gets rank 0's url alone, when rank 1 dies the fleet reports the engine dead as one and the watch restarts both of its
+processes, and a weight sync reaches every TP rank of the engine."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +18,10 @@ import pytest
 from conftest import free_port, is_alive
 from glue.fleet.fleet import RolloutFleet
 from glue.fleet.watch import FleetWatch
+from glue.loop.config import SyncConfig
+from helpers.engines import call
+from helpers.weights import hf_model, max_logprob_diff, source_of
+from weight_sync.bridge import make_bridge
 
 STRICT = ["--sglang-strict", "--tp-size", "2", "--num-threads", "1"]
 
@@ -84,7 +88,8 @@ def test_node_rank_0_serves_only_once_rank_1_joined_and_rank_1_exits_when_rank_0
 
 @pytest.mark.slow
 def test_a_two_node_engine_behind_the_router_is_reported_and_restarted_as_one_when_its_rank_1_dies(tiny_model_dir,
-                                                                                                  tmp_path):
+                                                                                                  tmp_path,
+                                                                                                  tmp_path_factory):
     with RolloutFleet(model_path=tiny_model_dir, num_engines=2, engine_args=STRICT, engine_nodes=2,
                       log_dir=tmp_path / "logs") as fleet:
         assert fleet.registered_workers() == {url: True for url in fleet.engine_urls}  # node ranks 0 alone
@@ -116,6 +121,18 @@ def test_a_two_node_engine_behind_the_router_is_reported_and_restarted_as_one_wh
         assert fleet.engine_urls[1] != old_url and fleet.registered_workers() == {u: True for u in fleet.engine_urls}
         assert [len(generate(fleet.router_url)["output_ids"]) for _ in range(4)] == [3] * 4
         assert fleet.dead_engines() == []
+        # a sync reaches every TP rank of both engines, the restarted one included: 1 + 2 x 2 members
+        model, _ = hf_model(tmp_path_factory, seed=5)
+        bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=40_000), source=source_of(model),
+                             engine_urls=fleet.engine_urls, engine_tp_size=2)
+        try:
+            bridge.sync(7)
+        finally:
+            bridge.close()
+        for url in fleet.engine_urls:
+            assert call(url, "/model_info", method="GET")[1]["weight_version"] == "7"
+            assert len(call(url, "/weights_checker", {"action": "checksum"})[1]["ranks"]) == 2
+            assert max_logprob_diff(url, model) < 1e-4
 
 
 @pytest.mark.slow

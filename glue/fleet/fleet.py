@@ -146,7 +146,8 @@ class RolloutFleet:
         try:
             self._start_engines()
             self._wait_engines_healthy()
-            say("engines", f"{self.num_engines} engines serve /health (logs: {self.log_dir}/engine_*.log)")
+            over = f", each a server on each of {self.engine_nodes} nodes" if self.engine_nodes > 1 else ""
+            say("engines", f"{self.num_engines} engines serve /health{over} (logs: {self.log_dir}/engine_*.log)")
             self._start_router()
             self._wait_router_ready()
             self.serving_urls[:] = self.engine_urls
