@@ -76,6 +76,8 @@ def test_node_rank_0_serves_only_once_rank_1_joined_and_rank_1_exits_when_rank_0
             assert time.monotonic() < deadline and rank0.poll() is None
             time.sleep(0.2)
         assert len(generate(f"http://127.0.0.1:{port}")["output_ids"]) == 3
+        info = call(f"http://127.0.0.1:{port}", "/get_server_info", method="GET")[1]
+        assert (info["nnodes"], info["node_rank"], info["dist_init_addr"], info["tp_size"]) == (2, 0, dist, 2)
         rank0.kill()
         assert rank1.wait(timeout=30) == 1  # a node rank without its rank 0 has nothing to serve
         assert f"node rank 0 at {dist} is gone" in rank1.stdout.read()

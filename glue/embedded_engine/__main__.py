@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                               enable_return_routed_experts=args.enable_return_routed_experts,
                               sglang_strict=args.sglang_strict, tp_size=args.tp_size,
                               enable_memory_saver=args.enable_memory_saver, dtype=args.dtype,
-                              device=args.device)
+                              device=args.device, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
     except (FileNotFoundError, ValueError) as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2
