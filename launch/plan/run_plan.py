@@ -341,16 +341,8 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     seed = int(cfg.sglang.get("random_seed", cfg.run.seed))
     engine_args = layout + to_argv({k: v for k, v in cfg.sglang.items() if k != "random_seed"},
                                    sglang_args.sglang_options())
-    model = cfg.model.path or str(cfg.run_dir / "init_model")
-    engines, nodes = [], engine_nodes(c)
-    for e in range(num_engines(cfg)):
-        bundles = list(range(e * c.engine_tensor_parallel_size, (e + 1) * c.engine_tensor_parallel_size))
-        devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
-        command = [*engine_command, "--model-path", model, "--host", HOST, "--port", PORT, *engine_args,
-                   f"--random-seed={engine_seed(seed, e)}"]
-        ranks = plan_node_ranks(bundles, command, nodes, slots, c.uses_gpus)  # whole nodes: engines start at 0
-        engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
-                                    command=ranks[0].command if ranks else command, node_ranks=ranks))
+    engines = _plan_engines(cfg, slots, [*engine_command, "--model-path", cfg.model.path or str(
+        cfg.run_dir / "init_model"), "--host", HOST, "--port", PORT, *engine_args], seed)
     # The router logs one INFO line per request (11 MB in one demo): warnings and errors only, unless router.log_level
     router_argv = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(
         cfg.router, router_args.router_options())
@@ -368,7 +360,22 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                    engines=engines, engine_command=engine_command, engine_args=engine_args, engine_seed=seed,
                    router_command=router_command, router_args=router_argv, notes=notes,
                    models_devices=c.engine == "sglang_strict" and not c.uses_gpus, side_fleets=side_fleets,
-                   engine_nodes=nodes)
+                   engine_nodes=engine_nodes(c))
+
+
+def _plan_engines(cfg: SluiceConfig, slots: list[tuple[int | None, int | None]], command: list[str], seed: int
+                  ) -> list[EngineLaunch]:
+    """The policy engines on the first bundles, each `command` with its --random-seed, and its node ranks when it
+    spans nodes (whole ones: the engines start at bundle 0)."""
+    c, engines = cfg.cluster, []
+    for e in range(num_engines(cfg)):
+        bundles = list(range(e * c.engine_tensor_parallel_size, (e + 1) * c.engine_tensor_parallel_size))
+        mine = [*command, f"--random-seed={engine_seed(seed, e)}"]
+        ranks = plan_node_ranks(bundles, mine, engine_nodes(c), slots, c.uses_gpus)
+        engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0],
+                                    devices=[slots[b][1] for b in bundles] if c.uses_gpus else None,
+                                    command=ranks[0].command if ranks else mine, node_ranks=ranks))
+    return engines
 
 
 def _coords(cfg: SluiceConfig, rank: int) -> dict[str, int]:
