@@ -158,3 +158,11 @@ def test_a_teacher_engine_wider_than_a_node_spans_whole_nodes_and_one_that_start
         resolve(load_config("examples/configs/distill.yaml", distill))
     assert ("teacher engine 0 would span nodes 0 and 2: its 8 GPUs (bundles 3-10) follow the 3 of the trainer and "
             "the policy engines on 4-GPU nodes; make those a multiple of cluster.gpus_per_node=4") in str(err.value)
+
+
+def test_dp_attention_and_expert_parallelism_inside_the_tp_of_an_engine_over_nodes_reach_every_node_rank():
+    _, plan = resolve(load_config(DEMO, SPANNING, flags={"sglang": {"attn_dp_size": 8, "ep_size": 16}}))
+    assert plan.engine_nodes == 2 and len(plan.bundles) == 2 * 16 + 1  # the GPUs are the engines' TP, no more
+    for rank in plan.engines[0].node_ranks:
+        command = " ".join(rank.command)
+        assert "--tp-size 16" in command and "--attn-dp-size 8" in command and "--ep-size 16" in command
