@@ -166,3 +166,15 @@ def test_dp_attention_and_expert_parallelism_inside_the_tp_of_an_engine_over_nod
     for rank in plan.engines[0].node_ranks:
         command = " ".join(rank.command)
         assert "--tp-size 16" in command and "--attn-dp-size 8" in command and "--ep-size 16" in command
+
+
+def test_slimes_deepseek_r1_layout_of_64_gpus_per_engine_plans_two_engines_over_eight_nodes_each():
+    from launch.args.command_line import parse_args
+
+    # the cluster flags of slime's scripts/run-deepseek-r1.sh (16 nodes x 8 GPUs, colocated, 64 GPUs per engine)
+    args, overrides = parse_args(["--config", DEMO, "--actor-num-nodes", "16", "--actor-num-gpus-per-node", "8",
+                                  "--colocate", "--rollout-num-gpus-per-engine", "64", "run.ray_num_cpus=256"])
+    cfg, plan = resolve(load_config(args.config, overrides, args.flags, args.slime))
+    assert (cfg.cluster.engine_tensor_parallel_size, cfg.rollout.num_engines, plan.engine_nodes) == (64, 2, 8)
+    assert [[r.node for r in e.node_ranks] for e in plan.engines] == [list(range(8)), list(range(8, 16))]
+    assert plan.engines[1].node_ranks[7].command[-5:-2] == ["8", "--node-rank", "7"]
