@@ -178,3 +178,9 @@ def test_slimes_deepseek_r1_layout_of_64_gpus_per_engine_plans_two_engines_over_
     assert (cfg.cluster.engine_tensor_parallel_size, cfg.rollout.num_engines, plan.engine_nodes) == (64, 2, 8)
     assert [[r.node for r in e.node_ranks] for e in plan.engines] == [list(range(8)), list(range(8, 16))]
     assert plan.engines[1].node_ranks[7].command[-5:-2] == ["8", "--node-rank", "7"]
+
+
+def test_a_teacher_engine_within_a_node_keeps_any_tp_whose_bundles_fit_one():
+    _, plan = resolve(load_config("examples/configs/distill.yaml", ["cluster.gpus_per_node=8",
+                                                                   "teacher.tensor_parallel_size=3"]))
+    assert plan.side_fleet("teacher").nodes == 1 and plan.side_fleet("teacher").engines[0].bundles == [3, 4, 5]

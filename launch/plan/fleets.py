@@ -98,7 +98,8 @@ def plan_side_fleets(cfg: Any, *, first_bundle: int, slots: list[tuple[int | Non
     fleets, bundle, c = [], first_bundle, cfg.cluster
     for name, (count, tp) in fleet_sizes(cfg).items():
         args, base = side_engine_args(policy_args, tp), f"{seed}:{name}"
-        nodes = gpu_nodes(tp, c.gpus_per_node, f"{name}.tensor_parallel_size") if c.uses_gpus else 1
+        # within a node, any TP whose bundles fit one (as before); beyond a node, whole nodes
+        nodes = gpu_nodes(tp, c.gpus_per_node, f"{name}.tensor_parallel_size") if 0 < c.gpus_per_node < tp else 1
         engines = []
         for e in range(count):
             bundles = list(range(bundle, bundle + tp))
