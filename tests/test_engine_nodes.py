@@ -38,7 +38,8 @@ def test_an_engine_of_tp_16_on_8_gpu_nodes_runs_a_server_per_node_on_whole_nodes
     shown = plan.to_dict()["engines"][0]["node_ranks"]
     assert shown[0] == ("node rank 0 on node 0 gpus 0-7 (bundles 0-7): serves HTTP: the router's worker, control "
                         "and weight endpoints")
-    assert shown[1] == "node rank 1 on node 1 gpus 0-7 (bundles 8-15): joins node rank 0 at --dist-init-addr, serves no HTTP"
+    assert shown[1] == ("node rank 1 on node 1 gpus 0-7 (bundles 8-15): joins node rank 0 at --dist-init-addr, serves "
+                        "no HTTP")
 
 
 def test_an_engine_that_fits_a_node_is_planned_as_before_with_no_node_flags():
@@ -126,7 +127,8 @@ def test_each_node_rank_is_started_on_its_own_nodes_bundle_with_its_own_gpus():
     assert engine_env(plan, placement, plan.engines[0]) == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     _, one_node = resolve(load_config(DEMO, ["cluster.gpus_per_node=8", "cluster.engine_tensor_parallel_size=4",
                                              "rollout.num_engines=1"]))
-    assert node_rank_options(placement, one_node.engines, one_node.engine_nodes) == {}  # RolloutFleet's defaults: one process
+    # RolloutFleet's defaults: one process per engine
+    assert node_rank_options(placement, one_node.engines, one_node.engine_nodes) == {}
 
 
 def test_a_recipe_whose_engine_spans_nodes_is_rehearsed_with_a_two_node_strict_engine(tmp_path):

@@ -77,7 +77,8 @@ class RolloutFleet:
                  engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = (),
                  api_key: str | None = None, admin_api_key: str | None = None, engine_bind: str | None = None,
                  seed: int | str | None = None, name: str = "", engine_nodes: int = 1,
-                 rank_hosts: Sequence[Sequence[dict[str, Any]]] = (), rank_env: Sequence[Sequence[dict[str, str]]] = ()):
+                 rank_hosts: Sequence[Sequence[dict[str, Any]]] = (),
+                 rank_env: Sequence[Sequence[dict[str, str]]] = ()):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
@@ -146,7 +147,7 @@ class RolloutFleet:
         try:
             self._start_engines()
             self._wait_engines_healthy()
-            over = f", each a server on each of {self.engine_nodes} nodes" if self.engine_nodes > 1 else ""
+            over = f", each over {self.engine_nodes} nodes (a server per node)" if self.engine_nodes > 1 else ""
             say("engines", f"{self.num_engines} engines serve /health{over} (logs: {self.log_dir}/engine_*.log)")
             self._start_router()
             self._wait_router_ready()

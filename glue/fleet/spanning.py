@@ -42,7 +42,8 @@ class SpanningEngine:
         assert len(ranks) > 1, f"an engine that spans nodes has a process per node; got {len(ranks)}"
         self.ranks = ranks
         first = ranks[0]
-        self.url, self.pid, self.cmd, self.name, self.log_path = first.url, first.pid, first.cmd, first.name, first.log_path
+        self.url, self.pid, self.cmd = first.url, first.pid, first.cmd
+        self.name, self.log_path = first.name, first.log_path
 
     @property
     def pids(self) -> list[int]:

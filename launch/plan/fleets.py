@@ -106,8 +106,8 @@ def plan_side_fleets(cfg: Any, *, first_bundle: int, slots: list[tuple[int | Non
             bundle += tp
             spans = sorted({slots[b][0] for b in bundles})
             if c.uses_gpus and len(spans) > 1 and (nodes == 1 or bundles[0] % c.gpus_per_node):
-                fit = (f"{name}.tensor_parallel_size={tp}" if nodes == 1 else
-                       f"cluster.gpus_per_node={c.gpus_per_node} (an engine over whole nodes starts on a node's first GPU)")
+                fit = (f"{name}.tensor_parallel_size={tp}" if nodes == 1 else f"cluster.gpus_per_node="
+                       f"{c.gpus_per_node} (an engine over whole nodes starts on a node's first GPU)")
                 raise ValueError(f"{name} engine {e} would span nodes {spans[0]} and {spans[-1]}: its {tp} GPUs "
                                  f"(bundles {bundles[0]}-{bundles[-1]}) follow the {first_bundle} of the trainer and "
                                  f"the policy engines on {c.gpus_per_node}-GPU nodes; make those a multiple of {fit}")

@@ -138,8 +138,8 @@ def engine_line(cfg: SluiceConfig, count: int) -> str:
     colocated = "; colocated: the trainer's state is offloaded while they run" if c.placement == "colocated" else ""
     nodes = c.engine_tensor_parallel_size // c.gpus_per_node
     over = f" ({nodes} nodes x {c.gpus_per_node}, a server per node)" if nodes > 1 else ""
-    return (f"each of {cfg.rollout.num_engines} engines, on each of its {c.engine_tensor_parallel_size} GPUs{over}: weights "
-            f"{format_bytes(weights)} ({count:,} parameters / TP {c.engine_tensor_parallel_size}) + KV pool "
+    return (f"each of {cfg.rollout.num_engines} engines, on each of its {c.engine_tensor_parallel_size} GPUs{over}: "
+            f"weights {format_bytes(weights)} ({count:,} parameters / TP {c.engine_tensor_parallel_size}) + KV pool "
             f"{format_bytes(max(kv, 0))} (mem_fraction_static x {c.gpu_memory_gb:g} GB - weights; {how}){colocated}")
 
 

@@ -50,7 +50,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
     models_devices: bool = False  # CPU bundles stand for an SGLang run's GPUs (strict engines): see `device_of`
     side_fleets: list[SideFleet] = field(default_factory=list)  # teacher / judge fleets, on bundles of their own
-    engine_nodes: int = 1  # nodes each policy engine spans: one SGLang server process per node (EngineLaunch.node_ranks)
+    engine_nodes: int = 1  # nodes each policy engine spans: a server process per node (EngineLaunch.node_ranks)
 
     def side_fleet(self, name: str) -> SideFleet:
         """The fleet of section `name` ("teacher" or "judge")."""

@@ -103,7 +103,8 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
                          router_args=plan.router_args,
                          engine_env=[engine_env(plan, placement, e) for e in plan.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
-                         **node_rank_options(placement, plan.engines, plan.engine_nodes), api_key=api_key, admin_api_key=admin_api_key,
+                         **node_rank_options(placement, plan.engines, plan.engine_nodes),
+                         api_key=api_key, admin_api_key=admin_api_key,
                          engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
     stack.callback(fleet.stop)
     fleet.start(on_phase=clock)
