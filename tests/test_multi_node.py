@@ -120,8 +120,10 @@ def test_an_engine_over_two_nodes_puts_a_node_rank_on_each_and_the_run_syncs_it(
     port = free_port()
     worker = Role(tmp_path, "worker", port, HEAD_IP=HEAD_IP, NODE_IP=WORKER_IP, NODE_WAIT_S="120")
     roles.append(worker)
+    # two bundles (colocated: trainer rank 0 shares node rank 0's), which SPREAD puts one on each node; disk, as a
+    # broadcast group would hold trainer rank 0 and engine TP rank 0 on one device, which strict engines refuse
     spanning = ["cluster.engine=sglang_strict", "cluster.engine_tensor_parallel_size=2", "cluster.engine_nodes=2",
-                "rollout.num_engines=1"]
+                "rollout.num_engines=1", "cluster.placement=colocated", "sync.transport=disk"]
     head = Role(tmp_path, "head", port, [*RUN, *spanning, f"run.output_dir={tmp_path}/runs"], NODE_IP=HEAD_IP,
                 NODE_WAIT_S="120", SLUICE=str(sluice_then_stop(tmp_path, worker)))
     roles.append(head)
@@ -129,7 +131,6 @@ def test_an_engine_over_two_nodes_puts_a_node_rank_on_each_and_the_run_syncs_it(
     placed = re.search(r"sluice: ray +[\d.]+ s +placement: (.*)", head.output()).group(1)
     nodes = dict(part.split(": ", 1) for part in placed.split("; "))
     where = {item: ip for ip, items in nodes.items() for item in items.split(", ")}
-    # SPREAD puts the first bundle on the driver's node and the next two on the worker (as in the run above)
     assert where["engine 0"] != where["engine 0 node rank 1"], placed  # a node rank on each node
     joined = (tmp_path / "runs/demo/logs/engine_0_node_1.log").read_text()
     assert f"node rank 1 joined node rank 0 at {where['engine 0']}:" in joined  # rank 0's node address
