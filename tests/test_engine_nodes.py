@@ -186,3 +186,25 @@ def test_a_teacher_engine_within_a_node_keeps_any_tp_whose_bundles_fit_one():
     _, plan = resolve(load_config("examples/configs/distill.yaml", ["cluster.gpus_per_node=8",
                                                                    "teacher.tensor_parallel_size=3"]))
     assert plan.side_fleet("teacher").nodes == 1 and plan.side_fleet("teacher").engines[0].bundles == [3, 4, 5]
+
+
+def test_a_grant_that_puts_a_node_ranks_gpus_on_two_nodes_is_refused_before_any_engine_starts():
+    from launch.run.cluster import ClusterError, Placement
+    from launch.run.fleets import check_whole_nodes
+
+    _, plan = resolve(load_config(DEMO, SPANNING))
+    n = len(plan.bundles)
+    whole = Placement(group=None, ray_bundle=list(range(n)), node_ip=[f"10.0.0.{b // 8}" for b in range(n)],
+                      gpu_id=[b % 8 for b in range(n)])
+    check_whole_nodes(whole, plan.engines)
+    # the driver's node held one bundle and sorted first: every node rank's GPUs straddle two nodes
+    shifted = Placement(group=None, ray_bundle=list(range(n)), node_ip=["10.0.0.9", *whole.node_ip[:-1]],
+                        gpu_id=whole.gpu_id)
+    with pytest.raises(ClusterError, match=r"^engine 0 node rank 0's bundles 0-7 were granted on 10\.0\.0\.0, "
+                                           r"10\.0\.0\.9, not on a node of their own: an engine that spans nodes "
+                                           r"needs whole nodes"):
+        check_whole_nodes(shifted, plan.engines)
+    one_node = Placement(group=None, ray_bundle=list(range(n)), node_ip=["10.0.0.0"] * n, gpu_id=whole.gpu_id)
+    with pytest.raises(ClusterError, match=r"^engine 0 node rank 0's bundles 0-7 were granted on 10\.0\.0\.0, not on "
+                                           r"a node of their own"):
+        check_whole_nodes(one_node, plan.engines)  # two node ranks of one engine on one node

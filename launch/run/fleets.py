@@ -13,7 +13,7 @@ from glue.fleet.engine_client import EngineClient
 from glue.fleet.fleet import RolloutFleet
 from launch.config import SluiceConfig
 from launch.plan.run_plan import RunPlan
-from launch.run.cluster import check_paths
+from launch.run.cluster import ClusterError, check_paths
 from weight_sync.process_group import PLANNED_DEVICES
 
 
@@ -35,6 +35,22 @@ def engine_host_options(placement, engine, rank: int = 0) -> dict:
     reserves nothing: the engine process uses the bundle's devices through CUDA_VISIBLE_DEVICES, and in colocated
     placement the trainer rank holds the bundle's GPU."""
     return placement.actor_options(engine.rank_bundles(rank)[0], num_cpus=0)
+
+
+def check_whole_nodes(placement, engines, name: str = "") -> None:
+    """Every node rank of an engine that spans nodes got bundles of one node, a node of its own (Ray's grant, sorted
+    by node address, need not match the plan's node after node where the run leaves GPUs free); else ClusterError
+    naming the engine, its rank and the nodes. CPU bundles (a rehearsal) stand for nodes wherever Ray puts them."""
+    for e in engines:
+        if not e.node_ranks or e.node_ranks[0].devices is None:
+            continue
+        nodes = [sorted({placement.node_ip[b] for b in r.bundles}) for r in e.node_ranks]
+        for r, on in zip(e.node_ranks, nodes):
+            if len(on) > 1 or sum(o == on for o in nodes) > 1:
+                raise ClusterError(f"{name}engine {e.index} node rank {r.rank}'s bundles {r.bundles[0]}-"
+                                   f"{r.bundles[-1]} were granted on {', '.join(on)}, not on a node of their own: an "
+                                   "engine that spans nodes needs whole nodes; give the run every GPU of its nodes "
+                                   "(cluster.num_nodes x gpus_per_node bundles) or lower cluster.num_nodes")
 
 
 def node_rank_options(placement, engines, nodes: int) -> dict:
@@ -64,6 +80,7 @@ def start_side_fleet(cfg: SluiceConfig, plan: RunPlan, placement, name: str, *, 
     """Start the fleet of section `name` on its plan bundles (each engine by a host actor on its first bundle, with
     the devices of its own bundles only), behind its own sgl-router; stopped with `stack`, appended to `started`."""
     side = plan.side_fleet(name)
+    check_whole_nodes(placement, side.engines, f"{name} ")
     check_paths(placement, {f"the {name} model directory": model_path})  # its engines may sit on any node
     fleet = RolloutFleet(model_path=model_path, num_engines=len(side.engines), router_policy=cfg.rollout.router_policy,
                          engine_startup_timeout_s=startup_timeout_s, log_dir=run_dir / "logs" / name,
