@@ -180,6 +180,7 @@ class ClusterConfig:
     trainer_gpus: int | None = None  # devices of the trainer; null = TP x PP x CP x DP
     engine_gpus: int | None = None  # devices of all engines; null = rollout.num_engines x engine_tensor_parallel_size
     engine_tensor_parallel_size: int = 1  # SGLang --tp-size of every engine
+    engine_nodes: int | None = None  # nodes each policy engine spans (SGLang --nnodes); null: TP / gpus_per_node when TP takes more GPUs than a node has, else 1; on CPU (cluster.engine=sglang_strict) set it to rehearse an engine that spans nodes
     engine: Literal["auto", "embedded", "sglang", "sglang_strict"] = "auto"  # auto: SGLang servers on GPU, the embedded engine on CPU; sglang_strict: the embedded engine answering exactly as SGLang does (--sglang-strict), with every SGLang default and check: a CPU rehearsal of an SGLang run
     cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
     node_ip: str | None = None  # the driver node's address in Ray (`ray start --node-ip-address`); null: Ray's pick
@@ -192,7 +193,7 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{name} must be >= 1, got {getattr(self, name)}")
         if self.gpus_per_node < 0:
             raise ValueError(f"cluster.gpus_per_node must be >= 0 (0 = CPU only), got {self.gpus_per_node}")
-        for name in ("trainer_gpus", "engine_gpus"):
+        for name in ("trainer_gpus", "engine_gpus", "engine_nodes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"cluster.{name} must be >= 1 or null, got {getattr(self, name)}")
         if not self.cpus_per_bundle > 0:

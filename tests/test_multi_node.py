@@ -115,6 +115,32 @@ def test_a_run_spans_a_head_and_a_worker_node_through_the_script_and_stops_by_pi
     assert head.wait_session_empty(30) == [], "the head script left processes behind"
 
 
+@pytest.mark.long  # about 2 min on a shared CPU; the two-node engine stays in CI through test_engine_nodes_fleet.py
+def test_an_engine_over_two_nodes_puts_a_node_rank_on_each_and_the_run_syncs_it(tmp_path, roles):
+    port = free_port()
+    worker = Role(tmp_path, "worker", port, HEAD_IP=HEAD_IP, NODE_IP=WORKER_IP, NODE_WAIT_S="120")
+    roles.append(worker)
+    # two bundles (colocated: trainer rank 0 shares node rank 0's), which SPREAD puts one on each node; disk, as a
+    # broadcast group would hold trainer rank 0 and engine TP rank 0 on one device, which strict engines refuse
+    spanning = ["cluster.engine=sglang_strict", "cluster.engine_tensor_parallel_size=2", "cluster.engine_nodes=2",
+                "rollout.num_engines=1", "cluster.placement=colocated", "sync.transport=disk"]
+    head = Role(tmp_path, "head", port, [*RUN, *spanning, f"run.output_dir={tmp_path}/runs"], NODE_IP=HEAD_IP,
+                NODE_WAIT_S="120", SLUICE=str(sluice_then_stop(tmp_path, worker)))
+    roles.append(head)
+    assert head.proc.wait(timeout=420) == 0, head.output()[-4000:]
+    placed = re.search(r"sluice: ray +[\d.]+ s +placement: (.*)", head.output()).group(1)
+    nodes = dict(part.split(": ", 1) for part in placed.split("; "))
+    where = {item: ip for ip, items in nodes.items() for item in items.split(", ")}
+    assert where["engine 0"] != where["engine 0 node rank 1"], placed  # a node rank on each node
+    joined = (tmp_path / "runs/demo/logs/engine_0_node_1.log").read_text()
+    assert f"node rank 1 joined node rank 0 at {where['engine 0']}:" in joined  # rank 0's node address
+    records = read_metrics(tmp_path / "runs/demo/metrics.jsonl")
+    assert [r["weights/version"] for r in records] == [1, 2]
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
+    worker.proc.wait(timeout=5)
+    assert worker.wait_session_empty(0) == [] and head.wait_session_empty(30) == []
+
+
 @pytest.mark.long  # 22 s; the two-node run above stays in CI
 def test_a_head_whose_worker_never_joins_stops_within_its_deadline_with_one_line(tmp_path, roles):
     head = Role(tmp_path, "head", free_port(), [*RUN, f"run.output_dir={tmp_path}/runs"], NODE_IP=HEAD_IP,

@@ -6,6 +6,8 @@ import argparse
 import random
 import sys
 
+from glue.embedded_engine.node_ranks import follow, gather_node_ranks, stop_when_a_rank_leaves
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m glue.embedded_engine", description=__doc__)
@@ -46,7 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="SGLang's flag: without it /release_memory_occupation and /resume_memory_occupation "
                              "release nothing (under --sglang-strict; the lenient engine always releases)")
+    _add_node_args(parser)
     args = parser.parse_args(argv)
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
+    if args.nnodes > 1 and (not args.sglang_strict or args.dist_init_addr is None or args.tp_size % args.nnodes):
+        parser.error("--nnodes > 1 needs --sglang-strict, --dist-init-addr and a --tp-size that is a multiple of it")
     if args.max_running_requests < 1 or args.num_threads < 1:
         parser.error("--max-running-requests and --num-threads must be >= 1")
     if args.tp_size < 1 or (args.tp_size > 1 and not args.sglang_strict):
@@ -58,8 +65,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _add_node_args(parser: argparse.ArgumentParser) -> None:
+    """SGLang's flags of an engine that spans nodes (glue.embedded_engine.node_ranks stands in for it)."""
+    parser.add_argument("--nnodes", type=int, default=1, help="SGLang's flag: nodes the engine spans, a server each")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="SGLang's flag: this server's node; 0 serves HTTP, the others join it and serve nothing")
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="SGLang's flag: host:port of node rank 0, where the other node ranks join it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.node_rank > 0:  # SGLang's follower node: no model, no HTTP
+        return follow(args.dist_init_addr, args.node_rank)
+    if args.nnodes > 1:  # serve once every node rank has joined, stop when one leaves
+        stop_when_a_rank_leaves(gather_node_ranks(args.dist_init_addr, args.nnodes))
     from glue.embedded_engine.engine import build_engine, serve  # lazy: torch, aiohttp; launch.plan.run_plan imports this module
 
     try:
@@ -71,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                               enable_return_routed_experts=args.enable_return_routed_experts,
                               sglang_strict=args.sglang_strict, tp_size=args.tp_size,
                               enable_memory_saver=args.enable_memory_saver, dtype=args.dtype,
-                              device=args.device)
+                              device=args.device, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
     except (FileNotFoundError, ValueError) as e:
         print(f"embedded engine: {e}", file=sys.stderr, flush=True)
         return 2

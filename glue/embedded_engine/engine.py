@@ -84,10 +84,12 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                  weight_version: str, weight_sync_timeout_s: float, api_key: str | None = None,
                  admin_api_key: str | None = None, deterministic: bool = False,
                  enable_return_routed_experts: bool = False, sglang_strict: bool = False, tp_size: int = 1,
-                 enable_memory_saver: bool = False, dtype: str = "auto", device: str = "cpu") -> EngineServer:
+                 enable_memory_saver: bool = False, dtype: str = "auto", device: str = "cpu", nnodes: int = 1,
+                 dist_init_addr: str | None = None) -> EngineServer:
     """The server; `sglang_strict` answers as SGLang 0.5.23 does (strict_server), with `tp_size` simulated ranks on
     the weight path. `device` holds the model and its KV cache (cpu, or cuda on a GPU machine); sampling stays on
-    the CPU so a request's seed gives the same tokens on either."""
+    the CPU so a request's seed gives the same tokens on either. `nnodes` / `dist_init_addr`: node rank 0 of an
+    engine over that many nodes (glue.embedded_engine.node_ranks), as /get_server_info reports them."""
     if tp_size > 1 and not sglang_strict:
         raise ValueError(f"--tp-size {tp_size}: simulated engine TP is served only with --sglang-strict")
     torch.set_num_threads(num_threads)
@@ -109,6 +111,7 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                    "enable_deterministic_inference": deterministic,
                    "enable_return_routed_experts": enable_return_routed_experts,
                    "enable_memory_saver": enable_memory_saver,
+                   "nnodes": nnodes, "node_rank": 0, "dist_init_addr": dist_init_addr,
                    "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
     receiver = WeightReceiver(runner, timeout_s=weight_sync_timeout_s, tp_size=tp_size)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from glue.fleet.processes import ManagedProcess, free_ports
+from glue.fleet.spanning import resolve_dist_init
 
 
 class EngineHost:
@@ -20,13 +21,15 @@ class EngineHost:
     def start(self, *, name: str, command: Sequence[str], model_path: str, args: Sequence[str],
               env: dict[str, str] | None, log_path: str, cwd: str,
               bind: str | None = None) -> tuple[str, int, list[str]]:
-        """Start the engine on `bind` (default: this node's address) and a port free here; returns (url, pid,
-        command line)."""
+        """Start the engine on `bind` (default: this node's address) and a port free here (and, for node rank 0
+        of an engine that spans nodes, its --dist-init-addr: this node's address and a block of free ports); returns
+        (url, pid, command line)."""
         import ray
 
         host = bind or ray.util.get_node_ip_address()
         port = free_ports(1, host)[0]
-        cmd = [*command, "--model-path", model_path, "--host", host, "--port", str(port), *args]
+        cmd = [*command, "--model-path", model_path, "--host", host, "--port", str(port),
+               *resolve_dist_init(args, host)]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         url = f"http://{host}:{port}"
         self._engine = ManagedProcess(f"{name} ({url})", cmd, Path(log_path), env, url=url,
@@ -68,6 +71,10 @@ class RemoteEngine:
             ray.kill(self._actor)
             raise
         self.name = f"{name} ({self.url})"
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid]
 
     def log_tail(self, lines: int = 30) -> str:
         import ray

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from glue.fleet.engine_host import RemoteEngine
 from glue.fleet.processes import ManagedProcess, free_ports
+from glue.fleet.spanning import SpanningEngine, resolve_dist_init, start_spanning
 from weight_sync.engine_calls import bearer
 
 EMBEDDED_ENGINE = (sys.executable, "-m", "glue.embedded_engine")
@@ -63,6 +64,9 @@ class RolloutFleet:
     it engines pick their own (SGLang and the embedded engine draw a random one).
     `name` names a fleet beside the policy's ("teacher", "judge") in its processes' names, so a line about one of
     them (`teacher engine 0 (url) exited ...`) says whose it is; the policy's fleet has none.
+    `engine_nodes` > 1: each engine spans that many nodes, a server process per node (glue.fleet.spanning): node
+    rank 0 on `engine_hosts[i]` / `engine_env[i]` is the engine's url, node rank k on `rank_hosts[i][k - 1]` with
+    `rank_env[i][k - 1]`; the engine is dead when any of them is, and a replacement restarts them all.
     """
 
     def __init__(self, *, model_path: str, num_engines: int = 2, host: str = "127.0.0.1",
@@ -72,7 +76,9 @@ class RolloutFleet:
                  router_startup_timeout_s: float = 60, stop_grace_s: float = 10,
                  engine_env: Sequence[dict[str, str]] = (), engine_hosts: Sequence[dict[str, Any]] = (),
                  api_key: str | None = None, admin_api_key: str | None = None, engine_bind: str | None = None,
-                 seed: int | str | None = None, name: str = ""):
+                 seed: int | str | None = None, name: str = "", engine_nodes: int = 1,
+                 rank_hosts: Sequence[Sequence[dict[str, Any]]] = (),
+                 rank_env: Sequence[Sequence[dict[str, str]]] = ()):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
@@ -89,6 +95,7 @@ class RolloutFleet:
         self.router_args = list(router_args) + ([f"--api-key={api_key}"] if api_key else [])
         self.engine_env = list(engine_env)  # per engine index, e.g. its CUDA_VISIBLE_DEVICES from the placement
         self.engine_hosts = list(engine_hosts)
+        self.engine_nodes, self.rank_hosts, self.rank_env = engine_nodes, list(rank_hosts), list(rank_env)
         self.engine_bind = engine_bind  # engines on host actors listen here (default: their node's address)
         if self.engine_hosts and len(self.engine_hosts) != num_engines:
             raise ValueError(f"RolloutFleet: {len(self.engine_hosts)} engine_hosts for {num_engines} engines")
@@ -111,8 +118,12 @@ class RolloutFleet:
 
     @property
     def pids(self) -> list[int]:
-        """Pids of every process this fleet started (engines, then the router)."""
-        return [m.pid for m in self._processes()]
+        """Pids of every process this fleet started (engines, each with its node ranks, then the router)."""
+        return [pid for m in self._processes() for pid in m.pids]
+
+    def node_pids(self, index: int) -> list[int]:
+        """The pids of engine `index`'s processes, node rank 0 first (one for an engine on one node)."""
+        return self._engines[index].pids
 
     def _processes(self) -> list[ManagedProcess]:
         return self._engines + ([self._router] if self._router else [])
@@ -136,7 +147,8 @@ class RolloutFleet:
         try:
             self._start_engines()
             self._wait_engines_healthy()
-            say("engines", f"{self.num_engines} engines serve /health (logs: {self.log_dir}/engine_*.log)")
+            over = f", each over {self.engine_nodes} nodes (a server per node)" if self.engine_nodes > 1 else ""
+            say("engines", f"{self.num_engines} engines serve /health{over} (logs: {self.log_dir}/engine_*.log)")
             self._start_router()
             self._wait_router_ready()
             self.serving_urls[:] = self.engine_urls
@@ -157,24 +169,34 @@ class RolloutFleet:
         """Start engine i: through its host actor on its bundle's node (which picks the address and port there),
         or as a child process on `self.host:port`. A late engine (i >= num_engines) reuses the bundle of engine
         i % num_engines; a replacement keeps its index, bundle and log file."""
-        log_path = self.log_dir / f"engine_{i}.log"
-        env = self.engine_env[i % len(self.engine_env)] if self.engine_env else None
         launch = self._launches[i] = self._launches.get(i, -1) + 1
         args = [*self.engine_args, *([f"--random-seed={engine_seed(self.seed, i, launch)}"]
                                      if self.seed is not None else [])]
-        if self.engine_hosts:
-            engine: Any = RemoteEngine(f"{self._prefix}engine {i}", command=self.engine_command,
-                                       model_path=self.model_path, args=args, env=env, log_path=log_path,
-                                       actor_options=self.engine_hosts[i % len(self.engine_hosts)],
-                                       bind=self.engine_bind)
+        if self.engine_nodes == 1:
+            engine = self._start_process(i, 0, args, port)
         else:
-            port = port or free_ports(1, self.host)[0]
-            url = f"http://{self.host}:{port}"
-            cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
-                   *args]
-            engine = ManagedProcess(f"{self._prefix}engine {i} ({url})", cmd, log_path, env, url=url)
-        self.started_pids.append(engine.pid)
+            engine = start_spanning(lambda k, flags: self._start_process(i, k, [*args, *flags], port if k == 0
+                                                                         else None), self.engine_nodes)
+        self.started_pids.extend(engine.pids)
         return engine
+
+    def _start_process(self, i: int, rank: int, args: list[str], port: int | None) -> Any:
+        """Node rank `rank`'s process of engine i (the engine's only one on one node): on its host actor, or here."""
+        name = f"{self._prefix}engine {i}" + (f" node rank {rank}" if rank else "")
+        log_path = self.log_dir / (f"engine_{i}.log" if rank == 0 else f"engine_{i}_node_{rank}.log")
+        if rank == 0:
+            env = self.engine_env[i % len(self.engine_env)] if self.engine_env else None
+        else:
+            env = self.rank_env[i % len(self.rank_env)][rank - 1] if self.rank_env else None
+        hosts = self.engine_hosts if rank == 0 else [h[rank - 1] for h in self.rank_hosts]
+        if hosts:
+            return RemoteEngine(name, command=self.engine_command, model_path=self.model_path, args=args, env=env,
+                                log_path=log_path, actor_options=hosts[i % len(hosts)], bind=self.engine_bind)
+        port = port or free_ports(1, self.host)[0]
+        url = f"http://{self.host}:{port}"
+        cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
+               *resolve_dist_init(args, self.host)]
+        return ManagedProcess(f"{name} ({url if rank == 0 else self.host})", cmd, log_path, env, url=url)
 
     def _wait_engines_healthy(self, indices: Sequence[int] | None = None) -> None:
         """Wait until engines `indices` (default: all) answer GET /health."""
@@ -317,7 +339,10 @@ class RolloutFleet:
 
     @staticmethod
     def _exit_line(m: Any) -> str:
-        return f"{m.name} exited with code {m.exit_code()}; its log: {m.log_path}"
+        """`<name> exited with code <c>; its log: <path>`, for each node rank that exited of an engine that spans
+        nodes."""
+        gone = m.exited() if isinstance(m, SpanningEngine) else [m]
+        return "; ".join(f"{p.name} exited with code {p.exit_code()}; its log: {p.log_path}" for p in gone)
 
     def stop(self) -> None:
         """SIGTERM every process group this fleet started (router first), SIGKILL what is left after

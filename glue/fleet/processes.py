@@ -25,6 +25,29 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def free_port_block(count: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A port p such that p .. p + count - 1 were all free a moment ago (held open together): SGLang's node rank 0
+    binds its --dist-init-addr port and derives the next ones from it (server_args.PortArgs: port_base = the port + 1,
+    then the detokenizer, rpc, metrics, scheduler and load-collector ports)."""
+    for _ in range(tries):
+        socks = [socket.socket()]
+        try:
+            socks[0].bind((host, 0))
+            first = socks[0].getsockname()[1]
+            if first + count > 65536:
+                continue
+            for port in range(first + 1, first + count):
+                socks.append(socket.socket())
+                socks[-1].bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"found no {count} consecutive free ports on {host} in {tries} tries")
+
+
 def _die_with_parent() -> None:
     """Child-side (preexec): SIGTERM this process if the driver dies without running atexit (SIGKILL, segfault).
     Linux delivers it when the *thread* that forked exits, so it is only set up from the main thread."""
@@ -109,6 +132,10 @@ class ManagedProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
 
     def exit_code(self) -> int | None:
         return self.proc.poll()

@@ -26,9 +26,10 @@ OWNED = {
                "stages would join the weight group with ranks sluice does not count)",
     "dp_size": "rollout.num_engines (each engine is one data-parallel replica behind the router)",
     "base_gpu_id": "the placement plan (each engine gets CUDA_VISIBLE_DEVICES from its bundles)",
-    "nnodes": "the placement plan (an engine lives on one node)",
-    "node_rank": "the placement plan (an engine lives on one node)",
-    "dist_init_addr": "the placement plan (an engine lives on one node)",
+    "nnodes": "cluster.engine_tensor_parallel_size over cluster.gpus_per_node (an engine spans whole nodes; "
+              "cluster.engine_nodes on CPU)",
+    "node_rank": "the placement plan (one server per node of an engine, each started with its --node-rank)",
+    "dist_init_addr": "the placement plan (node rank 0's node address and a port free there, at start-up)",
     "config": "the sglang: section of the sluice YAML (so every option is validated)",
 }
 _SCALARS = {"int": int, "float": float, "str": str}

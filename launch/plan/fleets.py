@@ -6,10 +6,11 @@ them, and the policy engines' program and flags less the ones that describe the 
 Pure: imports no Ray. `launch.plan.run_plan` builds the plan with it; the runner starts each fleet on its bundles."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from glue.fleet.fleet import engine_seed
+from launch.plan.engine_nodes import NodeRank, gpu_nodes, plan_node_ranks
 
 HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up
 # flags of the policy's engines that describe the policy (MoE routing replay, the colocated trainer's hand-over), not
@@ -24,7 +25,12 @@ class EngineLaunch:
     bundles: list[int]
     node: int | None
     devices: list[int] | None  # GPU indices on the node (CUDA_VISIBLE_DEVICES), None on CPU
-    command: list[str]  # full command line, with HOST / PORT placeholders
+    command: list[str]  # full command line, with HOST / PORT placeholders (node rank 0's, when it spans nodes)
+    node_ranks: list[NodeRank] = field(default_factory=list)  # one server process per node; [] on one node
+
+    def rank_bundles(self, rank: int) -> list[int]:
+        """The bundles of node rank `rank`'s process (every bundle of an engine on one node)."""
+        return self.node_ranks[rank].bundles if self.node_ranks else self.bundles
 
 
 @dataclass
@@ -38,6 +44,7 @@ class SideFleet:
     engines: list[EngineLaunch]
     engine_args: list[str]
     seed: str
+    nodes: int = 1  # nodes each of its engines spans (a server per node)
 
     @property
     def bundles(self) -> list[int]:
@@ -86,26 +93,31 @@ def side_engine_args(policy_args: list[str], tp: int) -> list[str]:
 def plan_side_fleets(cfg: Any, *, first_bundle: int, slots: list[tuple[int | None, int | None]],
                      engine_command: list[str], policy_args: list[str], seed: int, run_dir: Any) -> list[SideFleet]:
     """Each fleet on the bundles after `first_bundle` (those of the trainer and the policy engines end there), in
-    SIDE_FLEETS order; on GPUs an engine never spans two nodes (ValueError naming the figures)."""
-    fleets, bundle = [], first_bundle
+    SIDE_FLEETS order; on GPUs an engine lies within one node, or (TP beyond a node) on whole nodes, a server per
+    node (ValueError naming the figures)."""
+    fleets, bundle, c = [], first_bundle, cfg.cluster
     for name, (count, tp) in fleet_sizes(cfg).items():
         args, base = side_engine_args(policy_args, tp), f"{seed}:{name}"
+        # within a node, any TP whose bundles fit one (as before); beyond a node, whole nodes
+        nodes = gpu_nodes(tp, c.gpus_per_node, f"{name}.tensor_parallel_size") if 0 < c.gpus_per_node < tp else 1
         engines = []
         for e in range(count):
             bundles = list(range(bundle, bundle + tp))
             bundle += tp
-            nodes = sorted({slots[b][0] for b in bundles})
-            if cfg.cluster.uses_gpus and len(nodes) > 1:
-                raise ValueError(f"{name} engine {e} would span nodes {nodes[0]} and {nodes[-1]}: its {tp} GPUs "
+            spans = sorted({slots[b][0] for b in bundles})
+            if c.uses_gpus and len(spans) > 1 and (nodes == 1 or bundles[0] % c.gpus_per_node):
+                fit = (f"{name}.tensor_parallel_size={tp}" if nodes == 1 else f"cluster.gpus_per_node="
+                       f"{c.gpus_per_node} (an engine over whole nodes starts on a node's first GPU)")
+                raise ValueError(f"{name} engine {e} would span nodes {spans[0]} and {spans[-1]}: its {tp} GPUs "
                                  f"(bundles {bundles[0]}-{bundles[-1]}) follow the {first_bundle} of the trainer and "
-                                 f"the policy engines on {cfg.cluster.gpus_per_node}-GPU nodes; make those a multiple "
-                                 f"of {name}.tensor_parallel_size={tp}")
-            devices = [slots[b][1] for b in bundles] if cfg.cluster.uses_gpus else None
+                                 f"the policy engines on {c.gpus_per_node}-GPU nodes; make those a multiple of {fit}")
+            devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
+            command = [*engine_command, "--model-path", side_model_path(cfg, name, run_dir), "--host", HOST,
+                       "--port", PORT, *args, f"--random-seed={engine_seed(base, e)}"]
+            ranks = plan_node_ranks(bundles, command, nodes, slots, c.uses_gpus)
             engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
-                                        command=[*engine_command, "--model-path", side_model_path(cfg, name, run_dir),
-                                                 "--host", HOST, "--port", PORT, *args,
-                                                 f"--random-seed={engine_seed(base, e)}"]))
-        fleets.append(SideFleet(name=name, tp=tp, engines=engines, engine_args=args, seed=base))
+                                        command=ranks[0].command if ranks else command, node_ranks=ranks))
+        fleets.append(SideFleet(name=name, tp=tp, engines=engines, engine_args=args, seed=base, nodes=nodes))
     return fleets
 
 
@@ -130,4 +142,16 @@ def devices_text(plan: Any, bundles: list[int]) -> str:
     if len(nodes) == 1 and gpus == list(range(gpus[0], gpus[0] + len(gpus))):
         span = f"gpu {gpus[0]}" if len(gpus) == 1 else f"gpus {gpus[0]}-{gpus[-1]}"
         return f"node {nodes.pop()} {span} ({named})"
+    if len(nodes) > 1:  # an engine that spans nodes: each node's part
+        return ", ".join(devices_text(plan, part) for part in node_parts(plan, bundles))
     return ", ".join(plan.device_of(b) for b in bundles)
+
+
+def node_parts(plan: Any, bundles: list[int]) -> list[list[int]]:
+    """`bundles` cut where the node changes."""
+    parts: list[list[int]] = []
+    for b in bundles:
+        if not parts or plan.bundle_slots[b][0] != plan.bundle_slots[parts[-1][-1]][0]:
+            parts.append([])
+        parts[-1].append(b)
+    return parts

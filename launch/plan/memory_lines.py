@@ -136,8 +136,10 @@ def engine_line(cfg: SluiceConfig, count: int) -> str:
         return f"{cfg.rollout.num_engines} embedded engines on CPU: no GPU memory"
     weights, kv, how = engine_memory(cfg, count)
     colocated = "; colocated: the trainer's state is offloaded while they run" if c.placement == "colocated" else ""
-    return (f"each of {cfg.rollout.num_engines} engines, on each of its {c.engine_tensor_parallel_size} GPUs: weights "
-            f"{format_bytes(weights)} ({count:,} parameters / TP {c.engine_tensor_parallel_size}) + KV pool "
+    nodes = c.engine_tensor_parallel_size // c.gpus_per_node
+    over = f" ({nodes} nodes x {c.gpus_per_node}, a server per node)" if nodes > 1 else ""
+    return (f"each of {cfg.rollout.num_engines} engines, on each of its {c.engine_tensor_parallel_size} GPUs{over}: "
+            f"weights {format_bytes(weights)} ({count:,} parameters / TP {c.engine_tensor_parallel_size}) + KV pool "
             f"{format_bytes(max(kv, 0))} (mem_fraction_static x {c.gpu_memory_gb:g} GB - weights; {how}){colocated}")
 
 
@@ -220,17 +222,19 @@ def fleet_lines(cfg: SluiceConfig, plan: Any) -> list[str]:
         count = model_params(model_config(cfg)).total
         bundles = [b for e in plan.engines for b in e.bundles]
         lines.append(fleet_line(cfg, plan, "policy", len(plan.engines), cfg.cluster.engine_tensor_parallel_size,
-                                bundles, count))
+                                bundles, count, nodes=plan.engine_nodes))
     for fleet in plan.side_fleets:
         lines.append(fleet_line(cfg, plan, fleet.name, len(fleet.engines), fleet.tp, fleet.bundles,
-                                side_parameters(cfg, fleet.name)))
+                                side_parameters(cfg, fleet.name), nodes=fleet.nodes))
     return lines
 
 
 def fleet_line(cfg: SluiceConfig, plan: Any, name: str, engines: int, tp: int, bundles: list[int],
-               count: int | None) -> str:
-    """`teacher: 1 engine x TP 2 on node 0 gpus 4-5 (bundles 4-5); per GPU: weights 8.2 GB + KV pool 60.1 GB`."""
-    where = f"{name}: {engines} engine{'s' if engines > 1 else ''} x TP {tp} on {devices_text(plan, bundles)}"
+               count: int | None, nodes: int = 1) -> str:
+    """`teacher: 1 engine x TP 2 on node 0 gpus 4-5 (bundles 4-5); per GPU: weights 8.2 GB + KV pool 60.1 GB`;
+    engines over `nodes` nodes say so."""
+    over = f" over {nodes} nodes (a server per node)" if nodes > 1 else ""
+    where = f"{name}: {engines} engine{'s' if engines > 1 else ''} x TP {tp}{over} on {devices_text(plan, bundles)}"
     if count is None:
         return f"{where}; per GPU: the weights teacher.build writes at start-up (size known only then) + KV pool"
     if cfg.cluster.engine_server != "sglang" or not cfg.cluster.uses_gpus:

@@ -17,8 +17,9 @@ from glue.fleet.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
 from launch.args import router as router_args
 from launch.args import sglang as sglang_args
 from launch.config import ConfigError, SluiceConfig
-from launch.plan.fleets import (HOST, PORT, EngineLaunch, SideFleet, check_side_fleets, plan_side_fleets,
-                                side_fleet_gpus)
+from launch.plan.engine_nodes import engine_nodes, node_rank_lines, plan_node_ranks
+from launch.plan.fleets import (HOST, PORT, EngineLaunch, SideFleet, check_side_fleets, devices_text,
+                                plan_side_fleets, side_fleet_gpus)
 from launch.args.megatron import check_megatron
 from launch.args.options import check_values, to_argv
 
@@ -49,6 +50,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
     models_devices: bool = False  # CPU bundles stand for an SGLang run's GPUs (strict engines): see `device_of`
     side_fleets: list[SideFleet] = field(default_factory=list)  # teacher / judge fleets, on bundles of their own
+    engine_nodes: int = 1  # nodes each policy engine spans: a server process per node (EngineLaunch.node_ranks)
 
     def side_fleet(self, name: str) -> SideFleet:
         """The fleet of section `name` ("teacher" or "judge")."""
@@ -69,18 +71,21 @@ class RunPlan:
             "placement_group": {"bundles": len(self.bundles), "bundle": self.bundles[0] if self.bundles else {}},
             "trainer": [f"rank {r.rank}: bundle {r.bundle}, node {_node(r.node)}, {_where(r.device)}, "
                         + " ".join(f"{k}={v}" for k, v in r.coords.items()) for r in self.trainer],
-            "engines": _engine_dicts(self.engines),
+            "engines": _engine_dicts(self, self.engines),
             "router": shlex.join(self.router_command),
-            **{f"{f.name}_engines": _engine_dicts(f.engines) for f in self.side_fleets},
+            **{f"{f.name}_engines": _engine_dicts(self, f.engines) for f in self.side_fleets},
             **({"devices": "modeled: each weight-group member carries its bundle's device and a group refuses two "
                            "members on one, as NCCL does on GPU"} if self.models_devices else {}),
             "notes": self.notes,
         }
 
 
-def _engine_dicts(engines: list[EngineLaunch]) -> list[dict[str, Any]]:
+def _engine_dicts(plan: RunPlan, engines: list[EngineLaunch]) -> list[dict[str, Any]]:
+    """An engine per entry; one that spans nodes lists its node ranks, and its command is node rank 0's (the others
+    differ in --node-rank alone)."""
     return [{"engine": e.index, "bundles": e.bundles, "node": _node(e.node),
-             "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command)}
+             "devices": e.devices if e.devices is not None else "cpu", "command": shlex.join(e.command),
+             **({"node_ranks": node_rank_lines(e.node_ranks, lambda b: devices_text(plan, b))} if e.node_ranks else {})}
             for e in engines]
 
 
@@ -220,6 +225,7 @@ def _check_layout(cfg: SluiceConfig) -> None:
         raise ValueError("run.mode=async needs cluster.placement=disaggregated: colocated engines and trainer take "
                          "turns on the same devices, so they cannot run at the same time")
     _check_staleness(cfg)
+    engine_nodes(c)  # an engine spans whole nodes, or one
     check_side_fleets(cfg)
     if c.engine_kind == "sglang":
         _check_sglang_engines(cfg)
@@ -279,9 +285,6 @@ def _check_gpu_counts(cfg: SluiceConfig, engine_gpus: int) -> None:
         raise ValueError(f"disaggregated placement asks for trainer {trainer} + engines {engine_gpus}{beside} = "
                          f"{asked} GPUs but cluster.num_nodes x gpus_per_node = {total}; lower the parallel sizes / "
                          f"rollout.num_engines{lower}, add nodes, or use cluster.placement=colocated")
-    if c.gpus_per_node % c.engine_tensor_parallel_size:
-        raise ValueError(f"cluster.engine_tensor_parallel_size={c.engine_tensor_parallel_size} does not divide "
-                         f"cluster.gpus_per_node={c.gpus_per_node}: an engine would span two nodes")
 
 
 def _check_embedded_engine(cfg: SluiceConfig) -> None:
@@ -338,14 +341,8 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
     seed = int(cfg.sglang.get("random_seed", cfg.run.seed))
     engine_args = layout + to_argv({k: v for k, v in cfg.sglang.items() if k != "random_seed"},
                                    sglang_args.sglang_options())
-    model = cfg.model.path or str(cfg.run_dir / "init_model")
-    engines = []
-    for e in range(num_engines(cfg)):
-        bundles = list(range(e * c.engine_tensor_parallel_size, (e + 1) * c.engine_tensor_parallel_size))
-        devices = [slots[b][1] for b in bundles] if c.uses_gpus else None
-        engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0], devices=devices,
-                                    command=[*engine_command, "--model-path", model, "--host", HOST, "--port", PORT,
-                                             *engine_args, f"--random-seed={engine_seed(seed, e)}"]))
+    engines = _plan_engines(cfg, slots, [*engine_command, "--model-path", cfg.model.path or str(
+        cfg.run_dir / "init_model"), "--host", HOST, "--port", PORT, *engine_args], seed)
     # The router logs one INFO line per request (11 MB in one demo): warnings and errors only, unless router.log_level
     router_argv = (["--log-level", "warn"] if "log_level" not in cfg.router else []) + to_argv(
         cfg.router, router_args.router_options())
@@ -362,7 +359,23 @@ def _plan(cfg: SluiceConfig) -> RunPlan:
                    bundles=[dict(resources) for _ in range(n_bundles)], bundle_slots=slots, trainer=trainer,
                    engines=engines, engine_command=engine_command, engine_args=engine_args, engine_seed=seed,
                    router_command=router_command, router_args=router_argv, notes=notes,
-                   models_devices=c.engine == "sglang_strict" and not c.uses_gpus, side_fleets=side_fleets)
+                   models_devices=c.engine == "sglang_strict" and not c.uses_gpus, side_fleets=side_fleets,
+                   engine_nodes=engine_nodes(c))
+
+
+def _plan_engines(cfg: SluiceConfig, slots: list[tuple[int | None, int | None]], command: list[str], seed: int
+                  ) -> list[EngineLaunch]:
+    """The policy engines on the first bundles, each `command` with its --random-seed, and its node ranks when it
+    spans nodes (whole ones: the engines start at bundle 0)."""
+    c, engines = cfg.cluster, []
+    for e in range(num_engines(cfg)):
+        bundles = list(range(e * c.engine_tensor_parallel_size, (e + 1) * c.engine_tensor_parallel_size))
+        mine = [*command, f"--random-seed={engine_seed(seed, e)}"]
+        ranks = plan_node_ranks(bundles, mine, engine_nodes(c), slots, c.uses_gpus)
+        engines.append(EngineLaunch(index=e, bundles=bundles, node=slots[bundles[0]][0],
+                                    devices=[slots[b][1] for b in bundles] if c.uses_gpus else None,
+                                    command=ranks[0].command if ranks else mine, node_ranks=ranks))
+    return engines
 
 
 def _coords(cfg: SluiceConfig, rank: int) -> dict[str, int]:

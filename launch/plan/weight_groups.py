@@ -16,6 +16,7 @@ from glue.trainer.optim import resolve_precision
 from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.weight_stream import SOURCE_RANK, Coords, SourcePart, weight_sources
 from launch.config import ConfigError, SluiceConfig
+from launch.plan.fleets import node_parts
 from launch.plan.model_check import format_bytes, hf_parameters, model_config
 from launch.plan.run_plan import RunPlan, rank_coords
 from weight_sync.buckets import pipeline_bucket_bytes
@@ -203,7 +204,8 @@ def describe_groups(plan: RunPlan, groups: list[PlannedGroup], numel: dict[str, 
             engines.setdefault(member.who.split(" TP ")[0], []).append(member)
         for engine, ranks in engines.items():
             span = f"rank {ranks[0].rank}" if len(ranks) == 1 else f"ranks {ranks[0].rank}-{ranks[-1].rank}"
-            lines.append(f"{span}: {engine}, rank_offset {ranks[0].rank} ({_devices(plan, [m.bundle for m in ranks])})")
+            lines.append(f"{span}: {engine}, rank_offset {ranks[0].rank} ({_devices(plan, [m.bundle for m in ranks])})"
+                         + _node_ranks_text(plan, engine))
         shown.append({"group": f"{group.prefix}_<pid>_<n>", "source": f"trainer rank {group.source.rank}",
                       "producers": _ranks(group.source.members),
                       "tensors": f"{len(group.source.names):,} ({format_bytes(nbytes)})",
@@ -212,7 +214,11 @@ def describe_groups(plan: RunPlan, groups: list[PlannedGroup], numel: dict[str, 
 
 
 def _devices(plan: RunPlan, bundles: list[int]) -> str:
-    """`node 0 gpus 0-7` for consecutive GPUs of one node (`cpu bundles 0-7` on CPU), else each device."""
+    """`node 0 gpus 0-7` for consecutive GPUs of one node (`cpu bundles 0-7` on CPU), `node 0 gpus 0-7, node 1
+    gpus 0-7` over nodes, else each device."""
+    parts = node_parts(plan, bundles)
+    if len(parts) > 1:
+        return ", ".join(_devices(plan, part) for part in parts)
     slots = [plan.bundle_slots[b] for b in bundles]
     if len(bundles) > 1 and bundles == list(range(bundles[0], bundles[-1] + 1)):
         if slots[0][1] is None:
@@ -220,6 +226,19 @@ def _devices(plan: RunPlan, bundles: list[int]) -> str:
         if len({node for node, _ in slots}) == 1 and slots[-1][1] - slots[0][1] == len(slots) - 1:
             return f"node {slots[0][0]} gpus {slots[0][1]}-{slots[-1][1]}"
     return ", ".join(plan.device_of(b) for b in bundles)
+
+
+def _node_ranks_text(plan: RunPlan, engine: str) -> str:
+    """For a policy engine that spans nodes, which of its TP ranks each node rank's server holds (SGLang gives node
+    rank k the k-th tp_size / nnodes of them): `; TP ranks 0-7 in node rank 0's server, 8-15 in node rank 1's`."""
+    if plan.engine_nodes == 1 or not engine.startswith("engine "):
+        return ""
+    ranks, at, parts = plan.engines[int(engine.split()[1])].node_ranks, 0, []
+    for r in ranks:
+        parts.append(f"{at}-{at + len(r.bundles) - 1}" if len(r.bundles) > 1 else f"{at}")
+        at += len(r.bundles)
+    return f"; TP rank{'s' if len(ranks[0].bundles) > 1 else ''} {parts[0]} in node rank 0's server, " + ", ".join(
+        f"{p} in node rank {k}'s" for k, p in enumerate(parts) if k) + " (every one a member)"
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

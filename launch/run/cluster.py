@@ -80,9 +80,10 @@ class Placement:
         return {"num_cpus": num_cpus, "num_gpus": num_gpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=self.ray_bundle[bundle])}
 
-    def engine_env(self, engine: EngineLaunch) -> dict[str, str]:
-        """Environment of an engine process: the GPUs of its bundles (nothing on CPU)."""
-        ids = [self.gpu_id[b] for b in engine.bundles]
+    def engine_env(self, engine: EngineLaunch, rank: int = 0) -> dict[str, str]:
+        """Environment of an engine process (node rank `rank`'s of an engine that spans nodes): the GPUs of its
+        bundles (nothing on CPU)."""
+        ids = [self.gpu_id[b] for b in engine.rank_bundles(rank)]
         return {} if None in ids else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
 
 
@@ -168,9 +169,14 @@ def describe_placement(plan: RunPlan, placement) -> str:
     by_node: dict[str, list[str]] = {}
     for e in plan.engines:
         by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"engine {e.index}")
+        for r in e.node_ranks[1:]:
+            by_node.setdefault(placement.node_ip[r.bundles[0]], []).append(f"engine {e.index} node rank {r.rank}")
     for r in plan.trainer:
         by_node.setdefault(placement.node_ip[r.bundle], []).append(f"trainer rank {r.rank}")
     for fleet in plan.side_fleets:
         for e in fleet.engines:
             by_node.setdefault(placement.node_ip[e.bundles[0]], []).append(f"{fleet.name} engine {e.index}")
+            for r in e.node_ranks[1:]:
+                by_node.setdefault(placement.node_ip[r.bundles[0]], []).append(
+                    f"{fleet.name} engine {e.index} node rank {r.rank}")
     return "; ".join(f"{ip}: {', '.join(items)}" for ip, items in by_node.items())

@@ -22,7 +22,8 @@ from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.config import SluiceConfig
 from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths
-from launch.run.fleets import SideFleetRun, engine_env, engine_host_options, planned_devices_env
+from launch.run.fleets import (SideFleetRun, check_whole_nodes, engine_env, engine_host_options,
+                               node_rank_options, planned_devices_env)
 from launch.run.reward_models import start_model_rewards
 from launch.run.stopping import close_loop
 from launch.run.tasks import task_args_for
@@ -93,6 +94,7 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
     """The engines behind the router, and the client the rollout functions reach them with."""
     # Every engine and the router ask for keys (SGLang's --api-key / --admin-api-key, new per run unless set under
     # sglang:): weight, memory and pause routes take the admin key only, which no one outside this run holds.
+    check_whole_nodes(placement, plan.engines)
     api_key = cfg.sglang.get("api_key") or secrets.token_hex(24)
     admin_api_key = cfg.sglang.get("admin_api_key") or secrets.token_hex(24)
     fleet = RolloutFleet(model_path=model_path, num_engines=cfg.rollout.num_engines,
@@ -102,6 +104,7 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
                          router_args=plan.router_args,
                          engine_env=[engine_env(plan, placement, e) for e in plan.engines],
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
+                         **node_rank_options(placement, plan.engines, plan.engine_nodes),
                          api_key=api_key, admin_api_key=admin_api_key,
                          engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
     stack.callback(fleet.stop)

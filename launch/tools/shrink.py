@@ -148,6 +148,8 @@ def _shrink_run(edit: _Editor, steps: int) -> None:
 
 
 def _shrink_cluster(edit: _Editor, engine: str) -> None:
+    per_node, tp = edit.get("cluster.gpus_per_node", 0) or 0, edit.get("cluster.engine_tensor_parallel_size") or 1
+    nodes = edit.get("cluster.engine_nodes") or (tp // per_node if 0 < per_node < tp else 1)  # an engine's nodes
     if edit.get("cluster.num_nodes", 1) > 1:
         edit.set("cluster.num_nodes", 1, "rehearsed on one node (one local Ray); the multi-node placement is not")
     if edit.get("cluster.gpus_per_node", 0):
@@ -163,6 +165,11 @@ def _shrink_cluster(edit: _Editor, engine: str) -> None:
             to = MAX_PARALLEL if engine == "sglang_strict" else 1
             edit.set(key, to, "engine TP kept > 1, simulated by the strict engine"
                      if to > 1 else "the embedded engine runs one process per engine; 2 under sglang_strict")
+    if nodes > 1 and engine == "sglang_strict":
+        edit.set("cluster.engine_nodes", MAX_PARALLEL, f"an engine over {nodes} nodes: {MAX_PARALLEL} node-rank "
+                 "processes of a strict engine, one TP rank each")
+    elif edit.get("cluster.engine_nodes") is not None:
+        edit.drop("cluster.engine_nodes", "the lenient embedded engine runs one process per engine")
 
 
 def _shrink_trainer(edit: _Editor) -> None:
