@@ -174,6 +174,36 @@ RELEASED = {
                 "rope_theta": 1000000, "vocab_size": 151552, "attention_bias": True, "use_qk_norm": True,
                 "num_nextn_predict_layers": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # as published: block-FP8 weights (dequantized at load), YaRN with mscale, one MTP layer
+    "DeepSeek-V3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+                    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                    "num_hidden_layers": 61, "num_nextn_predict_layers": 1, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+                    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+                    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+                    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+                    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+                    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+                    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                            "weight_block_size": [128, 128]}},
+    # model_type kimi_k2 (transformers has no class of its own for it): DeepSeek-V3's architecture, 384 experts
+    "Kimi-K2": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+                "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                "num_hidden_layers": 61, "num_nextn_predict_layers": 0, "num_attention_heads": 64,
+                "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+                "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+                "first_k_dense_replace": 1, "norm_topk_prob": True, "hidden_act": "silu",
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-06, "rope_theta": 50000.0,
+                "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                 "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 163584,
+                "eos_token_id": 163585,
+                "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                        "weight_block_size": [128, 128]}},
     "GLM-4-9B-0414": {"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "hidden_size": 4096,
                       "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32,
                       "num_key_value_heads": 2, "head_dim": 128, "attention_bias": True, "partial_rotary_factor": 0.5,
@@ -208,6 +238,19 @@ LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB
     "Mixtral-8x7B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4", "--expert-model-parallel-size",
                      "8", "--expert-tensor-parallel-size", "1"],
     "Llama-3.1-8B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4"],
+    # DeepSeek-V3 (1.34 TB of bf16 weights): one engine of TP 16 over two nodes, the trainer TP8 x PP4 x DP4 with
+    # EP32 over 16 more, its 61 layers split 13 / 16 / 16 / 16 as slime's DeepSeek scripts split them
+    "DeepSeek-V3": ["cluster.num_nodes=18", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=16",
+                    "rollout.num_engines=1", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size",
+                    "4", "--decoder-first-pipeline-num-layers", "13", "--decoder-last-pipeline-num-layers", "16",
+                    "trainer.data_parallel_size=4", "--expert-model-parallel-size", "32",
+                    "--expert-tensor-parallel-size", "1"],
+    # Kimi-K2 (2.05 TB): one engine of TP 32 over four nodes, the trainer as DeepSeek-V3's
+    "Kimi-K2": ["cluster.num_nodes=20", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=32",
+                "rollout.num_engines=1", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
+                "--decoder-first-pipeline-num-layers", "13", "--decoder-last-pipeline-num-layers", "16",
+                "trainer.data_parallel_size=4", "--expert-model-parallel-size", "32",
+                "--expert-tensor-parallel-size", "1"],
     "GLM-4-9B-0414": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=2", "--tensor-model-parallel-size", "2",
                       "trainer.data_parallel_size=4"],
     "Moonlight-16B-A3B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
@@ -222,15 +265,17 @@ LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB
 def test_a_released_shape_plans_from_config_json_alone_with_transformers_parameter_count(tmp_path, capsys, name):
     import yaml
 
+    from glue.trainer.model import read_hf_config
+
     (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
-    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config = read_hf_config(str(tmp_path))  # transformers' own class (Kimi-K2's kimi_k2: DeepSeek-V3's)
     with torch.device("meta"):
         count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
                  *LAYOUTS[name]]) == 0, capsys.readouterr().err
     plan = yaml.safe_load(capsys.readouterr().out)["plan"]
     sync = plan["weight_sync"]
-    family = RELEASED[name]["model_type"]
+    family = family_of(config).name
     assert sync["parameters"].startswith(f"{count:,} ({family}, counted from config.json"), sync["parameters"]
     buffers = RELEASED[name].get("n_routed_experts", 0) * (  # the expert bias of every MoE layer is sent too
         RELEASED[name]["num_hidden_layers"] - RELEASED[name].get("first_k_dense_replace", 0))
@@ -242,6 +287,18 @@ def test_a_released_shape_plans_from_config_json_alone_with_transformers_paramet
         hidden, vocab = config.hidden_size, config.vocab_size
         mtp = layer + 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden
         assert f"; + {mtp:,} in 1 multi-token-prediction layer(s), kept frozen" in sync["parameters"], sync
+
+
+def test_a_deepseek_v3_layout_that_cannot_fit_is_refused_with_its_figures_and_one_that_does(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["DeepSeek-V3"]))
+    # TP8 x DP1 with EP8 and no pipeline: 32 experts of every MoE layer on each of 8 GPUs
+    small = ["cluster.num_nodes=3", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=16",
+             "rollout.num_engines=1", "--tensor-model-parallel-size", "8", "trainer.data_parallel_size=1",
+             "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"]
+    assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
+                 *small]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "more than cluster.gpu_memory_gb=141" in err and "would fit" in err, err
 
 
 # slime's MODEL_ARGS for GLM-4.5 (scripts/models/glm4.5-355B-A32B.sh), flag by flag as its scripts pass them
