@@ -239,6 +239,15 @@ MOONLIGHT = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek
              "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
+DEEPSEEK_V3 = {**MOONLIGHT, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+               "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+               "routed_scaling_factor": 2.5, "q_lora_rank": 1536, "n_group": 8, "topk_group": 4,
+               "num_experts_per_tok": 8, "first_k_dense_replace": 3, "max_position_embeddings": 163840,
+               "rms_norm_eps": 1e-06, "rope_theta": 10000,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "type": "yarn"}}
+
 
 def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     """With a model directory holding only a config.json that suits every recipe (a Qwen3-MoE shape the MoE
@@ -259,7 +268,7 @@ def test_each_launch_script_dry_runs_and_prints_the_placement_plan(tmp_path):
     # and the GLM-4.5-Air recipe plans its own checkpoint's shape
     models = {"slime_qwen3_8b_dense.sh": CONFIGS["strands_qwen3_8b.sh"],
               "slime_qwen3_30b_a3b_moe.sh": CONFIGS["run-qwen3-30B-A3B.sh"], "glm45_air_moe.sh": GLM45_AIR,
-              "moonlight_moe.sh": MOONLIGHT}
+              "moonlight_moe.sh": MOONLIGHT, "deepseek_v3_moe.sh": DEEPSEEK_V3}
     for script, config in models.items():
         (tmp_path / script).mkdir()
         (tmp_path / script / "config.json").write_text(json.dumps(config))

@@ -21,11 +21,12 @@ def shrunk_recipe(name, tmp_path, engine=ENGINE):
 def test_the_shipped_recipes_are_every_config_and_every_runnable_script():
     assert [r for r in RECIPES if r.startswith("examples/")] == [
         f"examples/configs/{n}.yaml" for n in
-        ("calc_multi_turn", "demo", "demo_async", "distill", "glm45_air", "judge_reward", "moonlight", "mu_grpo",
-         "openai_agent", "ppo_critic",
+        ("calc_multi_turn", "deepseek_v3", "demo", "demo_async", "distill", "glm45_air", "judge_reward", "moonlight",
+         "mu_grpo", "openai_agent", "ppo_critic",
          "qwen3_30b_a3b", "qwen3_8b", "replay_debug", "sft", "smollm2_arith", "text_arith")]
     assert [r for r in RECIPES if r.startswith("launch/")] == [
-        f"launch/scripts/{n}.sh" for n in ("glm45_air_moe", "moonlight_moe", "multi_node", "qwen3_30b_a3b_moe",
+        f"launch/scripts/{n}.sh" for n in ("deepseek_v3_moe", "glm45_air_moe", "moonlight_moe", "multi_node",
+                                           "qwen3_30b_a3b_moe",
                                            "qwen3_8b_dense",
                                            "single_node",
                                            "slime_qwen3_30b_a3b_moe", "slime_qwen3_8b_dense")]
