@@ -10,7 +10,7 @@ from typing import Any
 
 from glue.trainer import rope
 from glue.trainer.norm import CompiledRMSNorm, ReferenceRMSNorm, RMSNorm
-from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_layer_spec
+from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_available, te_layer_spec
 
 # megatron's unfused DotProductAttention sizes keys and values alike; multi-latent attention's differ
 MLA_REFERENCE = ("multi-latent attention (deepseek_v3) runs on sluice's core attention, not megatron's unfused "
@@ -66,7 +66,7 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
     if post_norms:  # the attention's and the MLP's output projections (every RowParallelLinear of a dense layer)
         from megatron.core.tensor_parallel import RowParallelLinear
 
-        from glue.trainer.post_norm import with_post_norm
+        from glue.trainer.post_norm import with_post_norm  # lazy: imports megatron-core
 
         if config.num_moe_experts:
             raise ValueError("post-attention / post-MLP norms are built for dense layers only")
@@ -91,8 +91,6 @@ def _without_te_stand_ins() -> None:
     without Transformer Engine (its classes are then mocks), and then calls isinstance(..., a mock). Where TE does not
     import, tell that module so (fixed in megatron-core 0.19)."""
     from megatron.core.transformer import multi_latent_attention
-
-    from glue.trainer.te_spec import te_available
 
     if not te_available():
         multi_latent_attention.HAVE_TE = False

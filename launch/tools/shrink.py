@@ -9,7 +9,6 @@ import copy
 import inspect
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,14 +18,13 @@ from glue.plugins import load_object
 from launch.args.options import to_argv
 from launch.args.sglang import sglang_options
 from rollout_fns.arith_data import arith_rows
-from weight_sync.families import FAMILIES, MoeFamily, family_of
+from launch.tools.shrink_models import infer_family, shrink_model, shrink_reward_models  # noqa: F401 (API)
 
 STEPS = 2  # train steps of a rehearsal: the first one starts everything, the second one follows a weight sync
 MAX_TRAINER_RANKS = 2  # trainer world size on 2 cores (each rank is a process with its own model copy)
 MAX_PARALLEL = 2  # any one parallel dimension (TP, PP, EP, ETP, DP, engine TP / EP)
 PROMPTS, SAMPLES, NEW_TOKENS, EVAL_PROMPTS = 4, 4, 8, 4
 SFT_ROWS = 64  # generated chats an SFT recipe's rehearsal trains on
-TEXT_VOCAB = 272  # a tiny model with a tokenizer: 256 bytes, 4 specials, 12 merges (examples/configs/text_arith.yaml)
 
 
 # megatron-core fields whose recipe values need CUDA; the CPU trainer keeps its own (glue/trainer/model.py).
@@ -128,8 +126,8 @@ def shrink(raw: dict[str, Any], *, data_dir: str | Path, engine: str = "sglang_s
     _shrink_run(edit, steps)
     _shrink_cluster(edit, engine)
     _shrink_trainer(edit)
-    _shrink_model(edit, name_hint)
-    _shrink_reward_models(edit)
+    shrink_model(edit, name_hint)
+    shrink_reward_models(edit)
     _shrink_data(edit, shrunk, Path(data_dir))
     _shrink_sft(edit, Path(data_dir))
     _shrink_rollout(edit, steps)
@@ -201,77 +199,6 @@ def _shrink_trainer(edit: _Editor) -> None:
             edit.drop(f"trainer.megatron.{key}", f"GPU only: {why}")
     if megatron.get("sequence_parallel") and new["tensor_model_parallel"] == 1:
         edit.drop("trainer.megatron.sequence_parallel", "needs TP > 1, and TP is 1 here")
-
-
-def infer_family(model_path: str | None, name_hint: str) -> str:
-    """The family of the recipe's checkpoint (weight_sync.families): its config.json's when the directory is here,
-    else the first family whose name pattern matches the path or the recipe's name; qwen2 (the demos' family) when
-    nothing matches."""
-    if model_path and (Path(model_path) / "config.json").is_file():
-        return family_of(json.loads((Path(model_path) / "config.json").read_text())).name
-    text = f"{model_path or ''} {name_hint}".lower()
-    return next((name for name, family in FAMILIES.items() if re.search(family.name_pattern, text)), "qwen2")
-
-
-def _shrink_model(edit: _Editor, name_hint: str) -> None:
-    if edit.get("model.shape"):
-        edit.drop("model.shape", "the model-shape flags describe the recipe's checkpoint; the tiny stand-in has its "
-                                 "own shape (they are checked against config.json where the checkpoint is)")
-    path = edit.get("model.path")
-    if path is None:
-        return  # a tiny model already
-    family = infer_family(path, name_hint)
-    tokenizer = edit.get("run.mode") == "sft" or needs_tokenizer(edit.get("rollout.task", ""))
-    tiny = {"family": family, "tokenizer": tokenizer, "num_layers": 2,
-            "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
-    if tiny["tokenizer"]:
-        tiny["vocab_size"] = TEXT_VOCAB
-    if isinstance(FAMILIES[family], MoeFamily):  # experts in kind: two on each expert-parallel rank, top-2 routing
-        ep = edit.get("trainer.expert_model_parallel_size", 1) or 1
-        tiny.update(num_experts=2 * max(ep, 2), moe_top_k=2)
-    edit.set("model.path", None, f"the checkpoint swapped for a tiny random {family} (model.tiny)")
-    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # the stage split
-                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        edit.drop(f"trainer.megatron.{key}", "sized for the recipe's layers; the tiny stand-in's 2 split evenly")
-    edit.set("model.tiny", tiny, f"a tiny {family} of the recipe's family"
-             + (" with a byte-level BPE tokenizer and ChatML template (the task tokenizes text)"
-                if tiny["tokenizer"] else ""))
-    _drop_checkpoint_fields(edit, family, tiny)
-
-
-def _drop_checkpoint_fields(edit: _Editor, family: str, tiny: dict) -> None:
-    """Pass-through fields that config.json fixes (the family's megatron_fields: slime's MLA and router flags) carry
-    the recipe's checkpoint's values, checked against it where it is; the tiny stand-in has values of its own."""
-    from glue.embedded_engine.tiny_model import tiny_config
-
-    fixed = FAMILIES[family].megatron_fields(tiny_config(**{k: v for k, v in tiny.items() if k != "tokenizer"}))
-    for key in sorted(set(edit.get("trainer.megatron") or {}) & set(fixed)):
-        edit.drop(f"trainer.megatron.{key}", "a fact of the recipe's config.json (checked against it where the "
-                                             "checkpoint is); the tiny stand-in has its own")
-
-
-def _shrink_reward_models(edit: _Editor) -> None:
-    """A judge's or reward model's checkpoint is swapped for a tiny random text model of its family (both read
-    text); the judge keeps one engine."""
-    for section in ("judge", "reward_model"):
-        path = edit.get(f"{section}.model.path")
-        if path is None:
-            continue
-        family = infer_family(path, "")
-        tiny = {"family": family, "tokenizer": True, "vocab_size": TEXT_VOCAB, "num_layers": 2, "hidden_size": 64,
-                "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
-        edit.set(f"{section}.model.path", None, f"the {section} checkpoint swapped for a tiny random {family}")
-        edit.set(f"{section}.model.tiny", tiny, f"a tiny {family} with a byte-level BPE tokenizer and ChatML template")
-    if (edit.get("judge.num_engines") or 1) > 1:
-        edit.set("judge.num_engines", 1, "one judge engine on CPU")
-
-
-def needs_tokenizer(task_path: str) -> bool:
-    """Whether the task class takes a tokenizer (a text task reads the policy's own)."""
-    if not task_path:
-        return False
-    task = load_object(task_path, what="task")
-    return inspect.isclass(task) and "tokenizer" in inspect.signature(task).parameters
 
 
 def _shrink_data(edit: _Editor, shrunk: Shrunk, data_dir: Path) -> None:
