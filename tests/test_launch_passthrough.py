@@ -177,19 +177,40 @@ def test_several_values_of_an_sglang_option_are_parsed_with_sglangs_nargs_and_va
     assert "argument --sglang-cuda-graph-bs-decode: invalid int value: 'x'" in capsys.readouterr().err
 
 
-RENAMED = ("sluice: config error: unknown sglang option sglang.cuda_graph_bs (--sglang-cuda-graph-bs): the installed "
-           "sglang has --sglang-cuda-graph-bs-decode / --sglang-cuda-graph-bs-prefill in its place (a renamed "
-           "option); use those")
+RENAMED_NOTE = ("sluice: note: --sglang-cuda-graph-bs is --sglang-cuda-graph-bs-decode in the installed sglang "
+                "(renamed, same meaning): passed as that")
 
 
-@pytest.mark.parametrize("argv", [
-    ["--sglang-cuda-graph-bs", "4"], ["--sglang-cuda-graph-bs", "1", "2", "4"], ["--sglang-cuda-graph-bs=4"],
-    ["--sglang-cuda-graph-bs", "1", "2", "run.num_steps=3", "--sglang-enable-memory-saver"],
-    ["sglang.cuda_graph_bs=[1,2,4]"],
+@pytest.mark.parametrize("argv, values", [
+    (["--sglang-cuda-graph-bs", "4"], [4]), (["--sglang-cuda-graph-bs", "1", "2", "4"], [1, 2, 4]),
+    (["--sglang-cuda-graph-bs=4"], [4]),
+    (["--sglang-cuda-graph-bs", "1", "2", "run.num_steps=3", "--sglang-enable-memory-saver"], [1, 2]),
+    (["sglang.cuda_graph_bs=[1,2,4]"], [1, 2, 4]),
 ], ids=["one value", "three values", "with =", "then an override and a switch", "as a config key"])
-def test_a_renamed_sglang_option_is_named_with_its_successors_whatever_its_number_of_values(capsys, argv):
-    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, *argv]) == 2
-    assert capsys.readouterr().err.strip() == RENAMED
+def test_a_spelling_sglang_renamed_with_the_same_meaning_is_passed_as_its_new_name_with_a_note(capsys, argv, values):
+    # slime's Qwen3-30B-A3B script passes --sglang-cuda-graph-bs; SGLang 0.5.23 calls decode's batch sizes
+    # --cuda-graph-bs-decode (CUDA graphs were captured for decode only before prefill got its own)
+    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, *argv]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == RENAMED_NOTE
+    shown = yaml.safe_load(out)
+    assert shown["sglang"]["cuda_graph_bs_decode"] == values and "cuda_graph_bs" not in shown["sglang"]
+    assert f"--cuda-graph-bs-decode {' '.join(map(str, values))}" in shown["plan"]["engines"][0]["command"]
+    if "run.num_steps=3" in argv:
+        assert shown["run"]["num_steps"] == 3 and shown["sglang"]["enable_memory_saver"] is True
+
+
+def test_a_renamed_option_whose_meaning_is_not_known_is_named_with_its_successors(capsys):
+    assert main(["--dry-run", "--config", DEMO, *GPU_NODE, "--sglang-cuda-graph-backend", "disabled"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sluice: config error: unknown sglang option sglang.cuda_graph_backend (--sglang-cuda-graph-backend): the "
+        "installed sglang has --sglang-cuda-graph-backend-decode / --sglang-cuda-graph-backend-prefill in its place "
+        "(a renamed option); use those")
+
+
+def test_enable_deepep_moe_is_one_value_of_the_installed_sglangs_moe_a2a_backend(capsys):
+    shown = dry_run(capsys, "--config", DEMO, *GPU_NODE, "--sglang-enable-deepep-moe")
+    assert shown["sglang"] == {"moe_a2a_backend": "deepep"}
 
 
 @pytest.mark.parametrize("argv, successor", [

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,37 @@ OWNED = {
     "config": "the sglang: section of the sluice YAML (so every option is validated)",
 }
 _SCALARS = {"int": int, "float": float, "str": str}
+# Earlier SGLang spellings that the installed one renamed with the same meaning (slime's scripts still pass them):
+# old key -> (new key, the new value for a switch's true, or None to keep the value). CUDA graphs were captured for
+# decode only before prefill got graphs of its own (cuda_graph_*_prefill), and --enable-deepep-moe became one value
+# of --moe-a2a-backend.
+RENAMED: dict[str, tuple[str, Any]] = {
+    "cuda_graph_bs": ("cuda_graph_bs_decode", None),
+    "cuda_graph_max_bs": ("cuda_graph_max_bs_decode", None),
+    "enable_deepep_moe": ("moe_a2a_backend", "deepep"),
+}
+
+
+def renamed_to_installed(values: dict[str, Any], specs: dict[str, OptionSpec]) -> dict[str, Any]:
+    """`values` (the sglang: section) with each renamed spelling the installed sglang lacks moved to its new key,
+    one note line on stderr per move saying so (as SGLang says of its own deprecated spellings)."""
+    out = dict(values)
+    for old, (new, switch_value) in RENAMED.items():
+        if old not in out or old in specs or new not in specs:
+            continue
+        value = out.pop(old)
+        if switch_value is not None:
+            if value is not True:
+                continue  # a switch given false sets nothing
+            value = switch_value
+        if new in out and out[new] != value:
+            raise ValueError(f"--sglang-{old.replace('_', '-')} (the installed sglang's --{new.replace('_', '-')}) "
+                             f"and --sglang-{new.replace('_', '-')} are both given, with different values; keep one")
+        out[new] = value
+        shown = "" if switch_value is None else f" {value}"
+        print(f"sluice: note: --sglang-{old.replace('_', '-')} is --sglang-{new.replace('_', '-')}{shown} in the "
+              "installed sglang (renamed, same meaning): passed as that", file=sys.stderr)
+    return out
 
 
 @functools.cache

@@ -124,7 +124,8 @@ def _checked_passthrough(cfg: SluiceConfig) -> SluiceConfig:
         if bad:
             raise ValueError(f"--sglang-{bad[0].replace('_', '-')} is set by sluice itself; use {sglang_args.OWNED[bad[0]]}")
     else:
-        sglang = check_values(sglang, sglang_specs, section="sglang", prefix="sglang", owned=sglang_args.OWNED)
+        sglang = check_values(sglang_args.renamed_to_installed(sglang, sglang_specs), sglang_specs, section="sglang",
+                              prefix="sglang", owned=sglang_args.OWNED)
     router_specs = router_args.router_options()
     router = dict(cfg.router)
     if router_specs is not None:
