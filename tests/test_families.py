@@ -314,31 +314,6 @@ SLIME_GLM45 = ("--disable-bias-linear --qk-layernorm --group-query-attention --n
                "--moe-aux-loss-coeff 0").split()
 
 
-def glm45_dry_run(capsys, tmp_path, model_args: list[str]) -> tuple[int, str]:
-    (tmp_path / "config.json").write_text(json.dumps(RELEASED["GLM-4.5"]))
-    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
-                 *LAYOUTS["GLM-4.5"], *model_args])
-    return code, capsys.readouterr().err.strip()
-
-
-def test_slimes_glm45_model_flags_as_written_plan_against_its_config_json(tmp_path, capsys):
-    assert glm45_dry_run(capsys, tmp_path, SLIME_GLM45) == (0, "")
-
-
-@pytest.mark.parametrize("flag, value, field, implied", [
-    ("--moe-router-topk-scaling-factor", "1.0", "moe_router_topk_scaling_factor", "2.5"),
-    ("--moe-shared-expert-intermediate-size", "3072", "moe_shared_expert_intermediate_size", "1536"),
-    ("--rotary-percent", "1.0", "partial_rotary_factor", "0.5"),
-])
-def test_a_slime_model_flag_that_config_json_contradicts_is_refused_naming_both(tmp_path, capsys, flag, value, field,
-                                                                                  implied):
-    args = list(SLIME_GLM45)
-    args[args.index(flag) + 1] = value
-    code, err = glm45_dry_run(capsys, tmp_path, args)
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert f"{flag} {value}" in err and f"{field}" in err and implied in err, err
-
-
 # slime's MODEL_ARGS for Moonlight-16B-A3B (scripts/models/moonlight.sh), with its shell variables expanded
 SLIME_MOONLIGHT = ("--disable-bias-linear --num-layers 27 --hidden-size 2048 --ffn-hidden-size 11264 "
                    "--num-attention-heads 16 --kv-channels 128 --normalization RMSNorm --position-embedding-type rope "
@@ -356,33 +331,41 @@ SLIME_MOONLIGHT = ("--disable-bias-linear --num-layers 27 --hidden-size 2048 --f
                    "--moe-permute-fusion").split()
 
 
-def moonlight_dry_run(capsys, tmp_path, model_args: list[str]) -> tuple[int, str]:
-    (tmp_path / "config.json").write_text(json.dumps(RELEASED["Moonlight-16B-A3B"]))
+SLIME_MODEL_ARGS = {"GLM-4.5": SLIME_GLM45, "Moonlight-16B-A3B": SLIME_MOONLIGHT}
+
+
+def slime_dry_run(capsys, tmp_path, name: str, model_args: list[str]) -> tuple[int, str]:
+    """--dry-run of the released shape `name` (config.json alone) with slime's MODEL_ARGS `model_args`."""
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
     code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={tmp_path}", *LAYOUT,
-                 *LAYOUTS["Moonlight-16B-A3B"], *model_args])
+                 *LAYOUTS[name], *model_args])
     return code, capsys.readouterr().err.strip()
 
 
-def test_slimes_moonlight_mla_flags_as_written_plan_against_its_config_json(tmp_path, capsys):
-    assert moonlight_dry_run(capsys, tmp_path, SLIME_MOONLIGHT) == (0, "")
+@pytest.mark.parametrize("name", sorted(SLIME_MODEL_ARGS))
+def test_slimes_model_flags_as_written_plan_against_their_config_json(tmp_path, capsys, name):
+    assert slime_dry_run(capsys, tmp_path, name, SLIME_MODEL_ARGS[name]) == (0, "")
 
 
-@pytest.mark.parametrize("flag, value, field, implied", [
-    ("--kv-lora-rank", "256", "kv_lora_rank", "512"),
-    ("--qk-pos-emb-head-dim", "32", "qk_pos_emb_head_dim", "64"),
-    ("--moe-router-topk-scaling-factor", "2.5", "moe_router_topk_scaling_factor", "2.446"),
+@pytest.mark.parametrize("name, flag, value, field, implied", [
+    ("GLM-4.5", "--moe-router-topk-scaling-factor", "1.0", "moe_router_topk_scaling_factor", "2.5"),
+    ("GLM-4.5", "--moe-shared-expert-intermediate-size", "3072", "moe_shared_expert_intermediate_size", "1536"),
+    ("GLM-4.5", "--rotary-percent", "1.0", "partial_rotary_factor", "0.5"),
+    ("Moonlight-16B-A3B", "--kv-lora-rank", "256", "kv_lora_rank", "512"),
+    ("Moonlight-16B-A3B", "--qk-pos-emb-head-dim", "32", "qk_pos_emb_head_dim", "64"),
+    ("Moonlight-16B-A3B", "--moe-router-topk-scaling-factor", "2.5", "moe_router_topk_scaling_factor", "2.446"),
 ])
-def test_an_mla_flag_that_config_json_contradicts_is_refused_naming_both(tmp_path, capsys, flag, value, field,
-                                                                          implied):
-    args = list(SLIME_MOONLIGHT)
+def test_a_slime_model_flag_that_config_json_contradicts_is_refused_naming_both(tmp_path, capsys, name, flag, value,
+                                                                                  field, implied):
+    args = list(SLIME_MODEL_ARGS[name])
     args[args.index(flag) + 1] = value
-    code, err = moonlight_dry_run(capsys, tmp_path, args)
+    code, err = slime_dry_run(capsys, tmp_path, name, args)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{flag} {value}" in err and field in err and implied in err, err
 
 
 def test_an_mla_flag_given_for_a_model_without_mla_is_refused(tmp_path, capsys):
-    code, err = glm45_dry_run(capsys, tmp_path, [*SLIME_GLM45, "--q-lora-rank", "1536"])
+    code, err = slime_dry_run(capsys, tmp_path, "GLM-4.5", [*SLIME_GLM45, "--q-lora-rank", "1536"])
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "--q-lora-rank is a field of multi-latent attention" in err and "glm4_moe" in err, err
 
