@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from glue.embedded_engine.routed_experts import RoutingRecorder
+from weight_sync.families import FAMILIES, MoeFamily
 
 TOKENS = torch.tensor([[5, 17, 3, 42, 9, 60], [1, 2, 33, 33, 7, 50]])  # two rows: the recording is row-major
 TOP_K = 2
@@ -176,3 +177,18 @@ def test_a_moe_layer_whose_router_did_not_run_is_refused_rather_than_recorded_as
         model(input_ids=TOKENS)
     with pytest.raises(RuntimeError, match=r"the routers of MoE layers \[1\] did not run in the last forward"):
         recorder.take(*TOKENS.shape)
+
+
+@pytest.mark.parametrize("family", sorted(f.name for f in FAMILIES.values() if isinstance(f, MoeFamily)))
+def test_the_rollout_sides_routing_layout_is_the_familys_own(tmp_path, family):
+    # the sizes the rollout decodes each token's routing with come from the family (weight_sync.families), so its
+    # dense layers are the layers the family's table gives no router
+    from glue.embedded_engine.tiny_model import tiny_config
+    from glue.rollout.routed_experts import RoutedExpertsLayout
+
+    config = tiny_config(family=family, num_layers=3, num_experts=4)
+    config.save_pretrained(tmp_path)
+    layout = RoutedExpertsLayout.from_model_dir(tmp_path)
+    routers = {rule.layer for rule in FAMILIES[family].rules(config) if rule.megatron.endswith("mlp.router.weight")}
+    assert layout.dense_layers == tuple(i for i in range(3) if i not in routers)
+    assert (layout.num_layers, layout.num_experts, layout.top_k) == (3, 4, 2)

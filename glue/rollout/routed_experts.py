@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from weight_sync.families import BY_MODEL_TYPE
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoutedExpertsLayout:
@@ -41,10 +43,18 @@ class RoutedExpertsLayout:
 
     @classmethod
     def from_model_dir(cls, model_path: str | os.PathLike) -> "RoutedExpertsLayout":
-        """Read the sizes from an HF model directory's config.json (Qwen3-MoE / Qwen2-MoE / Mixtral names)."""
+        """Read the sizes from an HF model directory's config.json: its family's (weight_sync.families: which
+        layers route, how many experts), else the HF / SGLang model code's rules for the MoE families the trainer
+        does not build (Qwen2-MoE)."""
         with open(os.path.join(model_path, "config.json")) as handle:
             config = json.load(handle)
         config = config.get("text_config", config)
+        family = BY_MODEL_TYPE.get(config.get("model_type"))
+        if family is not None and family.num_experts(config) and config.get("num_experts_per_tok"):
+            num_layers = int(config["num_hidden_layers"])
+            return cls(num_layers=num_layers, top_k=int(config["num_experts_per_tok"]),
+                       num_experts=family.num_experts(config),
+                       dense_layers=tuple(i for i in range(num_layers) if not family.is_moe_layer(config, i)))
         num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
         if not num_experts or not config.get("num_experts_per_tok"):
             raise ValueError(f"rollout.return_routed_experts: the model at {model_path} is not an MoE model "
@@ -55,9 +65,9 @@ class RoutedExpertsLayout:
 
 
 def _has_experts(config: dict, layer: int) -> bool:
-    """Does decoder layer `layer` route through experts? The rules of the HF / SGLang model code: Qwen2-MoE and
-    Qwen3-MoE (`mlp_only_layers`, every `decoder_sparse_step`-th layer), DeepSeek-V2/V3 and GLM-4-MoE (dense below
-    `first_k_dense_replace`, then every `moe_layer_freq`-th); other families (Mixtral) have experts everywhere."""
+    """Does decoder layer `layer` of a model outside sluice's families (Qwen2-MoE, DeepSeek-V2) route through
+    experts? The HF / SGLang model code's rules: not in `mlp_only_layers`, every `decoder_sparse_step`-th layer; dense
+    below `first_k_dense_replace`, then every `moe_layer_freq`-th; else experts everywhere."""
     if layer in (config.get("mlp_only_layers") or ()):
         return False
     if (layer + 1) % int(config.get("decoder_sparse_step") or 1):
