@@ -32,7 +32,7 @@ from weight_sync.families import FAMILIES
 
 @dataclass(kw_only=True)
 class TinyModelConfig:
-    family: Literal[tuple(FAMILIES)] = "qwen2"  # a model family (docs/models.md): dense qwen2, llama, qwen3 (q/k norms), or a mixture of experts for EP and routing replay (qwen3_moe, mixtral, glm4_moe)
+    family: Literal[tuple(FAMILIES)] = "qwen2"  # a model family (docs/models.md): dense qwen2, llama, qwen3 (q/k norms), glm4 (post norms), or a mixture of experts for EP and routing replay (qwen3_moe, mixtral, glm4_moe, deepseek_v3: multi-latent attention)
     vocab_size: int = 32  # tokens of the tiny model (>= 260 with tokenizer: true)
     hidden_size: int = 64  # model width
     num_layers: int = 2  # transformer layers
