@@ -44,8 +44,8 @@ def test_every_family_module_is_registered_once_and_takes_its_own_model_types():
     assert {importlib.import_module(f"weight_sync.families.{m}").FAMILY.name for m in modules} == set(FAMILIES)
     taken = [t for f in FAMILIES.values() for t in f.model_types]
     assert len(taken) == len(set(taken)), taken
-    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' is not supported by the megatron trainer yet"):
-        family_of({"model_type": "gpt_oss"})
+    with pytest.raises(ValueError, match=r"model_type 'gemma3_text' is not supported by the megatron trainer yet"):
+        family_of({"model_type": "gemma3_text"})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -101,6 +101,23 @@ def test_dry_run_refuses_a_mixtral_with_a_sliding_window_in_one_line(tmp_path, c
     code, err = dry_run(capsys, write_checkpoint(tmp_path / "mixtral", "mixtral", sliding_window=8))
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "sliding_window=8" in err and "set sliding_window: null" in err, err
+
+
+def test_gpt_oss_refuses_what_the_trainer_does_not_build_each_in_one_line():
+    from glue.embedded_engine.tiny_model import tiny_config
+
+    gpt_oss = FAMILIES["gpt_oss"]
+    gpt_oss.check(tiny_config(family="gpt_oss"))  # the tiny one, features on, builds
+    refused = {"quantization_config": ({"quant_method": "mxfp4"}, "quant_method='mxfp4'.*dequantized checkpoint"),
+               "attention_bias": (False, "attention_bias=false"),
+               "layer_types": (["sliding_attention", "chunked_attention"], r"\['chunked_attention'\]"),
+               "swiglu_alpha": (1.5, "swiglu_alpha=1.5.*quick_gelu")}
+    for field, (value, message) in refused.items():
+        config = tiny_config(family="gpt_oss")
+        setattr(config, field, value)
+        with pytest.raises(ValueError, match=message) as err:
+            gpt_oss.check(config)
+        assert "\n" not in str(err.value), field
 
 
 def short_run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
