@@ -16,6 +16,11 @@ from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_laye
 MLA_REFERENCE = ("multi-latent attention (deepseek_v3) runs on sluice's core attention, not megatron's unfused "
                  "reference: drop --attention-backend local / unfused")
 
+# megatron's own attention adds sinks and windows on CUDA only, and its fused softmax swaps a packed row's block
+# mask for the window mask (samples would see each other)
+SINKS_ELSEWHERE = ("attention sinks and sliding windows (gpt_oss) run on sluice's core attention only: drop "
+                   "--attention-backend local / unfused and trainer.layer_spec te")
+
 
 def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
@@ -24,10 +29,14 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any
     megatron norm is replaced by sluice's `RMSNorm` (torch's function on the reference spec) and the core
     attention is the one `config.attention_backend` names
     (glue.trainer.attention). `compiled` (trainer.compile): the norms and the RoPE rotation of the fast spec run
-    under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
+    under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only. Sinks and sliding
+    windows (gpt-oss) take the local spec with sluice's core attention (auto resolves to it)."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
-    if resolve_layer_spec(choice) == "te":
+    has_sinks_or_window = config.softmax_type != "vanilla" or config.window_size is not None
+    if resolve_layer_spec(choice) == "te" and has_sinks_or_window and choice == "te":
+        raise ValueError(SINKS_ELSEWHERE)
+    if resolve_layer_spec(choice) == "te" and not has_sinks_or_window:
         rope.install()
         return te_layer_spec(config)
     if config.moe_grouped_gemm:
@@ -46,6 +55,8 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     core_attention = core_attention_class(config.attention_backend)
+    if has_sinks_or_window and core_attention is DotProductAttention:
+        raise ValueError(SINKS_ELSEWHERE)
     if config.multi_latent_attention:
         if core_attention is DotProductAttention:
             raise ValueError(MLA_REFERENCE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 from typing import Any, Iterator
 
@@ -79,11 +80,13 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
     if family_fields.get("multi_latent_attention"):
         head_dim = family_fields["v_head_dim"]  # what megatron's attention sizes its output by
     config_class = MLATransformerConfig if family_fields.get("multi_latent_attention") else TransformerConfig
+    # SwiGLU without biases unless the family says otherwise (gpt-oss)
+    family_fields = {"add_bias_linear": False, **family_fields,
+                     "activation_func": activation_function(family_fields.get("activation_func", "silu"))}
     return config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
         num_query_groups=num_groups, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp_size,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -93,6 +96,17 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
         # the schedule must backpropagate them as they are
         calculate_per_token_loss=True, **family_fields,
     )
+
+
+def activation_function(name: str) -> Any:
+    """The gated unit's activation a family names (weight_sync.families imports no torch): SwiGLU's silu, or
+    gpt-oss's x * sigmoid(1.702 x), megatron's quick_gelu."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    functions = {"silu": F.silu, "quick_gelu": quick_gelu}
+    if name not in functions:
+        raise ValueError(f"activation_func {name!r} is not one the trainer builds; use one of {sorted(functions)}")
+    return functions[name]
 
 
 def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
@@ -165,7 +179,10 @@ def scale_rope(model: torch.nn.Module, hf_config: Any) -> None:
         return
     with torch.device("cpu"):  # real numbers even where the model is built on the meta device (sluice export-hf)
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    if attention_factor != 1.0:
+    scale = model.config.softmax_scale  # a family may fold the attention factor into it (gpt-oss's YaRN)
+    folded = scale is not None and math.isclose(scale, attention_factor ** 2 / math.sqrt(model.config.kv_channels),
+                                                rel_tol=1e-9)
+    if attention_factor != 1.0 and not folded:
         raise ValueError(f"rope_type {rope_type!r} scales attention by {attention_factor}; the trainer builds only "
                          "scalings that change the frequencies alone")
     rope = model.rotary_pos_emb

@@ -180,6 +180,11 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
     if experts % ep:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
                           "(megatron-core gives every EP rank the same number); choose another EP size")
+    etp = family_of(hf_config).megatron_fields(hf_config).get("expert_tensor_parallel_size")
+    if etp is not None and (trainer.expert_tensor_parallel_size or tp) != etp:
+        raise ConfigError(f"trainer.expert_tensor_parallel_size={trainer.expert_tensor_parallel_size or tp}: "
+                          f"megatron-core builds {hf_config.model_type}'s expert biases at expert TP {etp} only; set "
+                          f"trainer.expert_tensor_parallel_size: {etp}")
     # megatron-core's MoELayer.forward raises in training when its TP group has > 1 rank without sequence parallelism
     if experts and tp > 1 and not trainer.megatron.get("sequence_parallel"):
         raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "

@@ -78,7 +78,8 @@ class GptOss(MoeFamily):
         return (*super().entries(), *ATTENTION_EXTRA, *ROUTER, *EXPERTS)
 
     def megatron_fields(self, hf_config: Any) -> dict[str, Any]:
-        """MoeFamily's routing (top-k logits softmaxed) plus biases on every linear, learnable sinks, the sliding
+        """MoeFamily's routing (top-k logits softmaxed) plus biases on every linear (so experts unsplit by TP: ETP 1),
+        learnable sinks, the sliding
         window on `sliding_attention` layers (HF's window of W tokens holds the token and W - 1 before it), the
         clamped SwiGLU with its +1 on up, and YaRN's attention factor on q and k as a softmax scale of its square."""
         fields = super().megatron_fields(hf_config)
@@ -86,7 +87,9 @@ class GptOss(MoeFamily):
                            // int(cfg(hf_config, "num_attention_heads"))))
         rope = rope_parameters(hf_config)
         factor = yarn_attention_factor(rope) if rope["rope_type"] == "yarn" else 1.0
-        fields.update(add_bias_linear=True, softmax_type="learnable", activation_func="quick_gelu",
+        # megatron-core builds expert biases unsplit only: expert tensor parallelism 1 (trainer.expert_tensor_...)
+        fields.update(add_bias_linear=True, expert_tensor_parallel_size=1, softmax_type="learnable",
+                      activation_func="quick_gelu",
                       glu_linear_offset=1.0, activation_func_clamp_value=float(cfg(hf_config, "swiglu_limit", 7.0)),
                       softmax_scale=factor * factor / math.sqrt(head_dim))
         windows = [int(t == "sliding_attention") for t in self.layer_types(hf_config)]
@@ -108,5 +111,5 @@ class GptOss(MoeFamily):
 FAMILY = GptOss(
     name="gpt_oss", model_types=("gpt_oss",), examples=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
     tiny_classes=("GptOssConfig", "GptOssForCausalLM"), name_pattern=r"gpt-?oss",
-    rope_types=("default", "yarn"), expert_width="intermediate_size",
+    rope_types=("default", "yarn"), expert_width="intermediate_size", fused_experts_in_checkpoint=True,
 )
