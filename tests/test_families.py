@@ -69,6 +69,19 @@ def test_the_engine_names_a_mixtral_expert_as_its_checkpoint_does(tmp_path):
             assert torch.equal(named[name], f.get_tensor(name)), name
 
 
+def test_the_engine_names_gpt_oss_fused_experts_as_its_checkpoint_does(tmp_path):
+    from glue.embedded_engine.checkpoint_names import checkpoint_tensors
+
+    path = write_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    named = checkpoint_tensors(model)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        assert set(named) == set(f.keys())
+        for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.router.bias",
+                     "model.layers.0.self_attn.sinks"):
+            assert torch.equal(named[name], f.get_tensor(name)), name
+
+
 def test_a_moe_family_knows_its_loaded_and_checkpoint_names_both_ways():
     mixtral = FAMILIES["mixtral"]
     assert isinstance(mixtral, MoeFamily)
@@ -120,6 +133,16 @@ def test_gpt_oss_refuses_what_the_trainer_does_not_build_each_in_one_line():
         assert "\n" not in str(err.value), field
 
 
+def test_dry_run_plans_a_gpt_oss_and_refuses_its_experts_split_over_tp_in_one_line(tmp_path, capsys):
+    model_dir = write_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    assert dry_run(capsys, model_dir) == (0, "")
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={model_dir}",
+                 "trainer.tensor_model_parallel_size=2", "--sequence-parallel"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "trainer.expert_tensor_parallel_size=2" in err and "set trainer.expert_tensor_parallel_size: 1" in err
+
+
 def short_run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
     args, rest = parse_args(["--config", "examples/configs/demo.yaml", f"run.output_dir={tmp_path}",
                              f"run.name={name}", "run.num_steps=3", "rollout.prompts_per_step=4",
@@ -138,10 +161,12 @@ def test_a_llama_with_llama3_rope_trains_on_the_engines_policy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.long), "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.long), "glm4_moe", "deepseek_v3",
+                                    "gpt_oss"])
 def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
-    # DeepSeek-V3's on packed rows: MLA rotates a THD row span by span, where the others' padded rows do not
-    packed = ["trainer.max_tokens_per_micro_batch=96"] if family == "deepseek_v3" else []
+    # DeepSeek-V3's and gpt-oss's on packed rows: MLA rotates a THD row span by span, and gpt-oss's sinks and window
+    # run per span, where the others' padded rows do neither
+    packed = ["trainer.max_tokens_per_micro_batch=96"] if family in ("deepseek_v3", "gpt_oss") else []
     records = short_run(tmp_path, family, [f"model.tiny.family={family}", "model.tiny.num_experts=4",
                                            "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",
                                            "trainer.routing_replay=true", *packed])

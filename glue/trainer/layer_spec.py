@@ -6,6 +6,7 @@ unfused reference (megatron's attention and RoPE, torch's norm).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from glue.trainer import rope
@@ -66,7 +67,26 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False) -> Any
         norm = ReferenceRMSNorm
     else:
         rope.install(compiled)
-    return _swap(spec, {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention})
+    spec = _swap(spec, {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention})
+    return _with_owned_expert_outputs(spec) if config.num_moe_experts and config.add_bias_linear else spec
+
+
+def _with_owned_expert_outputs(node: Any) -> Any:
+    """`node` with the routed experts' second linear returning an output of its own. megatron-core 0.16's MLP adds
+    an expert's fc2 bias into the fc2 output in place (mlp.py: `output += output_bias * per_token_scale`), which
+    autograd forbids where that output is the unchanged input of the TP reduce (expert TP 1, which biased experts
+    need): an error in every backward."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    if isinstance(node, list):
+        return [_with_owned_expert_outputs(item) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        fields = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.init}
+        if "experts" in fields:
+            return dataclasses.replace(node, experts=_swap(fields["experts"],
+                                                           {RowParallelLinear: _owned_output_linear()}))
+        return dataclasses.replace(node, **{name: _with_owned_expert_outputs(value) for name, value in fields.items()})
+    return node
 
 
 def _swap(node: Any, swaps: dict[type, type]) -> Any:
@@ -79,6 +99,19 @@ def _swap(node: Any, swaps: dict[type, type]) -> Any:
         return dataclasses.replace(node, **{f.name: _swap(getattr(node, f.name), swaps)
                                             for f in dataclasses.fields(node) if f.init})
     return node
+
+
+@functools.cache
+def _owned_output_linear() -> type:
+    """megatron's RowParallelLinear whose output is never a view of its input (one class for every model built)."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class OwnedOutputRowParallelLinear(RowParallelLinear):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if output._is_view() else output), bias
+
+    return OwnedOutputRowParallelLinear
 
 
 def _without_te_stand_ins() -> None:

@@ -31,8 +31,7 @@ def learnable_sinks(config: Any, num_heads: int) -> torch.nn.Parameter | None:
         return None
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    device = "meta" if getattr(config, "init_model_with_meta_device", False) else None
-    sinks = torch.nn.Parameter(torch.zeros(num_heads, dtype=config.params_dtype, device=device))
+    sinks = torch.nn.Parameter(torch.zeros(num_heads, dtype=config.params_dtype))  # the checkpoint's are loaded
     set_tensor_model_parallel_attributes(sinks, is_parallel=True, dim=0, stride=1)
     return sinks
 
