@@ -64,7 +64,8 @@ CASES = [
     ("deepseek_v3_q_whole_tp2", "deepseek_v3_q_whole", 2, 1, 1),
     ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
     ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1),
-    ("gpt_oss_tp1", "gpt_oss", 1, 1, 1), ("gpt_oss_tp2", "gpt_oss", 2, 1, 1), ("gpt_oss_ep2", "gpt_oss", 1, 1, 2),
+    ("gpt_oss_tp1", "gpt_oss", 1, 1, 1), ("gpt_oss_tp2", "gpt_oss", 2, 1, 1), ("gpt_oss_pp2", "gpt_oss", 1, 2, 1),
+    ("gpt_oss_ep2", "gpt_oss", 1, 1, 2),
 ]
 TOKENS = torch.randint(2, 30, (2, 9), generator=torch.Generator().manual_seed(5))
 
@@ -224,6 +225,10 @@ def test_the_layouts_really_split_the_model(runs):
     assert [r["layout"].ep_rank for r in runs["qwen3_moe_ep2"]] == [0, 1]
     assert {n.split(".")[6] for n in ep2[1] if ".local_experts." in n} == {"0", "1"}  # global experts 2, 3
     assert runs["llama_tp2"][0]["real"]["embedding.word_embeddings.weight"] == (16, 64)  # 30 padded to 32
+    oss_tp2 = runs["gpt_oss_tp2"][1]["real"]  # sinks split with the heads; experts whole at expert TP 1
+    assert oss_tp2["decoder.layers.0.self_attention.core_attention.softmax_offset"] == (2,)
+    assert oss_tp2["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"] == (64, 64)
+    assert oss_tp2["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.bias"] == (64,)
     dense0 = runs["qwen3_moe_dense0_tp1"][0]["real"]
     assert "decoder.layers.0.mlp.linear_fc1.weight" in dense0 and "decoder.layers.1.mlp.router.weight" in dense0
 
