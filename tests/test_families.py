@@ -141,6 +141,11 @@ def test_dry_run_plans_a_gpt_oss_and_refuses_its_experts_split_over_tp_in_one_li
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "trainer.expert_tensor_parallel_size=2" in err and "set trainer.expert_tensor_parallel_size: 1" in err
+    for flags in (["--attention-backend", "local"], ["trainer.layer_spec=te"]):
+        code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={model_dir}", *flags])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "attention sinks and sliding windows (gpt_oss) run on sluice's core attention only" in err, err
 
 
 def short_run(tmp_path, name: str, overrides: list[str]) -> list[dict]:

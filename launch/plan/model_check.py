@@ -12,6 +12,7 @@ from typing import Any
 
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
+from glue.trainer.layer_spec import SINKS_ELSEWHERE
 from glue.trainer.megatron_fields import megatron_fields
 from glue.trainer.model import check_tensor_parallel, read_hf_config
 from glue.trainer.optim import resolve_precision
@@ -180,7 +181,12 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
     if experts % ep:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
                           "(megatron-core gives every EP rank the same number); choose another EP size")
-    etp = family_of(hf_config).megatron_fields(hf_config).get("expert_tensor_parallel_size")
+    fields = family_of(hf_config).megatron_fields(hf_config)
+    backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
+    if (fields.get("softmax_type", "vanilla") != "vanilla" or fields.get("window_size")) and (
+            trainer.layer_spec == "te" or backend in ("local", "unfused")):
+        raise ConfigError(SINKS_ELSEWHERE)
+    etp = fields.get("expert_tensor_parallel_size")
     if etp is not None and (trainer.expert_tensor_parallel_size or tp) != etp:
         raise ConfigError(f"trainer.expert_tensor_parallel_size={trainer.expert_tensor_parallel_size or tp}: "
                           f"megatron-core builds {hf_config.model_type}'s expert biases at expert TP {etp} only; set "
