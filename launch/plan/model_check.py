@@ -241,13 +241,20 @@ FAST_ATTENTION = {  # GPU nodes? -> what sluice's core attention runs there
 }
 
 
-def describe_attention(trainer: Any, on_gpus: bool) -> str:
+SINKS_ATTENTION = ("sluice core attention with sinks and sliding windows (glue.trainer.sinks): SDPA under a mask, the "
+                   "sink as one extra key, packed rows' samples as a batch (no FlashAttention varlen or flex kernel)")
+
+
+def describe_attention(trainer: Any, on_gpus: bool, hf_config: Any = None) -> str:
     """The attention line of `--dry-run`: the kernel every trainer rank runs, from trainer.layer_spec, megatron's
-    attention_backend (auto / flash / fused: sluice's fused core attention; local / unfused: megatron's reference)
-    and whether the trainer nodes have GPUs."""
+    attention_backend (auto / flash / fused: sluice's fused core attention; local / unfused: megatron's reference),
+    whether the trainer nodes have GPUs and whether the model (`hf_config`) has sinks or sliding windows."""
     backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
     if backend not in ("auto", "flash", "fused", "local", "unfused"):
         raise ConfigError(f"--attention-backend {backend!r} is not one of auto, flash, fused, local, unfused")
+    fields = {} if hf_config is None else family_of(hf_config).megatron_fields(hf_config)
+    if fields.get("softmax_type", "vanilla") != "vanilla" or fields.get("window_size"):
+        return (f"attention ({backend}): {SINKS_ATTENTION}, every trainer rank")
     if trainer.layer_spec == "te" or resolve_layer_spec(trainer.layer_spec) == "te":
         return "attention: transformer-engine DotProductAttention (packed rows as THD), every trainer rank"
     kernel = REFERENCE_ATTENTION if backend in ("local", "unfused") else FAST_ATTENTION[on_gpus]
