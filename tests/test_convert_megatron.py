@@ -46,6 +46,8 @@ MODELS = {
     # gpt-oss's features (tiny_fields): sinks, a window of 4 tokens on layers 0 and 2 (the rows below are 9 long),
     # biases everywhere, the router's bias, the clamped SwiGLU, YaRN with its attention factor and truncate false
     "gpt_oss": ("gpt_oss", dict(num_layers=4)),
+    # the SwiGLU clamp reached: a limit of 0.1 clamps most gate and up values (7, as released, clamps none here)
+    "gpt_oss_clamped": ("gpt_oss", dict(swiglu_limit=0.1)),
 }
 # (case id, model, tp, pp, ep)
 CASES = [
@@ -65,7 +67,7 @@ CASES = [
     ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
     ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1),
     ("gpt_oss_tp1", "gpt_oss", 1, 1, 1), ("gpt_oss_tp2", "gpt_oss", 2, 1, 1), ("gpt_oss_pp2", "gpt_oss", 1, 2, 1),
-    ("gpt_oss_ep2", "gpt_oss", 1, 1, 2),
+    ("gpt_oss_ep2", "gpt_oss", 1, 1, 2), ("gpt_oss_clamped_tp1", "gpt_oss_clamped", 1, 1, 1),
 ]
 TOKENS = torch.randint(2, 30, (2, 9), generator=torch.Generator().manual_seed(5))
 
