@@ -184,6 +184,19 @@ def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path,
     assert all(r["moe/routing_agreement"] > 0.9 for r in records), [r.get("moe/routing_agreement") for r in records]
 
 
+@pytest.mark.slow
+@pytest.mark.long  # two trainer ranks; tests/test_convert_megatron.py checks TP 2's logprobs against HF's
+def test_a_gpt_oss_at_tp2_trains_its_split_sinks_and_exports_them_from_a_distributed_checkpoint(tmp_path):
+    # the run ends by exporting its last distributed checkpoint to HF, which reads each TP rank's sinks as its heads'
+    records = short_run(tmp_path, "gpt_oss_tp2", [
+        "model.tiny.family=gpt_oss", "rollout.return_routed_experts=true", "trainer.routing_replay=true",
+        "trainer.max_tokens_per_micro_batch=96", "trainer.tensor_model_parallel_size=2",
+        "trainer.expert_tensor_parallel_size=1", "--sequence-parallel"])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
+    assert (tmp_path / "gpt_oss_tp2" / "hf" / "config.json").exists()
+
+
 # config.json of released checkpoints (the fields a plan reads), written as their authors publish them
 RELEASED = {
     "Mixtral-8x7B": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from glue.trainer.sinks import attend_with_sinks, learnable_sinks as _learnable_sinks, window_of as _window_of
+from glue.trainer.sinks import attend_with_sinks, learnable_sinks as _learnable_sinks, sharded_sinks
+from glue.trainer.sinks import window_of as _window_of
 
 # --attention-backend (megatron's AttnBackend names) -> which core attention the local spec builds
 FAST_BACKENDS = ("auto", "flash", "fused")
@@ -108,6 +109,12 @@ class SluiceCoreAttention(MegatronModule):
         seq_len, batch = query.shape[:2]
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
         return out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """Distributed checkpoints hold the sinks whole, each TP rank its heads' (glue.trainer.sinks)."""
+        if self.softmax_offset is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return sharded_sinks(self, prefix, sharded_offsets, metadata)
 
     @property
     def is_plain_causal(self) -> bool:

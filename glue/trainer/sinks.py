@@ -36,6 +36,17 @@ def learnable_sinks(config: Any, num_heads: int) -> torch.nn.Parameter | None:
     return sinks
 
 
+def sharded_sinks(module: torch.nn.Module, prefix: str, sharded_offsets: tuple, metadata: dict | None) -> Any:
+    """The module's sinks in a distributed checkpoint: split over TP along the heads, as megatron's
+    DotProductAttention shards its `softmax_offset`."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    return make_sharded_tensors_for_checkpoint(
+        {"softmax_offset": module.softmax_offset}, prefix, {"softmax_offset": 0}, sharded_offsets,
+        tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
 def allowed_keys(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[S, S] bool, True where query i sees key j: j <= i, and i - j <= window when the layer has one."""
     offsets = torch.arange(seq_len, device=device)[:, None] - torch.arange(seq_len, device=device)[None, :]
