@@ -110,6 +110,6 @@ class GptOss(MoeFamily):
 
 FAMILY = GptOss(
     name="gpt_oss", model_types=("gpt_oss",), examples=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
-    tiny_classes=("GptOssConfig", "GptOssForCausalLM"), name_pattern=r"gpt-?oss",
+    tiny_classes=("GptOssConfig", "GptOssForCausalLM"), name_pattern=r"gpt[-_]?oss",
     rope_types=("default", "yarn"), expert_width="intermediate_size", fused_experts_in_checkpoint=True,
 )
