@@ -33,6 +33,10 @@ FAMILIES = {
                      "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                      "topk_group": 1}),
+    # fused experts (gate / up interleaved, down transposed, biases), attention sinks split with the heads
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                 "sliding_window": 4}),
 }
 
 
@@ -80,7 +84,7 @@ def test_hf_to_megatron_ranks_to_hf_is_bit_exact_for_every_family_and_layout(che
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_a_moe_family_round_trips_through_tp2_pp2_ep2_with_vocab_padding(checkpoints, family):
     config, hf_state = checkpoints[family]
     ranks = layouts(4, tp=2, pp=2, ep=2, padded=64)
@@ -158,6 +162,24 @@ def test_expert_mlps_split_over_tensor_parallel_ranks_like_the_dense_mlp(checkpo
     assert torch.equal(shard[prefix + "linear_fc2.weight"], down[:, 16:])
 
 
+def test_gpt_oss_experts_are_slices_of_the_fused_checkpoint_tensors_deinterleaved_and_transposed(checkpoints):
+    config, hf_state = checkpoints["gpt_oss"]
+    shard = hf_to_megatron_local(hf_state, config, layouts(4, tp=2, ep=2)[3])  # EP rank 1, TP rank 1
+    gate_up = hf_state["model.layers.2.mlp.experts.gate_up_proj"][3]  # [H=64, 2I=64], gate at even columns
+    gate_up_bias = hf_state["model.layers.2.mlp.experts.gate_up_proj_bias"][3]
+    down = hf_state["model.layers.2.mlp.experts.down_proj"][3]  # [I=32, H=64]: [in, out]
+    prefix = "decoder.layers.2.mlp.experts.local_experts.1."  # global expert 3
+    gate, up = gate_up[:, 0::2].T, gate_up[:, 1::2].T  # [32, 64] each; TP rank 1 holds rows 16..31 of each
+    assert torch.equal(shard[prefix + "linear_fc1.weight"], torch.cat([gate[16:], up[16:]]))
+    assert torch.equal(shard[prefix + "linear_fc1.bias"], torch.cat([gate_up_bias[0::2][16:], gate_up_bias[1::2][16:]]))
+    assert torch.equal(shard[prefix + "linear_fc2.weight"], down.T[:, 16:])
+    assert torch.equal(shard[prefix + "linear_fc2.bias"], hf_state["model.layers.2.mlp.experts.down_proj_bias"][3])
+    # sinks split with the query heads (4 heads, TP rank 1 holds heads 2 and 3); the router whole with its bias
+    assert torch.equal(shard["decoder.layers.2.self_attention.core_attention.softmax_offset"],
+                       hf_state["model.layers.2.self_attn.sinks"][2:])
+    assert torch.equal(shard["decoder.layers.2.mlp.router.bias"], hf_state["model.layers.2.mlp.router.bias"])
+
+
 def test_vocab_padding_adds_zero_rows_that_the_way_back_drops(checkpoints):
     config, hf_state = checkpoints["llama"]
     assert padded_vocab_size(30, 2, divisible_by=16) == 32
@@ -205,7 +227,7 @@ def test_a_tp_size_that_splits_a_query_group_is_refused_with_the_fix(checkpoints
         hf_to_megatron_local(hf_state, config, ParallelLayout(tp_rank=0, tp_size=4))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "glm4"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "glm4", "gpt_oss"])
 def test_shards_copied_one_at_a_time_into_the_hf_tensors_rebuild_the_checkpoint(checkpoints, family):
     """`shard_into_hf` at TP=2, the vocab of 30 padded to 32 and to 64 (the second shard all padding): every kind
     (row, column, vocab, q/k/v with bias, gate/up, replicated), shards taken in reverse rank order, gives the
@@ -222,4 +244,7 @@ def test_shards_copied_one_at_a_time_into_the_hf_tensors_rebuild_the_checkpoint(
                 rank, size = shard_rank(rule, layout)
                 shard_into_hf(rule, state[local_name(rule, layout, 4)], rank, size, hf, config)
             for name, tensor in zip(rule.hf, hf):
-                assert torch.equal(tensor, hf_state[name]), (padded, name)
+                expected = hf_state[name]
+                if rule.is_expert_slice:  # the rule fills its expert's slice of a tensor of every expert
+                    tensor, expected = tensor[rule.expert], expected[rule.expert]
+                assert torch.equal(tensor, expected), (padded, name, rule.expert)

@@ -49,6 +49,11 @@ MODELS = {
     "qwen3_yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 16},
                                  max_position_embeddings=64)),
+    # gpt-oss's features (tiny_fields): sinks, a window of 4 tokens on layers 0 and 2 (the rows below are 9 long),
+    # biases everywhere, the router's bias, the clamped SwiGLU, YaRN with its attention factor and truncate false
+    "gpt_oss": ("gpt_oss", dict(num_layers=4)),
+    # the SwiGLU clamp reached: a limit of 0.1 clamps most gate and up values (7, as released, clamps none here)
+    "gpt_oss_clamped": ("gpt_oss", dict(swiglu_limit=0.1)),
 }
 # (case id, model, tp, pp, ep)
 CASES = [
@@ -68,6 +73,8 @@ CASES = [
     ("deepseek_v3_q_whole_tp2", "deepseek_v3_q_whole", 2, 1, 1),
     ("llama3_rope_tp1", "llama3_rope", 1, 1, 1), ("llama3_rope_tp2", "llama3_rope", 2, 1, 1),
     ("qwen2_linear_rope_tp1", "qwen2_linear_rope", 1, 1, 1), ("qwen3_yarn_tp2", "qwen3_yarn", 2, 1, 1),
+    ("gpt_oss_tp1", "gpt_oss", 1, 1, 1), ("gpt_oss_tp2", "gpt_oss", 2, 1, 1), ("gpt_oss_pp2", "gpt_oss", 1, 2, 1),
+    ("gpt_oss_ep2", "gpt_oss", 1, 1, 2), ("gpt_oss_clamped_tp1", "gpt_oss_clamped", 1, 1, 1),
 ]
 TOKENS = torch.randint(2, 30, (2, 9), generator=torch.Generator().manual_seed(5))
 
@@ -111,11 +118,13 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
     from glue.trainer.layer_spec import layer_spec
 
     _, _, tp, pp, ep = case
+    hf_config = tmodel.read_hf_config(model_dir)
+    # gpt-oss's expert biases: megatron-core splits no expert over TP (the family's ETP 1); else ETP = TP
+    etp = family_of(hf_config).megatron_fields(hf_config).get("expert_tensor_parallel_size", tp)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    hf_config = tmodel.read_hf_config(model_dir)
     padded = padded_vocab_size(hf_config.vocab_size, tp, divisible_by=16)
     config = dataclasses.replace(tmodel.transformer_config(hf_config, tp_size=tp), pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
@@ -126,9 +135,10 @@ def _megatron_case(rank: int, case: tuple, model_dir: str) -> dict:
                    position_embedding_type="rope", rotary_base=tmodel.rope_theta(hf_config), parallel_output=True,
                    rotary_percent=family_of(hf_config).rotary_percent(hf_config))
     tmodel.scale_rope(gpt, hf_config)  # what build_model does after the GPTModel
-    layout = ParallelLayout.even(hf_config.num_hidden_layers, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                                 pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
-                                 ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep, padded_vocab_size=padded)
+    layout = ParallelLayout.pipeline(hf_config.num_hidden_layers, tp_rank=ps.get_tensor_model_parallel_rank(),
+                                     tp_size=tp, pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+                                     ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep, padded_vocab_size=padded,
+                                     etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=etp)
     real = {n: tuple(t.shape) for n, t in gpt.state_dict().items() if not n.endswith("_extra_state")}
     local = hf_to_megatron_local(tmodel.read_hf_state(model_dir), hf_config, layout)
     result = gpt.load_state_dict(local, strict=False)
@@ -225,12 +235,16 @@ def test_the_layouts_really_split_the_model(runs):
     assert [r["layout"].ep_rank for r in runs["qwen3_moe_ep2"]] == [0, 1]
     assert {n.split(".")[6] for n in ep2[1] if ".local_experts." in n} == {"0", "1"}  # global experts 2, 3
     assert runs["llama_tp2"][0]["real"]["embedding.word_embeddings.weight"] == (16, 64)  # 30 padded to 32
+    oss_tp2 = runs["gpt_oss_tp2"][1]["real"]  # sinks split with the heads; experts whole at expert TP 1
+    assert oss_tp2["decoder.layers.0.self_attention.core_attention.softmax_offset"] == (2,)
+    assert oss_tp2["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"] == (64, 64)
+    assert oss_tp2["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.bias"] == (64,)
     dense0 = runs["qwen3_moe_dense0_tp1"][0]["real"]
     assert "decoder.layers.0.mlp.linear_fc1.weight" in dense0 and "decoder.layers.1.mlp.router.weight" in dense0
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES if "_pp" not in c[0] and c[0].startswith(
-    ("qwen2", "qwen3", "mixtral", "glm4", "deepseek_v3", "llama3"))])
+    ("qwen2", "qwen3", "mixtral", "glm4", "deepseek_v3", "llama3", "gpt_oss"))])
 def test_megatron_loaded_through_the_table_gives_the_hf_models_logprobs(runs, model_dirs, case):
     from transformers import AutoModelForCausalLM
 

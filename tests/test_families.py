@@ -44,8 +44,8 @@ def test_every_family_module_is_registered_once_and_takes_its_own_model_types():
     assert {importlib.import_module(f"weight_sync.families.{m}").FAMILY.name for m in modules} == set(FAMILIES)
     taken = [t for f in FAMILIES.values() for t in f.model_types]
     assert len(taken) == len(set(taken)), taken
-    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' is not supported by the megatron trainer yet"):
-        family_of({"model_type": "gpt_oss"})
+    with pytest.raises(ValueError, match=r"model_type 'gemma3_text' is not supported by the megatron trainer yet"):
+        family_of({"model_type": "gemma3_text"})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -66,6 +66,19 @@ def test_the_engine_names_a_mixtral_expert_as_its_checkpoint_does(tmp_path):
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         assert set(named) == set(f.keys())
         for name in ("model.layers.1.block_sparse_moe.experts.3.w3.weight", "model.layers.0.block_sparse_moe.gate.weight"):
+            assert torch.equal(named[name], f.get_tensor(name)), name
+
+
+def test_the_engine_names_gpt_oss_fused_experts_as_its_checkpoint_does(tmp_path):
+    from glue.embedded_engine.checkpoint_names import checkpoint_tensors
+
+    path = write_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    named = checkpoint_tensors(model)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        assert set(named) == set(f.keys())
+        for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.router.bias",
+                     "model.layers.0.self_attn.sinks"):
             assert torch.equal(named[name], f.get_tensor(name)), name
 
 
@@ -117,6 +130,40 @@ def test_dry_run_refuses_a_mixtral_with_a_sliding_window_in_one_line(tmp_path, c
     assert "sliding_window=8" in err and "set sliding_window: null" in err, err
 
 
+def test_gpt_oss_refuses_what_the_trainer_does_not_build_each_in_one_line():
+    from glue.embedded_engine.tiny_model import tiny_config
+
+    gpt_oss = FAMILIES["gpt_oss"]
+    gpt_oss.check(tiny_config(family="gpt_oss"))  # the tiny one, features on, builds
+    refused = {"quantization_config": ({"quant_method": "mxfp4"}, "quant_method='mxfp4'.*dequantized checkpoint"),
+               "attention_bias": (False, "attention_bias=false"),
+               "layer_types": (["sliding_attention", "chunked_attention"], r"\['chunked_attention'\]"),
+               "swiglu_alpha": (1.5, "swiglu_alpha=1.5.*quick_gelu")}
+    for field, (value, message) in refused.items():
+        config = tiny_config(family="gpt_oss")
+        setattr(config, field, value)
+        with pytest.raises(ValueError, match=message) as err:
+            gpt_oss.check(config)
+        assert "\n" not in str(err.value), field
+
+
+def test_dry_run_plans_a_gpt_oss_and_refuses_its_experts_split_over_tp_in_one_line(tmp_path, capsys):
+    model_dir = write_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    capsys.readouterr()
+    assert main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={model_dir}"]) == 0
+    assert "attention (auto): sluice core attention with sinks and sliding windows" in capsys.readouterr().out
+    code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={model_dir}",
+                 "trainer.tensor_model_parallel_size=2", "--sequence-parallel"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "trainer.expert_tensor_parallel_size=2" in err and "set trainer.expert_tensor_parallel_size: 1" in err
+    for flags in (["--attention-backend", "local"], ["trainer.layer_spec=te"]):
+        code = main(["--dry-run", "--config", "examples/configs/demo.yaml", f"model.path={model_dir}", *flags])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "attention sinks and sliding windows (gpt_oss) run on sluice's core attention only" in err, err
+
+
 def short_run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
     args, rest = parse_args(["--config", "examples/configs/demo.yaml", f"run.output_dir={tmp_path}",
                              f"run.name={name}", "run.num_steps=3", "rollout.prompts_per_step=4",
@@ -144,10 +191,12 @@ def test_glm4_with_its_post_norms_and_interleaved_half_rope_trains_on_packed_row
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.long), "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.long), "glm4_moe", "deepseek_v3",
+                                    "gpt_oss"])
 def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path, family):
-    # DeepSeek-V3's on packed rows: MLA rotates a THD row span by span, where the others' padded rows do not
-    packed = ["trainer.max_tokens_per_micro_batch=96"] if family == "deepseek_v3" else []
+    # DeepSeek-V3's and gpt-oss's on packed rows: MLA rotates a THD row span by span, and gpt-oss's sinks and window
+    # run per span, where the others' padded rows do neither
+    packed = ["trainer.max_tokens_per_micro_batch=96"] if family in ("deepseek_v3", "gpt_oss") else []
     records = short_run(tmp_path, family, [f"model.tiny.family={family}", "model.tiny.num_experts=4",
                                            "model.tiny.moe_top_k=2", "rollout.return_routed_experts=true",
                                            "trainer.routing_replay=true", *packed])
@@ -156,6 +205,19 @@ def test_a_moe_family_trains_with_routing_replay_on_the_engines_policy(tmp_path,
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
     assert all(r["moe/routing_agreement"] > 0.9 for r in records), [r.get("moe/routing_agreement") for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two trainer ranks; tests/test_convert_megatron.py checks TP 2's logprobs against HF's
+def test_a_gpt_oss_at_tp2_trains_its_split_sinks_and_exports_them_from_a_distributed_checkpoint(tmp_path):
+    # the run ends by exporting its last distributed checkpoint to HF, which reads each TP rank's sinks as its heads'
+    records = short_run(tmp_path, "gpt_oss_tp2", [
+        "model.tiny.family=gpt_oss", "rollout.return_routed_experts=true", "trainer.routing_replay=true",
+        "trainer.max_tokens_per_micro_batch=96", "trainer.tensor_model_parallel_size=2",
+        "trainer.expert_tensor_parallel_size=1", "--sequence-parallel"])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5, records[0]
+    assert (tmp_path / "gpt_oss_tp2" / "hf" / "config.json").exists()
 
 
 # config.json of released checkpoints (the fields a plan reads), written as their authors publish them
@@ -222,6 +284,25 @@ RELEASED = {
                           "rope_theta": 50000.0, "rope_scaling": None, "tie_word_embeddings": False,
                           "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16", "bos_token_id": 163584,
                           "eos_token_id": 163585},
+    # dequantized to bf16 (the release's MXFP4 `quantization_config` dropped, which check() refuses)
+    "gpt-oss-20b": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+                    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+                    "vocab_size": 201088, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096},
+                    "rope_theta": 150000, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+                    "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16"},
+    "gpt-oss-120b": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+                     "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+                     "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4,
+                     "vocab_size": 201088, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
+                     "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 4096},
+                     "rope_theta": 150000, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+                     "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16"},
     "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                      "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
@@ -253,6 +334,12 @@ LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB
                 "--expert-tensor-parallel-size", "1"],
     "GLM-4-9B-0414": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=2", "--tensor-model-parallel-size", "2",
                       "trainer.data_parallel_size=4"],
+    "gpt-oss-20b": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4", "--expert-model-parallel-size",
+                    "8", "--expert-tensor-parallel-size", "1"],
+    # gpt-oss-120b (117B, 234 GB in bf16): engines of TP 4, the trainer TP4 x DP4 with EP 16 (8 experts a rank) on
+    # two more nodes
+    "gpt-oss-120b": ["cluster.num_nodes=3", "cluster.engine_tensor_parallel_size=4", "trainer.data_parallel_size=4",
+                     "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1"],
     "Moonlight-16B-A3B": ["cluster.num_nodes=2", "cluster.engine_tensor_parallel_size=4",
                           "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"],
     "GLM-4.5": ["cluster.num_nodes=5", "cluster.gpu_memory_gb=141", "cluster.engine_tensor_parallel_size=8",

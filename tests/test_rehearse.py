@@ -149,6 +149,7 @@ def test_the_checkpoint_family_comes_from_its_config_or_else_its_name(tmp_path):
     assert infer_family("/models/Qwen3-30B-A3B", "") == "qwen3_moe"
     assert infer_family("/models/Qwen3-8B", "") == "qwen3"
     assert infer_family("models/smollm2-135m-instruct", "") == "llama"
+    assert infer_family("/models/gpt-oss-120b", "") == infer_family(None, "gpt_oss_20b_grpo") == "gpt_oss"
     assert infer_family(None, "examples/configs/demo.yaml") == "qwen2"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert infer_family(str(tmp_path), "qwen3_8b") == "llama"

@@ -181,7 +181,7 @@ def plan_of(coords: list, producers: list) -> list:
     from glue.trainer.weight_stream import group_sources
 
     names = [f"w{i}" for i in range(len(producers))]
-    return group_sources(names, {name: i for i, name in enumerate(names)}, producers, coords)
+    return group_sources(names, {name: (i,) for i, name in enumerate(names)}, producers, coords)
 
 
 def test_each_stage_and_expert_group_is_a_source_unless_their_ranks_overlap():
@@ -202,3 +202,45 @@ def test_each_stage_and_expert_group_is_a_source_unless_their_ranks_overlap():
     producers = [Producer(stage=0, ep_rank=None, leader=0), Producer(stage=0, ep_rank=1, leader=1),
                  Producer(stage=0, ep_rank=0, leader=0)]
     assert plan_of(coords, producers) == [SourcePart(rank=0, members=(0, 1), names=("w0", "w1", "w2"))]
+
+
+def test_a_tensor_of_every_expert_is_sent_by_one_source_that_its_ep_ranks_send_their_slices_to():
+    from glue.trainer.weight_stream import Coords, Producer, SourcePart, group_sources
+
+    # EP=2, TP=1, DP=2: gpt-oss's `mlp.experts.gate_up_proj` holds experts of both EP ranks (leaders 0 and 1), which
+    # would otherwise be two sources
+    coords = [Coords(pp=0, tp=0, dp=ep, ep=ep, etp=0, edp=0) for ep in (0, 1)]
+    producers = [Producer(stage=0, ep_rank=None, leader=0), Producer(stage=0, ep_rank=0, leader=0),
+                 Producer(stage=0, ep_rank=1, leader=1)]
+    assert plan_of(coords, producers[1:]) == [SourcePart(rank=0, members=(0,), names=("w0",)),
+                                              SourcePart(rank=1, members=(1,), names=("w1",))]
+    fused = group_sources(["norm", "experts.gate_up_proj"], {"norm": (0,), "experts.gate_up_proj": (1, 2)},
+                          producers, coords)
+    assert fused == [SourcePart(rank=0, members=(0, 1), names=("norm", "experts.gate_up_proj"))]
+
+
+@pytest.mark.slow
+def test_a_gpt_oss_trainer_at_ep2_gives_an_engine_its_fused_experts_whole_from_both_ranks_slices(
+        tmp_path, ray_session, engine_processes):
+    from weight_sync.buckets import tensor_checksum
+
+    start = save_tiny_model(str(tmp_path / "start"), family="gpt_oss", seed=0)  # not the trainer's weights
+    trainer, (url,) = start_trainer_and_engines(tmp_path, [lambda: engine_processes.start(start)], "gpt_oss",
+                                                data_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        before = weight_checksums(url, 30)
+        # verify full: every engine tensor equals the trainer's, by HF name (`mlp.experts.gate_up_proj` holds experts
+        # 0-1 from EP rank 0 and 2-3 from EP rank 1)
+        bridge = make_bridge(SyncConfig(bucket_bytes=BUCKET, timeout_s=120, verify="full"), source=trainer,
+                             engine_urls=[url])
+        try:
+            bridge.sync(1)
+            after = weight_checksums(url, 30)
+            assert after != before
+            # and against the trainer's weights as the converter assembles them (megatron_to_hf, tested bit-exact)
+            assert after == {name: tensor_checksum(t) for name, t in trainer.full_hf_state().items()}
+            assert post(url, "/model_info", None)["weight_version"] == "1"
+        finally:
+            bridge.close()
+    finally:
+        trainer.shutdown()

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from glue.trainer.sinks import attend_with_sinks, learnable_sinks as _learnable_sinks, sharded_sinks
+from glue.trainer.sinks import window_of as _window_of
+
 # --attention-backend (megatron's AttnBackend names) -> which core attention the local spec builds
 FAST_BACKENDS = ("auto", "flash", "fused")
 REFERENCE_BACKENDS = ("local", "unfused")
@@ -76,8 +79,8 @@ class SluiceCoreAttention(MegatronModule):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         unsupported = {"context_parallel_size > 1": config.context_parallel_size > 1,
-                       "window_size": config.window_size is not None,
-                       "softmax_type != vanilla": config.softmax_type != "vanilla",
+                       "window_size with a right side": config.window_size is not None and config.window_size[1],
+                       "softmax_type off-by-one": config.softmax_type == "off-by-one",
                        "attention_dropout > 0": dropout > 0}
         if any(unsupported.values()):
             raise ValueError(f"sluice's core attention does not run {[k for k, v in unsupported.items() if v]}; "
@@ -90,6 +93,8 @@ class SluiceCoreAttention(MegatronModule):
         # megatron's query-key layer scaling divides the scale by the layer number and multiplies it back in the
         # softmax: the product is this plain scale
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.window = _window_of(config, layer_number)
+        self.softmax_offset = _learnable_sinks(config, self.num_heads)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None
@@ -105,8 +110,23 @@ class SluiceCoreAttention(MegatronModule):
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
         return out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """Distributed checkpoints hold the sinks whole, each TP rank its heads' (glue.trainer.sinks)."""
+        if self.softmax_offset is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return sharded_sinks(self, prefix, sharded_offsets, metadata)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """False where the layer has sinks or a sliding window (gpt-oss), which the causal kernels cannot take."""
+        return self.softmax_offset is None and self.window is None
+
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Causal SDPA on [..., heads, S, hn] (FlashAttention / memory-efficient kernels on CUDA)."""
+        """Causal SDPA on [..., heads, S, hn] (FlashAttention / memory-efficient kernels on CUDA); with sinks or a
+        window, SDPA under their mask (glue.trainer.sinks)."""
+        if not self.is_plain_causal:
+            return attend_with_sinks(query, key, value, self.scale, self.window, self.softmax_offset,
+                                     reference=bool(_reference_depth))
         if _reference_depth:
             return _reference_attention(query, key, value, self.scale)
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scale,
@@ -114,7 +134,10 @@ class SluiceCoreAttention(MegatronModule):
 
     def _thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
              max_seqlen: int) -> torch.Tensor:
-        """[T, heads, hn] attention within each cu_seqlens span."""
+        """[T, heads, hn] attention within each cu_seqlens span (spans as a batch where the layer has sinks or a
+        window: its mask is per span)."""
+        if not self.is_plain_causal:
+            return self._thd_as_batch(query, key, value, _batch_layout(cu_seqlens))
         if thd_kernel(query) == "varlen_attn":
             from torch.nn.attention.varlen import varlen_attn
 

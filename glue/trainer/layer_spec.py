@@ -6,6 +6,7 @@ unfused reference (megatron's attention and RoPE, torch's norm).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from glue.trainer import rope
@@ -19,6 +20,11 @@ MLA_REFERENCE = ("multi-latent attention (deepseek_v3) runs on sluice's core att
 POST_NORMS_TE = ("GLM-4's post-attention and post-MLP norms are built on the local layer spec only; set "
                  "trainer.layer_spec: local (or auto)")
 
+# megatron's own attention adds sinks and windows on CUDA only, and its fused softmax swaps a packed row's block
+# mask for the window mask (samples would see each other)
+SINKS_ELSEWHERE = ("attention sinks and sliding windows (gpt_oss) run on sluice's core attention only: drop "
+                   "--attention-backend local / unfused and trainer.layer_spec te")
+
 
 def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_norms: bool = False) -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
@@ -27,14 +33,18 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
     megatron norm is replaced by sluice's `RMSNorm` (torch's function on the reference spec) and the core
     attention is the one `config.attention_backend` names
     (glue.trainer.attention). `compiled` (trainer.compile): the norms and the RoPE rotation of the fast spec run
-    under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only."""
+    under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only. Sinks and sliding
+    windows (gpt-oss) take the local spec with sluice's core attention (auto resolves to it)."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
     if post_norms and choice == "auto":  # Transformer Engine's fused layers have no slot for them
         choice = "local"
     if post_norms and resolve_layer_spec(choice) == "te":
         raise ValueError(POST_NORMS_TE)
-    if resolve_layer_spec(choice) == "te":
+    has_sinks_or_window = config.softmax_type != "vanilla" or config.window_size is not None
+    if resolve_layer_spec(choice) == "te" and has_sinks_or_window and choice == "te":
+        raise ValueError(SINKS_ELSEWHERE)
+    if resolve_layer_spec(choice) == "te" and not has_sinks_or_window:
         rope.install()
         return te_layer_spec(config)
     if config.moe_grouped_gemm:
@@ -53,6 +63,8 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     core_attention = core_attention_class(config.attention_backend)
+    if has_sinks_or_window and core_attention is DotProductAttention:
+        raise ValueError(SINKS_ELSEWHERE)
     if config.multi_latent_attention:
         if core_attention is DotProductAttention:
             raise ValueError(MLA_REFERENCE)
@@ -71,7 +83,26 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
         if config.num_moe_experts:
             raise ValueError("post-attention / post-MLP norms are built for dense layers only")
         swaps[RowParallelLinear] = with_post_norm(norm)
-    return _swap(spec, swaps)
+    spec = _swap(spec, swaps)
+    return _with_owned_expert_outputs(spec) if config.num_moe_experts and config.add_bias_linear else spec
+
+
+def _with_owned_expert_outputs(node: Any) -> Any:
+    """`node` with the routed experts' second linear returning an output of its own. megatron-core 0.16's MLP adds
+    an expert's fc2 bias into the fc2 output in place (mlp.py: `output += output_bias * per_token_scale`), which
+    autograd forbids where that output is the unchanged input of the TP reduce (expert TP 1, which biased experts
+    need): an error in every backward."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    if isinstance(node, list):
+        return [_with_owned_expert_outputs(item) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        fields = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.init}
+        if "experts" in fields:
+            return dataclasses.replace(node, experts=_swap(fields["experts"],
+                                                           {RowParallelLinear: _owned_output_linear()}))
+        return dataclasses.replace(node, **{name: _with_owned_expert_outputs(value) for name, value in fields.items()})
+    return node
 
 
 def _swap(node: Any, swaps: dict[type, type]) -> Any:
@@ -84,6 +115,19 @@ def _swap(node: Any, swaps: dict[type, type]) -> Any:
         return dataclasses.replace(node, **{f.name: _swap(getattr(node, f.name), swaps)
                                             for f in dataclasses.fields(node) if f.init})
     return node
+
+
+@functools.cache
+def _owned_output_linear() -> type:
+    """megatron's RowParallelLinear whose output is never a view of its input (one class for every model built)."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class OwnedOutputRowParallelLinear(RowParallelLinear):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if output._is_view() else output), bias
+
+    return OwnedOutputRowParallelLinear
 
 
 def _without_te_stand_ins() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 from typing import Any, Iterator
 
@@ -87,11 +88,13 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
     if family_fields.get("multi_latent_attention"):
         head_dim = family_fields["v_head_dim"]  # what megatron's attention sizes its output by
     config_class = MLATransformerConfig if family_fields.get("multi_latent_attention") else TransformerConfig
+    # SwiGLU without biases unless the family says otherwise (gpt-oss)
+    family_fields = {"add_bias_linear": False, **family_fields,
+                     "activation_func": activation_function(family_fields.get("activation_func", "silu"))}
     return config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
         num_query_groups=num_groups, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp_size,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -101,6 +104,17 @@ def transformer_config(hf_config: Any, *, tp_size: int) -> Any:
         # the schedule must backpropagate them as they are
         calculate_per_token_loss=True, **family_fields,
     )
+
+
+def activation_function(name: str) -> Any:
+    """The gated unit's activation a family names (weight_sync.families imports no torch): SwiGLU's silu, or
+    gpt-oss's x * sigmoid(1.702 x), megatron's quick_gelu."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    functions = {"silu": F.silu, "quick_gelu": quick_gelu}
+    if name not in functions:
+        raise ValueError(f"activation_func {name!r} is not one the trainer builds; use one of {sorted(functions)}")
+    return functions[name]
 
 
 def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
@@ -117,8 +131,8 @@ def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
         if kwargs.get("moe_router_enable_expert_bias"):
             kwargs["moe_router_bias_update_rate"] = 0.0
     scale = rope_softmax_scale(hf_config)
-    if scale is not None:
-        kwargs["softmax_scale"] = scale
+    if scale is not None:  # a family that sets it from config.json alone (gpt-oss) sets the same value
+        kwargs.setdefault("softmax_scale", scale)
     return kwargs
 
 
@@ -126,8 +140,6 @@ def rope_softmax_scale(hf_config: Any) -> float | None:
     """The softmax scale of a RoPE scaling with an attention factor (YaRN): transformers multiplies cos and sin by it,
     so q and k by it wherever RoPE turns the whole head, so every score by its square (family checks refuse partial
     rotary with it). None for the scalings without one, and for multi-latent attention, whose YaRN megatron builds."""
-    import math
-
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = rope_parameters(hf_config)["rope_type"]

@@ -89,17 +89,21 @@ def holds(producer: Producer, me: Coords) -> bool:
     return me.ep == producer.ep_rank and me.edp == 0
 
 
-def group_sources(hf_names: list[str], rule_of: dict[str, int], producers: list[Producer], coords: list[Coords]
-                  ) -> list[SourcePart]:
+def group_sources(hf_names: list[str], rules_of: dict[str, tuple[int, ...]], producers: list[Producer],
+                  coords: list[Coords]) -> list[SourcePart]:
     """The parallel sources: each rule is sent by its producer's leader (one per pipeline stage, and one per stage
     and expert-parallel rank for routed experts), leaders whose producing ranks overlap merged into one source (the
     lowest leader, the others' tensors sent to it point to point), so no rank takes part in two sources' collectives
-    at once. Sources in order of their rank; names in `hf_names` order. `rule_of`: HF name -> index of its rule in
-    `producers`."""
+    at once. Sources in order of their rank; names in `hf_names` order. `rules_of`: HF name -> indices of its rules
+    in `producers` (several for a tensor of every expert, gpt-oss's: its producers' leaders send to one source)."""
     members: dict[int, set[int]] = {}
     for producer in producers:
         holders = {r for r, c in enumerate(coords) if holds(producer, c)}
         members.setdefault(producer.leader, {producer.leader}).update(holders)
+    for indices in rules_of.values():  # one HF tensor, several producers: they meet in one source
+        leaders = {producers[i].leader for i in indices}
+        for leader in leaders:
+            members[leader].update(leaders)
     merged: list[tuple[set[int], set[int]]] = []  # (leaders, members)
     for leader, ranks in sorted(members.items()):
         joined = [m for m in merged if m[1] & ranks]
@@ -109,7 +113,7 @@ def group_sources(hf_names: list[str], rule_of: dict[str, int], producers: list[
     parts = []
     for leaders, ranks in sorted(merged, key=lambda m: min(m[0])):
         rank = min(leaders)
-        names = tuple(n for n in hf_names if source_of[producers[rule_of[n]].leader] == rank)
+        names = tuple(n for n in hf_names if source_of[producers[rules_of[n][0]].leader] == rank)
         parts.append(SourcePart(rank=rank, members=tuple(sorted(ranks)), names=names))
     return parts
 
@@ -120,8 +124,17 @@ def weight_sources(hf_config: Any, coords: list[Coords], stage_layout: StageLayo
     converter's rule order). What `WeightStream.source_plan` answers on a running trainer, from the layout alone."""
     table, n_experts = rules(hf_config), num_experts(hf_config)
     producers = [find_producer(rule, coords, stage_layout, n_experts) for rule in table]
-    rule_of = {name: i for i, rule in enumerate(table) for name in rule.hf}
-    return group_sources([name for rule in table for name in rule.hf], rule_of, producers, coords)
+    return group_sources(list(dict.fromkeys(name for rule in table for name in rule.hf)), rules_by_name(table),
+                         producers, coords)
+
+
+def rules_by_name(table: list[Any]) -> dict[str, tuple[int, ...]]:
+    """HF name -> the indices of the rules that make it (one, or one per expert of a tensor of every expert)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for i, rule in enumerate(table):
+        for name in rule.hf:
+            out[name] = (*out.get(name, ()), i)
+    return out
 
 
 class WeightStream:
@@ -144,7 +157,7 @@ class WeightStream:
         self.coords: list[Coords] = everyone
         self.me = mine
         self.rules = rules(hf_config)
-        self.rule_of = {name: i for i, rule in enumerate(self.rules) for name in rule.hf}
+        self.rules_of = rules_by_name(self.rules)
         stage_layout = lambda stage, ep_rank: place.layout(tp_rank=0, member=(ep_rank, 0), stage=stage)  # noqa: E731
         self.producers = [find_producer(rule, self.coords, stage_layout, self.n_experts) for rule in self.rules]
         self.groups = {"dense": ps.get_tensor_model_parallel_group(), "expert": ps.get_expert_tensor_parallel_group()}
@@ -154,7 +167,7 @@ class WeightStream:
 
     def source_plan(self, hf_names: list[str]) -> list[SourcePart]:
         """The parallel sources of this layout (`group_sources`); names in `hf_names` order."""
-        return group_sources(hf_names, self.rule_of, self.producers, self.coords)
+        return group_sources(hf_names, self.rules_of, self.producers, self.coords)
 
     def reset(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         """A new sync: nothing produced yet. `specs`: (HF name, dtype, shape) of every tensor, for the source's
@@ -168,14 +181,25 @@ class WeightStream:
         HF tensors `names` on the `source` rank, {} on the others. Only the ranks that hold a shard of a tensor, and
         the source, take part in producing it."""
         sends: list[tuple[Any, torch.Tensor]] = []
-        for index in dict.fromkeys(self.rule_of[name] for name in names):
+        for index in dict.fromkeys(i for name in names for i in self.rules_of[name]):
             if index in self._made:
                 continue
             self._made.add(index)
-            self._ready.update(self._produce(index, sends, source))
+            self._keep(self.rules[index], self._produce(index, sends, source))
         for request, _ in sends:  # the tensors stay referenced until their sends complete
             request.wait()
         return {name: self._ready.pop(name) for name in names} if self.rank == source else {}
+
+    def _keep(self, rule: Any, tensors: dict[str, torch.Tensor]) -> None:
+        """File a rule's produced HF tensors until their bucket is sent; an expert's slice goes into its place in
+        the HF tensor of every expert."""
+        if not rule.is_expert_slice:
+            self._ready.update(tensors)
+            return
+        for name, piece in tensors.items():
+            dtype, shape = self.specs[name]
+            whole = self._ready.setdefault(name, torch.empty(shape, dtype=dtype, device=piece.device))
+            whole[rule.expert].copy_(piece)
 
     # ---- one rule
     def _produce(self, index: int, sends: list, source: int) -> dict[str, torch.Tensor]:
@@ -185,6 +209,7 @@ class WeightStream:
             shard = self.params[local_name(rule, layout, self.n_experts)].data
             rank, size = shard_rank(rule, layout)
             if size > 1 and rule.kind != REPLICATED:
+                assert not rule.is_expert_slice, "experts of a fused HF tensor are built at expert TP 1 (gpt-oss)"
                 tensors = self._gather_shards(index, shard.contiguous(), rank, size, sends)
             else:  # views of the parameter (q/k/v split apart are copies: no view has their shape)
                 tensors = rule_to_hf(rule, [shard], self.hf_config, copy=False) if rank == 0 else {}
@@ -201,6 +226,7 @@ class WeightStream:
         received = {}
         for name in rule.hf:
             dtype, shape = self.specs[name]
+            shape = shape[1:] if rule.is_expert_slice else shape  # one expert's slice
             received[name] = torch.empty(shape, dtype=dtype, device=self._device())
             torch.distributed.recv(received[name], src=producer.leader)
         return received

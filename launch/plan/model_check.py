@@ -12,6 +12,7 @@ from typing import Any
 
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
+from glue.trainer.layer_spec import SINKS_ELSEWHERE
 from glue.trainer.megatron_fields import megatron_fields
 from glue.trainer.model import check_tensor_parallel, megatron_config, read_hf_config
 from glue.trainer.optim import resolve_precision
@@ -181,6 +182,16 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
                           "(megatron-core gives every EP rank the same number); choose another EP size")
     check_megatron_accepts(trainer, hf_config)
+    fields = family_of(hf_config).megatron_fields(hf_config)
+    backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
+    if (fields.get("softmax_type", "vanilla") != "vanilla" or fields.get("window_size")) and (
+            trainer.layer_spec == "te" or backend in ("local", "unfused")):
+        raise ConfigError(SINKS_ELSEWHERE)
+    etp = fields.get("expert_tensor_parallel_size")
+    if etp is not None and (trainer.expert_tensor_parallel_size or tp) != etp:
+        raise ConfigError(f"trainer.expert_tensor_parallel_size={trainer.expert_tensor_parallel_size or tp}: "
+                          f"megatron-core builds {hf_config.model_type}'s expert biases at expert TP {etp} only; set "
+                          f"trainer.expert_tensor_parallel_size: {etp}")
     # megatron-core's MoELayer.forward raises in training when its TP group has > 1 rank without sequence parallelism
     if experts and tp > 1 and not trainer.megatron.get("sequence_parallel"):
         raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "
@@ -251,13 +262,20 @@ FAST_ATTENTION = {  # GPU nodes? -> what sluice's core attention runs there
 }
 
 
-def describe_attention(trainer: Any, on_gpus: bool) -> str:
+SINKS_ATTENTION = ("sluice core attention with sinks and sliding windows (glue.trainer.sinks): SDPA under a mask, the "
+                   "sink as one extra key, packed rows' samples as a batch (no FlashAttention varlen or flex kernel)")
+
+
+def describe_attention(trainer: Any, on_gpus: bool, hf_config: Any = None) -> str:
     """The attention line of `--dry-run`: the kernel every trainer rank runs, from trainer.layer_spec, megatron's
-    attention_backend (auto / flash / fused: sluice's fused core attention; local / unfused: megatron's reference)
-    and whether the trainer nodes have GPUs."""
+    attention_backend (auto / flash / fused: sluice's fused core attention; local / unfused: megatron's reference),
+    whether the trainer nodes have GPUs and whether the model (`hf_config`) has sinks or sliding windows."""
     backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
     if backend not in ("auto", "flash", "fused", "local", "unfused"):
         raise ConfigError(f"--attention-backend {backend!r} is not one of auto, flash, fused, local, unfused")
+    fields = {} if hf_config is None else family_of(hf_config).megatron_fields(hf_config)
+    if fields.get("softmax_type", "vanilla") != "vanilla" or fields.get("window_size"):
+        return (f"attention ({backend}): {SINKS_ATTENTION}, every trainer rank")
     if trainer.layer_spec == "te" or resolve_layer_spec(trainer.layer_spec) == "te":
         return "attention: transformer-engine DotProductAttention (packed rows as THD), every trainer rank"
     kernel = REFERENCE_ATTENTION if backend in ("local", "unfused") else FAST_ATTENTION[on_gpus]

@@ -13,7 +13,8 @@ import torch
 from weight_sync.convert.layout import ParallelLayout, gather, pad_vocab, shard
 from weight_sync.convert.te_names import from_te_names
 from weight_sync.families import family_of, is_tied, kind_by_suffix, num_experts, rules
-from weight_sync.families.table import EMBEDDING, FINAL_NORM, GATE_UP, OUTPUT, QKV, REPLICATED, ROW, VOCAB, Rule, cfg
+from weight_sync.families.table import (EMBEDDING, EXPERT_GLU, EXPERT_T, FINAL_NORM, GATE_UP, OUTPUT, QKV, REPLICATED,
+                                        ROW, VOCAB, Rule, cfg)
 
 KIND_BY_SUFFIX = kind_by_suffix()
 # HF tensors a checkpoint may carry that no megatron tensor needs.
@@ -65,7 +66,12 @@ def hf_to_megatron_local(hf_state: dict[str, torch.Tensor], hf_config: Any,
         name = local_name(rule, layout, n_experts)
         if name is None:
             continue
-        full = _fuse(rule, [_take(hf_state, h) for h in rule.hf], shape)
+        parts = [_take(hf_state, h) for h in rule.hf]
+        if rule.is_expert_slice:  # one expert's slice of the HF tensor, as megatron lays it out
+            parts = expert_views(rule, parts[0][rule.expert])
+        full = _fuse(rule, parts, shape)
+        if rule.is_expert_slice and len(parts) == 1:  # a view into the HF tensor of every expert: own it
+            full = full.clone(memory_format=torch.contiguous_format)
         out[name] = _shard_rule(rule, name, full, layout)
     if _has_output_copy_of_embedding(hf_config, layout):
         tied = Rule(OUTPUT.megatron, EMBEDDING.hf, VOCAB)
@@ -96,8 +102,17 @@ def megatron_to_hf(states: dict[str, torch.Tensor] | Sequence[dict[str, torch.Te
     n_experts = num_experts(hf_config)
     used: set[tuple[int, str]] = set()
     out: dict[str, torch.Tensor] = {}
+    slices: dict[str, dict[int, torch.Tensor]] = {}  # HF tensors of every expert, by expert, stacked at the end
     for rule in rules(hf_config):
-        out.update(rule_to_hf(rule, _shards_of(rule, states, layouts, n_experts, used), hf_config))
+        tensors = rule_to_hf(rule, _shards_of(rule, states, layouts, n_experts, used), hf_config)
+        if rule.is_expert_slice:
+            for name, piece in tensors.items():
+                out.setdefault(name, None)
+                slices.setdefault(name, {})[rule.expert] = piece
+        else:
+            out.update(tensors)
+    for name, by_expert in slices.items():
+        out[name] = torch.stack([by_expert[e] for e in range(n_experts)])
     for i, layout in enumerate(layouts):
         if _has_output_copy_of_embedding(hf_config, layout):
             used.add((i, OUTPUT.megatron))
@@ -109,8 +124,11 @@ def rule_to_hf(rule: Rule, shards: list[torch.Tensor], hf_config: Any, copy: boo
                ) -> dict[str, torch.Tensor]:
     """One megatron tensor, from its TP shards in TP-rank order, as the HF tensors it holds: gathered, its vocab
     padding dropped, q/k/v or gate/up split apart. `copy=False`: the vocab padding is cut off as a view, not a copy
-    (for a reader that copies the tensor right away, like a streaming sync)."""
+    (for a reader that copies the tensor right away, like a streaming sync). For a rule of one expert's slice of an
+    HF tensor of every expert, the slice (`[expert]` of the HF tensor) under the HF tensor's name."""
     full = gather(rule.kind, shards)
+    if rule.is_expert_slice:
+        return {rule.hf[0]: _expert_slice_of(rule, full)}
     vocab = int(cfg(hf_config, "vocab_size"))
     if rule.kind == VOCAB and full.shape[0] != vocab:
         full = full[:vocab].clone() if copy else full[:vocab]
@@ -122,7 +140,9 @@ def shard_into_hf(rule: Rule, shard_: torch.Tensor, rank: int, size: int, hf: Se
     """Copy TP rank `rank`'s shard (of `size`) of `rule`'s tensor into its places in the rule's HF tensors `hf`
     (whole, in `rule.hf` order): once every rank's shard is in, `hf` holds what `rule_to_hf` gives. A gatherer
     that takes the shards one at a time so holds the HF tensors and one shard, never all the shards, their
-    concatenation and the split copies side by side."""
+    concatenation and the split copies side by side. An expert-slice rule's `hf` is the HF tensor of every expert."""
+    if rule.is_expert_slice:
+        hf = expert_views(rule, hf[0][rule.expert])
     if rule.kind == REPLICATED:
         hf[0].copy_(shard_)
     elif rule.kind == ROW:
@@ -147,6 +167,26 @@ def shard_into_hf(rule: Rule, shard_: torch.Tensor, rank: int, size: int, hf: Se
         stop = min(start + shard_.shape[0], hf[0].shape[0])
         if stop > start:
             hf[0][start:stop].copy_(shard_[: stop - start])
+
+
+def expert_views(rule: Rule, hf_slice: torch.Tensor) -> list[torch.Tensor]:
+    """One expert's slice of an HF tensor of every expert, as views in megatron's layout, in fusion order: the slice
+    itself, its transpose, or (gate / up interleaved along the last dim) its gate and up halves, each transposed
+    when it is a weight. Writing into a view writes into the HF tensor."""
+    if rule.hf_form == EXPERT_GLU:
+        halves = [hf_slice[..., 0::2], hf_slice[..., 1::2]]
+        return [h.mT for h in halves] if hf_slice.dim() == 2 else halves
+    return [hf_slice.mT] if rule.hf_form == EXPERT_T else [hf_slice]
+
+
+def _expert_slice_of(rule: Rule, full: torch.Tensor) -> torch.Tensor:
+    """Inverse of `expert_views`: the HF slice of one expert from its full megatron tensor."""
+    shape = full.shape[::-1] if rule.hf_form in (EXPERT_T, EXPERT_GLU) and full.dim() == 2 else full.shape
+    piece = full.new_empty(shape)
+    views = expert_views(rule, piece)
+    for view, part in zip(views, full.chunk(len(views), dim=0)):
+        view.copy_(part)
+    return piece
 
 
 def _shards_of(rule: Rule, states: Sequence[dict], layouts: Sequence[ParallelLayout], n_experts: int,

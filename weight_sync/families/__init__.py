@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from weight_sync.families import deepseek_v3, glm4, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe
+from weight_sync.families import deepseek_v3, glm4, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen3, qwen3_moe
 from weight_sync.families.base import Family, MoeFamily, is_tied, rope_parameters, rope_theta
 from weight_sync.families.table import Rule, cfg
 
 # sluice's name -> family, in the order a checkpoint's name is matched against their name patterns (the more
 # specific first: a qwen3 MoE name also matches qwen3's pattern, and "moonlight_moe" qwen3_moe's "moe")
-FAMILIES: dict[str, Family] = {f.name: f for f in (deepseek_v3.FAMILY, glm4_moe.FAMILY, glm4.FAMILY, mixtral.FAMILY,
-                                                  qwen3_moe.FAMILY, qwen3.FAMILY, qwen2.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (deepseek_v3.FAMILY, glm4_moe.FAMILY, glm4.FAMILY, gpt_oss.FAMILY,
+                                                  mixtral.FAMILY, qwen3_moe.FAMILY, qwen3.FAMILY, qwen2.FAMILY,
+                                                  llama.FAMILY)}
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 __all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "MoeFamily", "family_of", "is_moe_layer", "is_tied", "kind_by_suffix",

@@ -50,6 +50,7 @@ class Family:
     explicit_head_dim: bool = False  # the HF config's head_dim defaults to a fixed number, not hidden / heads (Qwen3)
     rope_types: tuple[str, ...] = TRAINED_ROPE_TYPES  # config.json rope_types the trainer builds for this family
     post_norms: bool = False  # a norm after the attention and after the MLP, before each residual add (GLM-4)
+    fused_experts_in_checkpoint: bool = False  # checkpoints hold every expert of a layer in one tensor (gpt-oss)
 
     # --- what the trainer builds
     def check(self, hf_config: Any) -> None:

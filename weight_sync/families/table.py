@@ -15,6 +15,13 @@ QKV = "qkv"  # fused q/k/v, group-major, so a plain row chunk holds whole query 
 GATE_UP = "gate_up"  # fused [gate; up]: each TP rank holds [gate chunk; up chunk]
 KINDS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
 
+# How an HF tensor holds a megatron tensor (weight_sync.convert.mapping): whole (fused by the layout kind), or as
+# one expert's slice [expert] of a tensor of every expert (gpt-oss's checkpoints) - as it is, transposed (the HF side
+# is [in, out] where megatron's linear is [out, in]), or transposed with gate / up interleaved along the last dim
+# (HF gate = [..., ::2], up = [..., 1::2]; megatron's [gate; up]).
+WHOLE, EXPERT_SLICE, EXPERT_T, EXPERT_GLU = "whole", "expert_slice", "expert_t", "expert_glu"
+HF_FORMS = (WHOLE, EXPERT_SLICE, EXPERT_T, EXPERT_GLU)
+
 LAYER_HF, LAYER_MCORE = "model.layers.{layer}.", "decoder.layers.{layer}."
 EXPERT_MCORE = "mlp.experts.local_experts.{expert}."
 
@@ -26,6 +33,7 @@ class Entry:
     megatron: str
     hf: tuple[str, ...]
     kind: str
+    hf_form: str = WHOLE
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,12 @@ class Rule:
     kind: str
     layer: int | None = None
     expert: int | None = None
+    hf_form: str = WHOLE
+
+    @property
+    def is_expert_slice(self) -> bool:
+        """True when each HF tensor holds every expert and this rule's tensor is its [expert] slice."""
+        return self.hf_form != WHOLE
 
     def megatron_name(self, local_layer: int | None = None, local_expert: int | None = None) -> str:
         return self.megatron.format(layer=local_layer, expert=local_expert)
@@ -114,11 +128,11 @@ def cfg(hf_config: Any, name: str, default: Any = None) -> Any:
 
 def in_layer(e: Entry, layer: int) -> Rule:
     hf = tuple(LAYER_HF.format(layer=layer) + h for h in e.hf)
-    return Rule(LAYER_MCORE + e.megatron, hf, e.kind, layer=layer)
+    return Rule(LAYER_MCORE + e.megatron, hf, e.kind, layer=layer, hf_form=e.hf_form)
 
 
 def in_expert(e: Entry, layer: int, expert: int, hf_prefix: str) -> Rule:
     """`e` for expert `expert` of layer `layer`; `hf_prefix` is the family's path of an expert in a layer
     (`mlp.experts.{expert}.`)."""
     hf = tuple(LAYER_HF.format(layer=layer) + hf_prefix.format(expert=expert) + h for h in e.hf)
-    return Rule(LAYER_MCORE + EXPERT_MCORE + e.megatron, hf, e.kind, layer=layer, expert=expert)
+    return Rule(LAYER_MCORE + EXPERT_MCORE + e.megatron, hf, e.kind, layer=layer, expert=expert, hf_form=e.hf_form)
