@@ -181,7 +181,6 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
     if experts % ep:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} must divide the model's {experts} experts "
                           "(megatron-core gives every EP rank the same number); choose another EP size")
-    check_megatron_accepts(trainer, hf_config)
     fields = family_of(hf_config).megatron_fields(hf_config)
     backend = str(trainer.megatron.get("attention_backend", "auto")).removeprefix("AttnBackend.")
     if (fields.get("softmax_type", "vanilla") != "vanilla" or fields.get("window_size")) and (
@@ -197,6 +196,7 @@ def check_trainer_model(trainer: Any, hf_config: Any) -> None:
         raise ConfigError(f"trainer.tensor_model_parallel_size={tp} with a mixture-of-experts model ({experts} "
                           "experts) needs sequence parallelism, which megatron-core requires to train MoE layers with "
                           "TP > 1: add --sequence-parallel (trainer.megatron.sequence_parallel: true)")
+    check_megatron_accepts(trainer, hf_config)  # after the checks that name sluice's own keys
 
 
 def check_megatron_accepts(trainer: Any, hf_config: Any) -> None:
