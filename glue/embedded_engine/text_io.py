@@ -51,7 +51,7 @@ def parse_stop(tokenizer: Any | None, stop: Any, where: str) -> StopStrings | No
         raise_request_error(f"{where}.stop", f"stop={strings!r} needs a tokenizer to match text, and this engine's "
                                              "model directory has none; send stop_token_ids, or serve a model saved "
                                              "with its tokenizer")
-    max_len = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in strings)
+    max_len = max(len(tokenize(tokenizer, s, f"{where}.stop", add_special_tokens=False)) for s in strings)
     return StopStrings(strings=tuple(strings), max_len=max_len, tokenizer=tokenizer)
 
 
@@ -62,10 +62,18 @@ def encode_text(tokenizer: Any | None, text: Any, field: str) -> list[int]:
                                    "or serve a model saved with its tokenizer")
     if not isinstance(text, str):
         raise_request_error(field, f"must be a string (or the batch a list of strings), got {str(text)[:100]}")
-    ids = list(tokenizer(text).input_ids)
+    ids = tokenize(tokenizer, text, field)
     if not ids:
         raise_request_error(field, "tokenizes to no tokens; send a non-empty text")
     return ids
+
+
+def tokenize(tokenizer: Any, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of `text`; a string no tokenizer takes (a lone surrogate from JSON's \\ud800) is a 400."""
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    except (ValueError, TypeError) as err:  # UnicodeEncodeError is a ValueError
+        raise_request_error(field, f"cannot be tokenized ({type(err).__name__}): send valid UTF-8 text")
 
 
 def output_text(tokenizer: Any, output_ids: list[int], finish_reason: dict[str, Any] | None, *,
