@@ -225,7 +225,7 @@ class SlimeFunctions:
         for attempt in range(1 + ctx.max_resumes):
             fresh = from_prompt(prompt, text=self.text(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index)
             with shim.recording() as record:
-                out = await self._call_generate(fresh, ctx.sampling_for(index))
+                out = await self._call_generate(fresh, {**ctx.sampling_for(index), **shim.SLIME_TEXT_PARAMS})
             outs = out if isinstance(out, list) else [out]
             if not any(_status_of(s) == "aborted" for s in outs) or attempt == ctx.max_resumes:
                 break
