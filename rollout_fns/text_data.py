@@ -14,15 +14,14 @@ from typing import Any, Iterator
 from glue.plugins import load_object
 from glue.types import Sample
 
-LABEL_TYPES = (str, int, float)
-
-
 @dataclass(frozen=True)
 class TextRow:
-    """One data-set row: a prompt (text, or a list of {"role", "content"} chat messages) and its label."""
+    """One data-set row: a prompt (text, or a list of {"role", "content"} chat messages) and its label: any JSON
+    value as the row holds it (a string, a number, or a dict such as search-r1's {"ground_truth": ...}), which the
+    reward function reads."""
 
     prompt: str | list[dict]
-    label: str | int | float
+    label: Any
 
 
 def load_rows(path: str | os.PathLike, prompt_key: str = "prompt", label_key: str = "answer") -> list[TextRow]:
@@ -81,8 +80,6 @@ def _check_record(where: str, record: Any, prompt_key: str, label_key: str) -> T
     elif not isinstance(prompt, str):
         raise ValueError(f"{where}: {prompt_key!r} must be a string or a list of chat messages, got "
                          f"{type(prompt).__name__}")
-    if not isinstance(label, LABEL_TYPES):
-        raise ValueError(f"{where}: {label_key!r} must be a string or a number, got {type(label).__name__}")
     return TextRow(prompt=prompt, label=label)
 
 
@@ -113,8 +110,8 @@ class TextDataTask:
                  reward: str = "rollout_fns.verifiers:math_reward", reward_args: dict | None = None):
         """path: a local .jsonl or .parquet file. tokenizer: a local HF model directory (or a cached hub id; never
         downloaded) whose tokenizer and chat template are used. prompt_key / label_key: the row fields holding the
-        prompt (text or chat messages) and the label. system_prompt: a system turn put before each prompt.
-        apply_chat_template: false tokenizes the plain text instead. max_prompt_tokens: longer prompts are passed
+        prompt (text or chat messages) and the label (any JSON value, handed to the reward as it is).
+        system_prompt: a system turn put before each prompt. apply_chat_template: false tokenizes the plain text. max_prompt_tokens: longer prompts are passed
         over. shuffle: reshuffle the rows every epoch. reward: import path of `fn(response_text, label, sample,
         **reward_args)`; reward_args: its keyword options (checked against its signature here)."""
         from transformers import AutoTokenizer

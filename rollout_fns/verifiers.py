@@ -5,6 +5,8 @@ Each returns {"score", "correct", "format_ok", "too_long"} (floats): "score" is 
 become metrics. The score is 1 for a correct answer, 0 otherwise, minus `format_penalty` when the format is off
 and `length_penalty` when the response is over a length limit; both penalties are 0 / off by default.
 `math_reward` adds "timed_out" (1 when Math-Verify's judgement ran past its limit and was killed).
+Labels may be any JSON value (a text task hands them over as the row holds them); these verifiers take a string or
+a number and refuse anything else naming its type (`label_text`); a dict label needs a reward function of its own.
 """
 from __future__ import annotations
 
@@ -42,14 +44,15 @@ def math_reward(response_text: str, label: Any, sample: Sample | None = None, *,
     inside one C call that no signal interrupts, holding the GIL of whatever process runs it. Such an answer scores
     0 with "timed_out" 1. None: judged in this process with no limit at all.
     """
+    label = label_text(label, "math_reward")
     boxed = last_boxed(response_text)
     answer = response_text if not require_boxed else (f"{BOXED}{boxed}}}" if boxed is not None else "")
     is_timed_out = False
     if timeout_s is None:
-        is_correct = judge_math(answer, str(label), None)
+        is_correct = judge_math(answer, label, None)
     else:
         try:
-            is_correct = math_judges().call(judge_math, answer, str(label), timeout_s,
+            is_correct = math_judges().call(judge_math, answer, label, timeout_s,
                                             timeout_s=JUDGE_DEADLINE_FACTOR * timeout_s + 1.0)
         except DeadlineExceeded:
             is_correct, is_timed_out = False, True
@@ -101,7 +104,7 @@ def exact_match_reward(response_text: str, label: Any, sample: Sample | None = N
     whether there was one."""
     boxed = last_boxed(response_text)
     answer = boxed if use_boxed and boxed is not None else response_text
-    is_correct = normalize_answer(answer) == normalize_answer(str(label))
+    is_correct = normalize_answer(answer) == normalize_answer(label_text(label, "exact_match_reward"))
     return shape_score(is_correct=is_correct, is_format_ok=boxed is not None, response_text=response_text,
                        sample=sample, format_penalty=format_penalty, max_response_chars=max_response_chars,
                        max_response_tokens=max_response_tokens, length_penalty=length_penalty)
@@ -112,10 +115,11 @@ def regex_reward(response_text: str, label: Any, sample: Sample | None = None, *
                  max_response_tokens: int | None = None, length_penalty: float = 0.0) -> dict[str, float]:
     """Whether the first capture group of `pattern`'s last match in the response equals `label` after
     `normalize_answer` (e.g. pattern r"Answer:\\s*(\\S+)"). No match is wrong and "format_ok" is 0."""
+    label = label_text(label, "regex_reward")
     compiled = _compile(pattern)
     matches = list(compiled.finditer(response_text))
     answer = matches[-1].group(1) if matches else None
-    is_correct = answer is not None and normalize_answer(answer) == normalize_answer(str(label))
+    is_correct = answer is not None and normalize_answer(answer) == normalize_answer(label)
     return shape_score(is_correct=is_correct, is_format_ok=bool(matches), response_text=response_text,
                        sample=sample, format_penalty=format_penalty, max_response_chars=max_response_chars,
                        max_response_tokens=max_response_tokens, length_penalty=length_penalty)
@@ -141,6 +145,15 @@ def _compile(pattern: str) -> re.Pattern:
     if compiled.groups < 1:
         raise ValueError(f"regex_reward: pattern {pattern!r} has no capture group; wrap the answer in (...)")
     return compiled
+
+
+def label_text(label: Any, verifier: str) -> str:
+    """The label as the text a verifier compares: a string as it is, a number as str() writes it. Anything else (a
+    dict, a list, a bool, null) is refused in one line naming its type, before any judging."""
+    if isinstance(label, str) or (isinstance(label, (int, float)) and not isinstance(label, bool)):
+        return str(label)
+    raise ValueError(f"{verifier}: the label is a {type(label).__name__} ({str(label)[:80]}); it takes a string or "
+                     "a number; for a dict label (e.g. {'ground_truth': ...}) write a reward function that reads it")
 
 
 def shape_score(*, is_correct: bool, is_format_ok: bool, response_text: str, sample: Sample | None,

@@ -50,11 +50,27 @@ def test_weight_route_fields_exist_in_sglangs_update_and_checker_structs(sglang_
 def test_response_field_names_and_finish_reasons_are_sglangs(sglang_srt):
     manager = string_constants(sglang_srt / "managers" / "tokenizer_manager.py")
     meta_keys = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
-                 "e2e_latency", "output_token_logprobs", "output_token_logprobs_length", "output_ids", "meta_info"}
+                 "e2e_latency", "output_token_logprobs", "output_token_logprobs_length", "output_ids", "meta_info",
+                 "text"}
     assert meta_keys - manager == set()
     assert {"weight_versions", "version", "start", "end"} <= string_constants(sglang_srt / "utils" / "weight_versions.py")
     finish = string_constants(sglang_srt / "managers" / "schedule_batch.py")
     assert {"type", "stop", "matched", "length", "abort", "message", "status_code", "err_type"} <= finish
+
+
+def test_the_text_layer_follows_sglangs_stop_handling(sglang_srt):
+    from glue.embedded_engine.text_io import MAX_STOP_COUNT
+
+    params = (sglang_srt / "sampling" / "sampling_params.py").read_text()
+    assert f"MAX_STOP_COUNT = {MAX_STOP_COUNT}" in params
+    assert {"stop", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"} <= \
+        class_fields(sglang_srt / "sampling" / "sampling_params.py")["SamplingParams"]
+    detokenizer = (sglang_srt / "managers" / "detokenizer_manager.py").read_text()
+    # the text is cut at the stop string's first occurrence, after it with no_stop_trim; a stop token is dropped
+    assert "return output[:end] if no_stop_trim else output[:pos]" in detokenizer
+    assert "return output[:-1]" in detokenizer
+    batch = (sglang_srt / "managers" / "schedule_batch.py").read_text()
+    assert "FINISH_MATCHED_STR(matched=stop_str)" in batch and "if self.sampling_params.ignore_eos:" in batch
 
 
 def test_every_route_the_engine_serves_is_an_sglang_route(sglang_srt, tiny_model_dir):

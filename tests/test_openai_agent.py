@@ -95,23 +95,22 @@ def test_every_chat_name_read_or_answered_is_a_field_of_sglangs_openai_protocol(
     assert set(card) == protocol["ModelCard"]
 
 
-def test_a_one_token_stop_string_ends_the_answer_and_is_trimmed_from_the_text(engine_url, tokenizer):
+def test_a_stop_string_ends_the_answer_and_is_trimmed_from_the_text(engine_url, tokenizer):
     prompt = chat_ids(tokenizer, QUESTION)
     free = generate(engine_url, {"input_ids": prompt, "sampling_params": {
         "max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})["output_ids"]
-    round_trips = [t for t in free if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]]
-    assert round_trips, f"no greedy token of {free} is the string of one token"
-    stop_id = round_trips[0]
-    stop = tokenizer.decode([stop_id])
+    stop = next((p for p in (tokenizer.decode(free[k:k + 2]) for k in range(2, 6)) if "\ufffd" not in p), None)
+    assert stop, f"no two greedy tokens of {free} decode to clean text"
     status, answer = call(engine_url, "/v1/chat/completions", {
         "messages": QUESTION, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stop": [stop],
         "return_token_ids": True})
     assert status == 200, answer
     choice = answer["choices"][0]
-    expected = free[:free.index(stop_id) + 1]
-    assert choice["response_token_ids"] == expected
+    kept = next(n for n in range(1, len(free) + 1) if stop in tokenizer.decode(free[:n]))  # SGLang's first match
+    assert choice["response_token_ids"] == free[:kept]
     assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", stop)
-    assert choice["message"]["content"] == tokenizer.decode(expected[:-1], skip_special_tokens=True)
+    text = tokenizer.decode(free[:kept], skip_special_tokens=True)
+    assert choice["message"]["content"] == text[:text.find(stop)]
 
 
 @pytest.mark.parametrize("body, field", [
@@ -124,7 +123,7 @@ def test_a_one_token_stop_string_ends_the_answer_and_is_trimmed_from_the_text(en
     ({"messages": QUESTION, "temperature": -1}, "temperature"),
     ({"messages": QUESTION, "max_tokens": -1}, "max_tokens"),
     ({"messages": QUESTION, "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": QUESTION, "stop": ["What is the answer"]}, "stop"),
+    ({"messages": QUESTION, "stop": [5]}, "stop"),
     ({"messages": QUESTION, "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
     ({"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
     ({"messages": QUESTION, "repetition_penalty": 1.3}, "repetition_penalty"),

@@ -149,6 +149,20 @@ def test_the_table_maps_the_rollout_reward_and_reference_flags_to_their_keys():
     assert slime_args.translate({"rollout_function_path": SLIME_ROLLOUT}, {}).values == {}
 
 
+def test_rm_type_and_the_context_length_reach_the_functions_args_with_slimes_prompt_limit():
+    translated = slime_args.translate({"rm_type": "deepscaler", "rollout_max_context_len": 4096}, {})
+    assert translated.values == {"rollout.slime.rm_type": "deepscaler", "rollout.slime.max_context_len": 4096,
+                                 "rollout.task_args.max_prompt_tokens": 4095,
+                                 "rollout.task_args.reward": "rollout_fns.verifiers:math_reward"}
+    own_limit = slime_args.translate({"rollout_max_context_len": 4096, "rollout_max_prompt_len": 1000}, {}).values
+    assert own_limit["rollout.task_args.max_prompt_tokens"] == 1000
+    custom = slime_args.translate({"rm_type": "search_r1", "custom_rm_path": "my.rm:reward"}, {}).values
+    assert custom == {"rollout.slime.rm_type": "search_r1", "reward.slime.function": "my.rm:reward"}
+    with pytest.raises(ValueError, match="^--rollout-max-prompt-len 4096 must be at most --rollout-max-context-len "
+                                         "4096 - 1"):
+        slime_args.translate({"rollout_max_context_len": 4096, "rollout_max_prompt_len": 4096}, {})
+
+
 def test_a_model_shape_flag_that_config_json_contradicts_is_refused_naming_both_values(checkpoints, capsys):
     argv = script_argv("run-qwen3-4B.sh", checkpoints)
     for extra, says in ((["--num-layers", "28"], "--num-layers 28 does not match {}/config.json: num_hidden_layers is 36"),
@@ -247,4 +261,6 @@ def test_a_slime_shaped_launch_script_is_the_same_run_as_the_recipe_it_rewrites(
     # --bf16 alone is bf16 weights (trainer.precision: auto); megatron's --optimizer adam is what the trainer runs
     original["trainer"]["megatron"].pop("params_dtype", None)
     slime["trainer"]["megatron"].pop("optimizer")
+    # --rm-type is also kept as slime functions' args.rm_type; this run has no slime function to read it
+    assert slime["rollout"]["slime"].pop("rm_type") == "math" and original["rollout"]["slime"].pop("rm_type") is None
     assert slime == original

@@ -196,6 +196,35 @@ def test_append_response_tokens_keeps_slime_s_fields_and_stamps_versions_from_me
         s.append_response_tokens(None, tokens=[1])
 
 
+def test_append_response_tokens_extends_the_lists_a_function_holds_in_place_as_slime_does():
+    s = SlimeSample(tokens=[1, 2])
+    s.append_response_tokens(None, tokens=[7], log_probs=[-0.5])
+    tokens, loss_mask, log_probs = s.tokens, s.loss_mask, s.rollout_log_probs  # retool keeps such references
+    s.append_response_tokens(None, tokens=[8, 9], trainable=False)
+    assert loss_mask is s.loss_mask and loss_mask == [1, 0, 0]
+    assert tokens is s.tokens and tokens == [1, 2, 7, 8, 9]
+    assert log_probs is s.rollout_log_probs and log_probs == [-0.5, 0.0, 0.0]
+
+
+def test_the_functions_args_carry_what_the_run_sets_and_slimes_defaults_otherwise():
+    from glue.rollout.slime.adapter import slime_args
+    from launch.run.components import make_slime_functions
+
+    defaults = slime_args(router_url="http://127.0.0.1:1", model_path="/m", sampling_params={"max_new_tokens": 4},
+                          samples_per_prompt=2, prompts_per_step=1, seed=0, generate_path=None, reward_path=None)
+    assert (defaults.rollout_max_context_len, defaults.eval_max_context_len, defaults.rm_type,
+            defaults.context_parallel_size, defaults.max_tokens_per_gpu) == (None, None, None, 1, None)
+    cfg = load_config("examples/configs/demo.yaml", [
+        "rollout.slime.generate_function=test_slime_functions:generate_with_tool",
+        "rollout.slime.max_context_len=512", "rollout.slime.rm_type=deepscaler",
+        "trainer.max_tokens_per_micro_batch=2048"])
+    args = make_slime_functions(cfg, None, "/nonexistent").args
+    assert (args.rollout_max_context_len, args.eval_max_context_len, args.rm_type, args.context_parallel_size,
+            args.max_tokens_per_gpu) == (512, 512, "deepscaler", 1, 2048)
+    with pytest.raises(ConfigError, match="rollout.slime.max_context_len must be an integer >= 2"):
+        load_config("examples/configs/demo.yaml", ["rollout.slime.max_context_len=1"])
+
+
 def test_a_returned_sample_that_does_not_line_up_is_refused_naming_the_field():
     from glue.rollout.slime.sample import to_sluice
 

@@ -114,7 +114,6 @@ def test_without_chat_template_the_plain_text_is_tokenized(arith_path, text_mode
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "d.jsonl:2: invalid JSON"),
     (['{"prompt": "a", "answer": "1"}', "", '{"prompt": "b"}'], "d.jsonl:3: missing key 'answer'"),
     (['{"prompt": 5, "answer": "1"}'], "d.jsonl:1: 'prompt' must be a string or a list of chat messages, got int"),
-    (['{"prompt": "a", "answer": {"x": 1}}'], "d.jsonl:1: 'answer' must be a string or a number, got dict"),
     (['["a", "1"]'], "d.jsonl:1: expected an object"),
     (['{"prompt": [{"role": "user"}], "answer": "1"}'], "d.jsonl:1: 'prompt' message 0 must be an object"),
 ])
@@ -122,6 +121,30 @@ def test_bad_jsonl_rows_are_refused_naming_file_and_line(tmp_path, lines, messag
     with pytest.raises(ValueError) as err:
         load_rows(write_lines(tmp_path / "d.jsonl", lines))
     assert str(err.value).startswith(f"{tmp_path}/{message}")
+
+
+def test_labels_of_any_json_type_are_kept_as_the_row_holds_them(tmp_path):
+    labels = ["19", 19, 0.5, {"ground_truth": {"target": ["Paris"]}}, ["a", "b"], False]
+    lines = [json.dumps({"prompt": f"q{i}", "reward_model": label}) for i, label in enumerate(labels)]
+    rows = load_rows(write_lines(tmp_path / "d.jsonl", lines), label_key="reward_model")
+    assert [row.label for row in rows] == labels
+    assert rows[3].label["ground_truth"]["target"] == ["Paris"]
+
+
+def test_a_dict_label_reaches_the_reward_function_as_a_dict(tmp_path, text_model_dir, tokenizer):
+    label = {"ground_truth": {"target": ["19"]}}
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": "What is 12+7?", "reward_model": label})])
+    task = TextDataTask(path=path, tokenizer=text_model_dir, label_key="reward_model",
+                        reward="tests.test_text_data:ground_truth_reward")
+    prompt = next(iter(task.prompts(seed=0)))
+    tokens = tokenizer("It is 19", add_special_tokens=False).input_ids
+    sample = Sample(prompt_tokens=prompt["prompt_tokens"], response_tokens=tokens, metadata={"label": prompt["label"]})
+    assert task.reward(sample) == {"score": 1.0}
+
+
+def ground_truth_reward(response_text, label, sample=None):
+    """A reward reading a search-r1 style dict label."""
+    return {"score": float(any(t in response_text for t in label["ground_truth"]["target"]))}
 
 
 def test_bad_parquet_rows_are_refused_naming_file_and_row(tmp_path):

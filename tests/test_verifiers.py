@@ -118,6 +118,20 @@ def test_math_reward_on_the_main_thread_leaves_the_callers_alarm_as_it_was():
         signal.setitimer(signal.ITIMER_REAL, *previous)  # pytest-timeout's alarm, if it had one
 
 
+@pytest.mark.parametrize("label, kind", [({"ground_truth": "19"}, "dict"), (["19"], "list"), (True, "bool"),
+                                         (None, "NoneType")])
+def test_the_built_in_verifiers_refuse_a_label_that_is_not_a_string_or_number_naming_its_type(label, kind):
+    for verifier, options in [(math_reward, {}), (exact_match_reward, {}), (regex_reward, {"pattern": "(\\d+)"})]:
+        with pytest.raises(ValueError, match=f"^{verifier.__name__}: the label is a {kind} .*; it takes a string "
+                                             "or a number"):
+            verifier("\\boxed{19}", label, **options)
+
+
+def test_the_built_in_verifiers_take_a_number_label_as_its_text():
+    assert math_reward("\\boxed{19}", 19)["correct"] == exact_match_reward("\\boxed{0.5}", 0.5)["correct"] == 1.0
+    assert regex_reward("x = 7", 7, pattern=r"= (\d+)")["correct"] == 1.0
+
+
 def test_require_boxed_ignores_answers_outside_the_box():
     assert math_reward("The answer is 19", "19", require_boxed=True)["correct"] == 0.0
     assert math_reward(r"I guess 3, then \boxed{19}", "19", require_boxed=True)["correct"] == 1.0

@@ -13,6 +13,7 @@ from glue.embedded_engine.model_runner import ModelRunner
 from glue.embedded_engine.routed_experts import RoutingRecorder
 from glue.embedded_engine.server import EngineServer
 from glue.embedded_engine.strict_server import StrictEngineServer
+from glue.embedded_engine.text_io import load_tokenizer
 from glue.embedded_engine.weight_update import WeightReceiver
 from weight_sync.fp8_blocks import BlockFp8, read_block_fp8, read_dequantized
 
@@ -97,12 +98,15 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
         raise ValueError(f"--device {device!r}: the embedded engine runs on cpu or cuda (cuda:N)")
     model = load_model(model_path, dtype, device)
     config = model.config
+    tokenizer = load_tokenizer(model_path)
+    eos = eos_token_ids(model) | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
+                                   else set())  # SGLang stops on the tokenizer's eos too
     # SGLang's routing buffer starts zeroed, so its layers without experts read 0; the lenient engine marks them -1.
     recorder = RoutingRecorder(model, dense_layer_value=0 if sglang_strict else -1) if enable_return_routed_experts \
         else None
     runner = ModelRunner(model, max_running_requests=max_running_requests, seed=seed, weight_version=weight_version,
-                         eos_token_ids=eos_token_ids(model), deterministic=deterministic, recorder=recorder)
-    model_info = {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": None,
+                         eos_token_ids=eos, deterministic=deterministic, recorder=recorder)
+    model_info = {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": model_path if tokenizer is not None else None,
                   "is_generation": True, "preferred_sampling_params": None, "load_format": "auto",
                   "has_image_understanding": False, "has_audio_understanding": False,
                   "model_type": config.model_type, "architectures": config.architectures}
@@ -112,11 +116,11 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                    "enable_return_routed_experts": enable_return_routed_experts,
                    "enable_memory_saver": enable_memory_saver,
                    "nnodes": nnodes, "node_rank": 0, "dist_init_addr": dist_init_addr,
-                   "skip_tokenizer_init": True, "context_length": config.max_position_embeddings,
+                   "skip_tokenizer_init": tokenizer is None, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
     receiver = WeightReceiver(runner, timeout_s=weight_sync_timeout_s, tp_size=tp_size)
     shared = dict(vocab_size=config.vocab_size, max_context=config.max_position_embeddings, model_info=model_info,
-                  server_info=server_info, api_key=api_key, admin_api_key=admin_api_key)
+                  server_info=server_info, api_key=api_key, admin_api_key=admin_api_key, tokenizer=tokenizer)
     if sglang_strict:
         return StrictEngineServer(runner, receiver, tp_size=tp_size, enable_memory_saver=enable_memory_saver, **shared)
     return EngineServer(runner, receiver, **shared)

@@ -267,8 +267,13 @@ class ModelRunner:
             self._batch.keep_rows(keep)
 
     def _stop_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        """SGLang's order (Req.update_finish_state): a stop string, then a stop token (all off with ignore_eos,
+        stop_token_ids included), then the length budget."""
         s = seq.request.sampling
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+        matched = s.stop_strings.match(seq.output_ids) if s.stop_strings is not None else None
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+        if not s.ignore_eos and (token in s.stop_token_ids or token in self.eos_token_ids):
             return {"type": "stop", "matched": token}
         if len(seq.output_ids) >= s.max_new_tokens:
             return {"type": "length", "length": s.max_new_tokens}

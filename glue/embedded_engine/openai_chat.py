@@ -12,6 +12,7 @@ from typing import Any
 
 from glue.embedded_engine.json_body import describe
 from glue.embedded_engine.request_schema import GenerationRequest, RequestError, parse_generate
+from glue.embedded_engine.text_io import TOKENIZER_FILES, output_text
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 # SGLang request fields the embedded engine accepts only at their neutral value (no penalties, grammars, adapters).
@@ -21,8 +22,7 @@ NEUTRAL_FIELDS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition
 # Sampling params parse_generate checks, and the chat field each one came from (for the error's field name).
 CHAT_NAME_OF = {"max_new_tokens": "max_completion_tokens", "sampling_seed": "seed", "temperature": "temperature",
                 "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop_token_ids": "stop_token_ids",
-                "ignore_eos": "ignore_eos"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+                "ignore_eos": "ignore_eos", "stop": "stop"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,6 @@ class ChatRequest:
     want_logprobs: bool
     skip_special_tokens: bool
     no_stop_trim: bool
-    stop_strings: dict[int, str]  # stop token id -> the `stop` string it came from (SGLang's matched_stop)
     return_prompt_token_ids: bool
     return_token_ids: bool
     return_meta_info: bool
@@ -71,20 +70,18 @@ class ChatFront:
         refuse_unsupported(body)
         tokenizer = await asyncio.to_thread(self.tokenizer)
         prompt = await asyncio.to_thread(self.prompt_ids, tokenizer, body)
-        stop_strings = stop_token_ids_of(tokenizer, body.get("stop"))
-        params = sampling_params(body, stop_ids=[*(body.get("stop_token_ids") or []), *stop_strings],
-                                 room=self.max_context - len(prompt))
+        params = sampling_params(body, room=self.max_context - len(prompt))
         generate_body = {"input_ids": prompt, "rid": body.get("rid") or rid, "return_logprob": True,
                          "sampling_params": params}
         try:
             [generation], _ = parse_generate(generate_body, vocab_size=self.vocab_size,
-                                             max_context=self.max_context, next_rid=None)
+                                             max_context=self.max_context, next_rid=None, tokenizer=tokenizer)
         except RequestError as e:
             raise as_chat_error(e, body) from None
         return ChatRequest(
             generation=generation, model=body.get("model") or "default", want_logprobs=bool(body.get("logprobs")),
             skip_special_tokens=body.get("skip_special_tokens", True), no_stop_trim=bool(body.get("no_stop_trim")),
-            stop_strings=stop_strings, return_prompt_token_ids=bool(body.get("return_prompt_token_ids")),
+            return_prompt_token_ids=bool(body.get("return_prompt_token_ids")),
             return_token_ids=bool(body.get("return_token_ids")),
             return_meta_info=bool(body.get("return_meta_info")),
             return_input_ids=self.return_input_ids or bool(body.get("return_input_ids_in_sglext")),
@@ -127,13 +124,12 @@ class ChatFront:
         """SGLang's `ChatCompletionResponse` for one `/generate`-shaped `output` of `request`."""
         ids, meta = output["output_ids"], output["meta_info"]
         finish = meta["finish_reason"] or {}
-        matched = finish.get("matched")
-        trim = finish.get("type") == "stop" and not request.no_stop_trim and bool(ids) and ids[-1] == matched
-        text = self._tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=request.skip_special_tokens)
+        text = output_text(self._tokenizer, ids, finish, no_stop_trim=request.no_stop_trim,
+                           skip_special_tokens=request.skip_special_tokens, spaces_between_special_tokens=True)
         choice: dict[str, Any] = {
             "index": 0, "message": {"role": "assistant", "content": text, "reasoning_content": None},
             "logprobs": self.logprobs(meta) if request.want_logprobs else None,
-            "finish_reason": finish.get("type"), "matched_stop": request.stop_strings.get(matched, matched)}
+            "finish_reason": finish.get("type"), "matched_stop": finish.get("matched")}
         if request.return_prompt_token_ids or request.return_token_ids:
             choice["prompt_token_ids"] = list(request.generation.input_ids)
         if request.return_token_ids:
@@ -212,27 +208,13 @@ def message_text(content: Any, where: str) -> str:
                                            f"(the embedded engine reads text only), got {describe(content)}")
 
 
-def stop_token_ids_of(tokenizer: Any, stop: Any) -> dict[int, str]:
-    """SGLang's `stop` strings as token ids: the embedded engine stops on tokens, so each string must be one token."""
-    strings = [stop] if isinstance(stop, str) else (stop or [])
-    found = {}
-    for s in strings:
-        try:
-            ids = tokenizer.encode(s, add_special_tokens=False) if isinstance(s, str) else None
-        except (ValueError, TypeError):  # a string no tokenizer takes, e.g. a lone surrogate (UnicodeEncodeError)
-            ids = None
-        if ids is None or len(ids) != 1:
-            raise RequestError("stop", f"stop {describe(s)} is not one token of this tokenizer; the embedded engine "
-                                       "stops on single tokens (or use stop_token_ids)")
-        found[ids[0]] = s
-    return found
-
-
-def sampling_params(body: dict[str, Any], *, stop_ids: list[int], room: int) -> dict[str, Any]:
-    """SGLang's `ChatCompletionRequest.to_sampling_params` for the params the embedded engine has. Without a
-    budget, generation may run to the end of the context, as SGLang's does."""
+def sampling_params(body: dict[str, Any], *, room: int) -> dict[str, Any]:
+    """SGLang's `ChatCompletionRequest.to_sampling_params` for the params the embedded engine has (`stop` strings
+    matched on the decoded output, glue.embedded_engine.text_io). Without a budget, generation may run to the end
+    of the context, as SGLang's does."""
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-    params = {"max_new_tokens": room if max_new is None else max_new, "stop_token_ids": stop_ids,
+    params = {"max_new_tokens": room if max_new is None else max_new, "stop": body.get("stop"),
+              "stop_token_ids": list(body.get("stop_token_ids") or []),
               "ignore_eos": body.get("ignore_eos", False), "sampling_seed": body.get("seed")}
     for name in ("temperature", "top_p", "top_k", "min_p"):
         if body.get(name) is not None:

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from glue.embedded_engine.text_io import StopStrings, encode_text, parse_stop
+
 # Top-level `GenerateReqInput` fields the engine reads.
 GENERATE_FIELDS = ("input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "text",
@@ -19,9 +21,9 @@ GENERATE_FIELDS_IGNORED = ("log_metrics", "routed_dp_rank", "data_parallel_rank"
 # Sampling params that work, and those accepted only at SGLang's neutral value.
 SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",
                    "sampling_seed", "n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-                   "stream_interval")
+                   "stream_interval", "stop")
 SAMPLING_PARAMS_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                           "min_new_tokens": 0, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
+                           "min_new_tokens": 0, "stop_regex": None, "json_schema": None, "regex": None,
                            "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None,
                            "watermark": None, "beam_width": None}
 # Fields the control endpoints read, by SGLang request type (the JSON keys are the struct's field names).
@@ -58,8 +60,12 @@ class SamplingSettings:
     top_k: int = -1  # -1: whole vocabulary
     min_p: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # as in SGLang, also turns off stop_token_ids (stop strings still apply)
     seed: int | None = None
+    stop_strings: StopStrings | None = None  # `stop`, matched on the decoded output (glue.embedded_engine.text_io)
+    no_stop_trim: bool = False  # the answer's text keeps the matched stop
+    skip_special_tokens: bool = True  # how the answer's text is decoded
+    spaces_between_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -85,7 +91,7 @@ def _per_item(value: Any, n: int, field: str, is_batch: bool) -> list[Any]:
     """Spread a top-level field over the batch: a list must have one entry per prompt, a scalar is shared."""
     if is_batch and isinstance(value, list):
         if len(value) != n:
-            raise RequestError(field, f"has {len(value)} entries but input_ids has {n} prompts")
+            raise RequestError(field, f"has {len(value)} entries but the batch has {n} prompts")
         return value
     return [value] * n
 
@@ -100,17 +106,14 @@ def _check_token_ids(ids: Any, field: str, vocab_size: int) -> list[int]:
 
 
 def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: Any,
-                   records_routing: bool = False) -> tuple[list[GenerationRequest], bool]:
+                   records_routing: bool = False, tokenizer: Any = None) -> tuple[list[GenerationRequest], bool]:
     """Validate a `/generate` body; return the requests and whether the caller sent a batch (list of prompts).
-    `records_routing`: the engine was started with --enable-return-routed-experts."""
+    `records_routing`: the engine was started with --enable-return-routed-experts. `tokenizer`: the engine's, or
+    None when its model has none (then `text` and `stop` strings are refused)."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     _reject_unsupported_fields(body)
-    ids = body.get("input_ids")
-    if ids is None:
-        raise RequestError("input_ids", "is required (the embedded engine has no tokenizer; send token ids, not text)")
-    is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-    prompts = ids if is_batch else [ids]
+    prompts, is_batch = _prompts(body, tokenizer)
     n = len(prompts)
     params = _per_item(body.get("sampling_params") or {}, n, "sampling_params", is_batch)
     logprob_flags = _per_item(body.get("return_logprob"), n, "return_logprob", is_batch)
@@ -121,15 +124,16 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: An
     requests = []
     for i, prompt in enumerate(prompts):
         where = f"[{i}]" if is_batch else ""
-        prompt = _check_token_ids(prompt, f"input_ids{where}", vocab_size)
+        source = "input_ids" if body.get("input_ids") is not None else "text"
+        prompt = _check_token_ids(prompt, f"{source}{where}", vocab_size)
         if len(prompt) >= max_context:
-            raise RequestError(f"input_ids{where}", f"has {len(prompt)} tokens; the model's context is {max_context}")
+            raise RequestError(f"{source}{where}", f"has {len(prompt)} tokens; the model's context is {max_context}")
         if logprob_flags[i] is not None and not isinstance(logprob_flags[i], bool):
             raise RequestError(f"return_logprob{where}", f"must be true or false, got {logprob_flags[i]!r}")
         rid = rids[i] if rids[i] is not None else next_rid()
         if not isinstance(rid, str):
             raise RequestError(f"rid{where}", f"must be a string, got {rid!r}")
-        sampling = parse_sampling_params(params[i], f"sampling_params{where}", len(prompt), max_context)
+        sampling = parse_sampling_params(params[i], f"sampling_params{where}", len(prompt), max_context, tokenizer)
         if start_len > len(prompt):  # SGLang's scheduler refuses it the same way
             raise RequestError("routed_experts_start_len", f"is {start_len}, more than the {len(prompt)} input "
                                                            f"tokens of input_ids{where}; send a smaller one")
@@ -139,6 +143,22 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, next_rid: An
                                           routed_experts_start_len=start_len,
                                           logprob_start_len=logprob_start if logprob_flags[i] else -1))
     return requests, is_batch
+
+
+def _prompts(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids and whether they are a batch: `input_ids` as sent (SGLang uses them when both are
+    given), else `text` (a string, or a list of them for a batch) tokenized."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is not None:
+        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        return (ids if is_batch else [ids]), is_batch
+    if text is None:
+        raise RequestError("input_ids", "either text or input_ids must be provided")
+    if isinstance(text, list):
+        if not text:
+            raise RequestError("text", "is an empty batch; send at least one text")
+        return [encode_text(tokenizer, t, f"text[{i}]") for i, t in enumerate(text)], True
+    return [encode_text(tokenizer, text, "text")], False
 
 
 def _logprob_start_len(value: Any, field: str, prompt_len: int) -> int:
@@ -169,8 +189,6 @@ def _routed_experts_fields(body: dict, records_routing: bool) -> tuple[bool, int
 
 
 def _reject_unsupported_fields(body: dict) -> None:
-    if body.get("text") is not None:
-        raise RequestError("text", "the embedded engine has no tokenizer; send input_ids instead of text")
     if body.get("stream"):
         raise RequestError("stream", "streaming is not supported by the embedded engine; send stream=false")
     for name in ("top_logprobs_num", "token_ids_logprob"):
@@ -200,7 +218,8 @@ def _integer(params: dict, name: str, where: str, default: int | None) -> int | 
     return value
 
 
-def parse_sampling_params(params: Any, where: str, prompt_len: int, max_context: int) -> SamplingSettings:
+def parse_sampling_params(params: Any, where: str, prompt_len: int, max_context: int,
+                          tokenizer: Any = None) -> SamplingSettings:
     """Check one `sampling_params` object against SGLang's rules and normalise it."""
     if not isinstance(params, dict):
         raise RequestError(where, f"must be a JSON object, got {type(params).__name__}")
@@ -233,10 +252,20 @@ def parse_sampling_params(params: Any, where: str, prompt_len: int, max_context:
     stop = params.get("stop_token_ids") or []
     if not isinstance(stop, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop):
         raise RequestError(f"{where}.stop_token_ids", f"must be a list of integers, got {stop!r}")
-    ignore_eos = params.get("ignore_eos") or False
-    if not isinstance(ignore_eos, bool):
-        raise RequestError(f"{where}.ignore_eos", f"must be true or false, got {ignore_eos!r}")
+    flags = {name: _flag(params, name, where, default) for name, default in
+             [("ignore_eos", False), ("no_stop_trim", False), ("skip_special_tokens", True),
+              ("spaces_between_special_tokens", True)]}
     return SamplingSettings(
         max_new_tokens=min(max_new, room), temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        stop_token_ids=frozenset(stop), ignore_eos=ignore_eos, seed=_integer(params, "sampling_seed", where, None),
+        stop_token_ids=frozenset(stop), seed=_integer(params, "sampling_seed", where, None),
+        stop_strings=parse_stop(tokenizer, params.get("stop"), where), **flags,
     )
+
+
+def _flag(params: dict, name: str, where: str, default: bool) -> bool:
+    value = params.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}.{name}", f"must be true or false, got {value!r}")
+    return value

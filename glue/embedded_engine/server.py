@@ -23,6 +23,7 @@ from glue.embedded_engine.prompt_logprobs import input_token_logprobs
 from glue.embedded_engine.request_schema import RequestError, parse_generate
 from glue.embedded_engine.routed_experts import encode_routed_experts
 from glue.embedded_engine.routes import ADMIN_PATHS, ROUTES, Route
+from glue.embedded_engine.text_io import output_text
 from glue.embedded_engine.weight_update import EMBEDDED_LOAD_FORMATS, WeightReceiver, check_update_payload
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -63,8 +64,19 @@ def weight_versions(seq: Sequence) -> list[dict[str, Any]]:
     return spans
 
 
+def with_text(answer: dict[str, Any], seq: Sequence, tokenizer: Any) -> dict[str, Any]:
+    """`answer` with SGLang's "text" first, as an engine with a tokenizer answers (one without has none)."""
+    if tokenizer is None:
+        return answer
+    s = seq.request.sampling
+    text = output_text(tokenizer, answer["output_ids"], answer["meta_info"]["finish_reason"],
+                       no_stop_trim=s.no_stop_trim, skip_special_tokens=s.skip_special_tokens,
+                       spaces_between_special_tokens=s.spaces_between_special_tokens)
+    return {"text": text, **answer}
+
+
 def format_output(seq: Sequence) -> dict[str, Any]:
-    """One `/generate` result in SGLang's shape (no "text": the embedded engine has no tokenizer)."""
+    """One `/generate` result in SGLang's shape, without "text" (`with_text` adds it)."""
     spans = weight_versions(seq)
     meta: dict[str, Any] = {
         "id": seq.request.rid,
@@ -124,8 +136,9 @@ class EngineServer:
 
     def __init__(self, runner: ModelRunner, receiver: WeightReceiver, *, vocab_size: int, max_context: int,
                  model_info: dict[str, Any], server_info: dict[str, Any], api_key: str | None = None,
-                 admin_api_key: str | None = None):
+                 admin_api_key: str | None = None, tokenizer: Any = None):
         self.runner = runner
+        self.tokenizer = tokenizer  # the model directory's (text_io.load_tokenizer), or None: token ids only
         self.receiver = receiver
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -191,8 +204,9 @@ class EngineServer:
     async def generate(self, body: dict[str, Any]) -> web.Response:
         requests, is_batch = parse_generate(body, vocab_size=self.vocab_size, max_context=self.max_context,
                                             next_rid=lambda: f"embedded-{next(self._rids)}",
-                                            records_routing=self.runner.recorder is not None)
-        outputs = [self.output(seq) for seq in await self.run_requests(requests)]
+                                            records_routing=self.runner.recorder is not None,
+                                            tokenizer=self.tokenizer)
+        outputs = [with_text(self.output(seq), seq, self.tokenizer) for seq in await self.run_requests(requests)]
         return web.json_response(outputs if is_batch else outputs[0])
 
     def output(self, seq: Sequence) -> dict[str, Any]:

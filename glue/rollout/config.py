@@ -44,8 +44,15 @@ class SlimeRolloutConfig:
 
     generate_function: str | None = None  # slime's --custom-generate-function-path: async def generate(args, sample, sampling_params) -> Sample | list[Sample], called once per sample
     rollout_function: str | None = None  # slime's --rollout-function-path: a generate function as above, or slime's def generate_rollout(args, rollout_id, data_source, evaluation=False), called once per group (with generate_function also set it must be the latter, which finds that one in args.custom_generate_function_path, as in slime)
+    max_context_len: int | None = None  # slime's --rollout-max-context-len: args.rollout_max_context_len (and eval_max_context_len), the prompt-plus-response budget slime's multi-turn functions cap their turns by; null: none, as slime's default
+    rm_type: str | None = None  # slime's --rm-type as the functions see it (args.rm_type); the reward itself is reward.slime.function or the task's
 
     def __post_init__(self) -> None:
+        if self.max_context_len is not None and (isinstance(self.max_context_len, bool)
+                                                 or not isinstance(self.max_context_len, int)
+                                                 or self.max_context_len < 2):
+            raise ValueError(f"rollout.slime.max_context_len must be an integer >= 2 (a prompt token and a response "
+                             f"token) or null, got {self.max_context_len!r}")
         for name in ("generate_function", "rollout_function"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

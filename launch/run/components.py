@@ -147,7 +147,16 @@ def make_slime_functions(cfg: SluiceConfig, client, model_path: str):
                           prompts_per_step=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
                           generate_function=cfg.rollout.slime.generate_function,
                           rollout_function=cfg.rollout.slime.rollout_function,
-                          reward_function=cfg.reward.slime.function)
+                          reward_function=cfg.reward.slime.function,
+                          max_context_len=cfg.rollout.slime.max_context_len, rm_type=cfg.rollout.slime.rm_type,
+                          context_parallel_size=cfg.trainer.context_parallel_size,
+                          max_tokens_per_gpu=tokens_per_gpu(cfg.trainer.max_tokens_per_micro_batch))
+
+
+def tokens_per_gpu(budget: int | str | None) -> int | None:
+    """slime's max_tokens_per_gpu for sluice's packing budget: the number when one is set, else None (slime's
+    default: no dynamic batch), "auto" included since its size is known only on the trainer's device."""
+    return budget if isinstance(budget, int) and budget > 0 else None
 
 
 def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None):

@@ -34,13 +34,26 @@ def rollout_function(path: str, given: dict) -> dict:
     return {"rollout.slime.rollout_function": path}
 
 
+def max_context(value: int, given: dict) -> dict:
+    """slime's --rollout-max-context-len: the functions' args.rollout_max_context_len, and the prompt limit slime
+    derives from it (at least one response token) unless --rollout-max-prompt-len sets its own."""
+    prompt_len = given.get("rollout_max_prompt_len")
+    if prompt_len is not None and prompt_len > value - 1:
+        raise ValueError(f"--rollout-max-prompt-len {prompt_len} must be at most --rollout-max-context-len {value} - 1 "
+                         "(slime keeps room for one response token); lower it or raise the context length")
+    return {"rollout.slime.max_context_len": value,
+            **({"rollout.task_args.max_prompt_tokens": value - 1} if prompt_len is None else {})}
+
+
 def reward_type(name: str, given: dict) -> dict:
+    """--rm-type: the functions' args.rm_type as given, and the text task's reward unless --custom-rm-path (which
+    slime calls instead) is set."""
     if given.get("custom_rm_path"):
-        return {}  # slime calls the custom reward function instead
+        return {"rollout.slime.rm_type": name}
     if name not in RM_TYPES:
         raise ValueError(f"--rm-type {name}: no sluice equivalent (sluice has {', '.join(RM_TYPES)}); use "
                          "--custom-rm-path or rollout.task_args.reward")
-    return {f"rollout.task_args.{k}": v for k, v in RM_TYPES[name][0].items()}
+    return {"rollout.slime.rm_type": name, **{f"rollout.task_args.{k}": v for k, v in RM_TYPES[name][0].items()}}
 
 
 def eval_data(values: list[str], given: dict) -> dict:
@@ -162,8 +175,9 @@ ROLLOUT = [
          float, note="slime's default 1.0; the trainer divides logits by it too"),
     to("--rollout-top-p", "rollout.sampling.top_p", "rollout", float),
     to("--rollout-top-k", "rollout.sampling.top_k", "rollout", int),
-    no("--rollout-max-context-len", "rollout", "--rollout-max-prompt-len (longer prompts are passed over) with "
-                                               "--rollout-max-response-len, or --sglang-context-length", scalar=int),
+    SlimeArg("--rollout-max-context-len", "rollout", "rollout.slime.max_context_len", "one", int, max_context,
+             "args.rollout_max_context_len for slime functions; with no --rollout-max-prompt-len, prompts longer "
+             "than it - 1 are passed over, as in slime"),
     to("--rollout-max-prompt-len", "rollout.task_args.max_prompt_tokens", "rollout", int,
        note="longer prompts are passed over, as slime filters them"),
     to("--rollout-max-response-len", "rollout.sampling.max_new_tokens", "rollout", int),

@@ -81,7 +81,7 @@ CHECKPOINT = [
 ]
 
 REWARD = [
-    SlimeArg("--rm-type", "reward", "rollout.task_args.reward", "one", str, reward_type,
+    SlimeArg("--rm-type", "reward", "rollout.slime.rm_type, rollout.task_args.reward", "one", str, reward_type,
              "deepscaler, dapo (approximately) and math -> rollout_fns.verifiers:math_reward"),
     no("--reward-key", "reward", "a reward function returns a dict whose 'score' is trained"),
     no("--eval-reward-key", "reward", "evaluation reads the same 'score'"),

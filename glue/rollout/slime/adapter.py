@@ -77,8 +77,10 @@ REWARD_FORM = "async def reward_func(args, sample, **kwargs) -> float | dict"
 
 def slime_args(*, router_url: str, model_path: str, sampling_params: dict, samples_per_prompt: int,
                prompts_per_step: int, seed: int, generate_path: str | None, reward_path: str | None,
-               max_context_len: int | None = None) -> argparse.Namespace:
-    """The attributes of slime's `args` that rollout and reward functions read, from this run's settings."""
+               max_context_len: int | None = None, rm_type: str | None = None, context_parallel_size: int = 1,
+               max_tokens_per_gpu: int | None = None) -> argparse.Namespace:
+    """The attributes of slime's `args` that rollout and reward functions read, from this run's settings; where
+    the run sets none, slime's defaults (no context limit, no rm_type, CP 1, no dynamic batch)."""
     address = urlparse(router_url)
     return argparse.Namespace(
         sglang_router_ip=address.hostname, sglang_router_port=address.port, hf_checkpoint=model_path,
@@ -87,11 +89,12 @@ def slime_args(*, router_url: str, model_path: str, sampling_params: dict, sampl
         rollout_max_context_len=max_context_len, rollout_stop=None,
         rollout_stop_token_ids=sampling_params.get("stop_token_ids"), rollout_skip_special_tokens=False,
         n_samples_per_prompt=samples_per_prompt, rollout_batch_size=prompts_per_step, rollout_seed=seed,
-        custom_generate_function_path=generate_path, custom_rm_path=reward_path, rm_type=None, reward_key=None,
+        custom_generate_function_path=generate_path, custom_rm_path=reward_path, rm_type=rm_type, reward_key=None,
         group_rm=False, partial_rollout=False, mask_offpolicy_in_partial_rollout=False, ci_test=False,
         use_rollout_routing_replay=False, sglang_dp_size=None, sglang_server_concurrency=512,
         sglang_enable_deterministic_inference=False, eval_max_context_len=max_context_len,
-        rollout_global_dataset=True)
+        rollout_global_dataset=True, context_parallel_size=context_parallel_size,
+        max_tokens_per_gpu=max_tokens_per_gpu)
 
 
 def load_slime_functions(generate_function: str | None, rollout_function: str | None, reward_function: str | None
@@ -149,7 +152,9 @@ class SlimeFunctions:
     def __init__(self, *, client: Any, model_path: str, sampling_params: dict, samples_per_prompt: int,
                  prompts_per_step: int, seed: int, generate_function: str | None = None,
                  rollout_function: str | None = None, reward_function: str | None = None,
-                 max_context_len: int | None = None):
+                 max_context_len: int | None = None, rm_type: str | None = None, context_parallel_size: int = 1,
+                 max_tokens_per_gpu: int | None = None):
+        """The last four are slime's args of the same names (`slime_args`), as the run sets them."""
         self.client, self.model_path = client, model_path
         self.reward_path = reward_function
         self.generate, self.rollout, self.reward_fn = load_slime_functions(generate_function, rollout_function,
@@ -159,7 +164,8 @@ class SlimeFunctions:
         self.args = slime_args(router_url=getattr(client, "router_url", "http://127.0.0.1:0"), model_path=model_path,
                                sampling_params=sampling_params, samples_per_prompt=samples_per_prompt,
                                prompts_per_step=prompts_per_step, seed=seed, generate_path=generate_function,
-                               reward_path=reward_function, max_context_len=max_context_len)
+                               reward_path=reward_function, max_context_len=max_context_len, rm_type=rm_type,
+                               context_parallel_size=context_parallel_size, max_tokens_per_gpu=max_tokens_per_gpu)
         self.fleet = shim.Fleet(router_url=getattr(client, "router_url", ""),
                                       api_key=getattr(client, "api_key", None))
         self._tokenizer: Any = None
@@ -219,7 +225,7 @@ class SlimeFunctions:
         for attempt in range(1 + ctx.max_resumes):
             fresh = from_prompt(prompt, text=self.text(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index)
             with shim.recording() as record:
-                out = await self._call_generate(fresh, ctx.sampling_for(index))
+                out = await self._call_generate(fresh, {**ctx.sampling_for(index), **shim.SLIME_TEXT_PARAMS})
             outs = out if isinstance(out, list) else [out]
             if not any(_status_of(s) == "aborted" for s in outs) or attempt == ctx.max_resumes:
                 break

@@ -85,13 +85,15 @@ class Sample:
         if text is not None:
             self.response += text
         before = self.response_length
-        if tokens:
+        if tokens:  # extended in place, as slime does: a function may hold on to these lists (retool does)
             self.tokens += tokens
             self.response_length += len(tokens)
-            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * before) + \
-                [1 if trainable else 0] * len(tokens)
-            self.rollout_log_probs = (self.rollout_log_probs if self.rollout_log_probs is not None
-                                      else [0.0] * before) + log_probs
+            if self.loss_mask is None:
+                self.loss_mask = [1] * before
+            self.loss_mask += [1 if trainable else 0] * len(tokens)
+            if self.rollout_log_probs is None:
+                self.rollout_log_probs = [0.0] * before
+            self.rollout_log_probs += log_probs
         meta = meta_info or {}
         self._stamp_versions(before, len(tokens), meta, trainable)
         if update_terminal_info and "finish_reason" in meta:

@@ -138,6 +138,12 @@ def load_function(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+# How slime's rollout decodes (sglang_rollout.GenerateState's sampling_params): special tokens kept in the text
+# (--rollout-skip-special-tokens off), a matched stop string kept at the end of it, no spaces added between
+# special tokens; slime's functions rely on this, e.g. search-r1 finding "</search>" at the end of a turn's text.
+SLIME_TEXT_PARAMS = {"skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False}
+
+
 class GenerateState:
     """slime's per-process generation state, as far as functions read it: the tokenizer of `args.hf_checkpoint`
     and the run's sampling_params (one per process, like slime's singleton)."""
@@ -153,7 +159,8 @@ class GenerateState:
             state.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
             state.processor = None
             state.sampling_params = dict(temperature=args.rollout_temperature, top_p=args.rollout_top_p,
-                                         top_k=args.rollout_top_k, max_new_tokens=args.rollout_max_response_len)
+                                         top_k=args.rollout_top_k, max_new_tokens=args.rollout_max_response_len,
+                                         **SLIME_TEXT_PARAMS)
             state.semaphore = asyncio.Semaphore(args.sglang_server_concurrency)
             cls._instance = state
         return cls._instance
