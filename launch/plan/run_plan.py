@@ -20,6 +20,7 @@ from launch.config import ConfigError, SluiceConfig
 from launch.plan.fleets import (HOST, PORT, EngineLaunch, SideFleet, check_side_fleets, plan_side_fleets,
                                 side_fleet_gpus)
 from launch.args.megatron import check_megatron
+from launch.plan.ipc_sources import settle_ipc
 from launch.args.options import check_values, to_argv
 
 
@@ -49,6 +50,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)  # valid for the backends, not runnable by this build
     models_devices: bool = False  # CPU bundles stand for an SGLang run's GPUs (strict engines): see `device_of`
     side_fleets: list[SideFleet] = field(default_factory=list)  # teacher / judge fleets, on bundles of their own
+    transport_reason: str = ""  # why sync.transport is not its default (launch.plan.ipc_sources.settle_ipc)
 
     def side_fleet(self, name: str) -> SideFleet:
         """The fleet of section `name` ("teacher" or "judge")."""
@@ -98,11 +100,12 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
     try:
         cfg = _checked_passthrough(cfg)
         colocated_sglang = cfg.cluster.placement == "colocated" and cfg.cluster.engine_kind == "sglang"
+        asked = cfg.sync.transport
         cfg = dataclasses.replace(cfg, sync=dataclasses.replace(
             cfg.sync, max_staleness=max_staleness(cfg), pause_mode=pause_mode(cfg),
             transport=cfg.sync.chosen_transport(colocated_sglang)))
         _check_layout(cfg)
-        return cfg, _plan(cfg)
+        return settle_ipc(cfg, _plan(cfg), asked)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -192,12 +195,6 @@ def _check_sglang_engines(cfg: SluiceConfig) -> None:
     if s.transport == "ipc" and c.uses_gpus and c.placement != "colocated":
         raise ValueError("sync.transport=ipc with disaggregated SGLang engines: a CUDA IPC handle opens only on a GPU "
                          "the engine sees, and these engines do not share the trainer's; use sync.transport=broadcast")
-    if s.transport == "ipc" and c.uses_gpus and num_engines(cfg) > 1:
-        raise ValueError(f"sync.transport=ipc (the default with colocated SGLang engines) with {num_engines(cfg)} "
-                         "engines: the ipc source, trainer rank 0, shares its GPU with engine 0 alone, and the others "
-                         "cannot open its CUDA IPC handles (one source per engine is not built); use "
-                         "rollout.num_engines=1 (a larger cluster.engine_tensor_parallel_size for more GPUs) or "
-                         "sync.transport=disk")
 
 
 def _check_layout(cfg: SluiceConfig) -> None:
