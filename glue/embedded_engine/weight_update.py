@@ -105,7 +105,8 @@ class WeightReceiver:
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # for buckets that do not fit the model
         self._homes = ParameterBuckets(runner.model)
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-checksum")
-        self._segments = MappedSegments()  # the ipc source's shared segments, kept mapped between buckets
+        # the ipc sources' segments, kept mapped between buckets: up to two per TP rank (pipelined), each its own
+        self._segments = MappedSegments(keep=4 * tp_size)
 
     def drop_parameter_homes(self) -> None:
         """Forget the flat buffers parameters were re-homed into, so released weights free their memory (a
@@ -241,13 +242,14 @@ class WeightReceiver:
         IPC tensor or a shared-memory segment kept mapped from earlier buckets (`MappedSegments`), is copied into
         the model while another thread checksums it, and the copy has finished when this answers (the source then
         reuses its buffer). A bucket that fits the model is copied in one piece into the parameters' flat home."""
-        layout, flattened = read_entries(handles, self.tp_size)
+        layout, per_rank = read_entries(handles, self.tp_size, [planned_device(r) for r in range(self.tp_size)])
         with self._lock:
             t0 = time.perf_counter()
-            if isinstance(flattened, torch.Tensor):
-                flat = flattened[: layout.nbytes]
-            else:
-                flat = self._segments.open(flattened.sluice_shm, layout.nbytes)
+            flat, *others = [self._bucket_of(layout, flattened) for flattened in per_rank]
+            for rank, other in enumerate(others, start=1):  # one model stands for every rank: the others must agree
+                if not torch.equal(other, flat):
+                    raise ValueError(f"serialized_named_tensors[{rank}] holds other bytes than entry [0]: every TP "
+                                     "rank's copy of a bucket must be the same bucket")
             with self.runner.model_lock:
                 home = None if "weights" in self.runner.released else self._homes.home(layout)
                 if home is not None:
@@ -263,6 +265,12 @@ class WeightReceiver:
             value, checksum_s = pending.result()
             return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
                 "copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
+
+    def _bucket_of(self, layout: BucketLayout, flattened: Any) -> torch.Tensor:
+        """A rank's bucket: its CUDA IPC tensor, or its shared segment through a kept mapping."""
+        if isinstance(flattened, torch.Tensor):
+            return flattened[: layout.nbytes]
+        return self._segments.open(flattened.sluice_shm, layout.nbytes)
 
     def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
                             ) -> tuple[bool, str, list[str], dict[str, float]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from glue.trainer.optim import OFFLOAD_NEEDS_BF16, resolve_precision
 from glue.trainer.pipeline import PipelineSplit
 from launch.config import ConfigError, SluiceConfig
 from launch.plan.model_check import hf_parameters, model_config
+from weight_sync.buckets import pipeline_bucket_bytes
 from weight_sync.families import family_of
 from weight_sync.families.table import EMBEDDING, FINAL_NORM, OUTPUT, REPLICATED
 
@@ -295,10 +297,6 @@ class IpcBuffers:
 def ipc_buffers(cfg: SluiceConfig, total_bytes: int) -> IpcBuffers | None:
     """The run's ipc buffers for a sync of `total_bytes`, as the bridge sizes them (two pipelined when there are
     several buckets, buckets of `pipeline_bucket_bytes`); None unless weights travel by ipc."""
-    import math
-
-    from weight_sync.buckets import pipeline_bucket_bytes
-
     s = cfg.sync
     if s.transport != "ipc" or cfg.run.mode == "sft":
         return None
