@@ -1,5 +1,5 @@
 """Where the ipc transport's buckets come from: every engine TP rank reads the bucket copy of the trainer rank on its
-own device (one source per GPU; weight_sync.transports.IpcTransport), planned here from the placement's bundles. An
+own device (one source per GPU; weight_sync.ipc_transport.IpcTransport), planned here from the placement's bundles. An
 engine with a rank on a device no trainer rank holds cannot be reached by a CUDA IPC handle: disk syncs the run then.
 """
 from __future__ import annotations
