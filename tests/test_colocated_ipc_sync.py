@@ -179,3 +179,52 @@ def test_pipeline_and_expert_parallel_trainers_serve_each_engine_rank_from_its_o
         assert engine_checksums(url) == engine_checksums(reference) != before  # every rank, bit for bit
     finally:
         trainer.shutdown()
+
+
+def test_a_source_refills_a_buffer_only_after_every_engine_rank_answered_the_bucket_it_held(
+        engine_processes, tiny_model_dir, tmp_path_factory, monkeypatch):
+    """Pipelined (two buffers), bucket k+2 goes into bucket k's buffer: never before both TP ranks of both engines
+    have answered bucket k (their answer is the release: the engine has copied it out)."""
+    import threading
+    import time
+
+    import weight_sync.ipc_transport as ipc_transport
+    from helpers.weights import hf_model, source_of
+
+    urls = [engine_processes.start(tiny_model_dir, *STRICT) for _ in range(2)]
+    events: list[tuple[float, str, int]] = []
+    lock, answered = threading.Lock(), {url: 0 for url in urls}
+    real_call = ipc_transport.call_update
+
+    def reading(url, route, payload, timeout_s, key):
+        answer = real_call(url, route, payload, timeout_s, key)
+        with lock:
+            events.append((time.perf_counter(), "answered", answered[url]))
+            answered[url] += 1
+        return answer
+
+    class Recorded:  # the source seam, recording when each bucket is packed
+        def __init__(self, source):
+            self.source = source
+
+        def __getattr__(self, name):
+            return getattr(self.source, name)
+
+        def send_weight_bucket(self, channel, index):
+            events.append((time.perf_counter(), "packing", index))
+            return self.source.send_weight_bucket(channel, index)
+
+    monkeypatch.setattr(ipc_transport, "call_update", reading)
+    model, _ = hf_model(tmp_path_factory, 12)
+    bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=40_000, pipeline=True),
+                         source=Recorded(source_of(model)), engine_urls=urls, engine_tp_size=2)
+    try:
+        bridge.sync(1)
+    finally:
+        bridge.close()
+    buckets = len(bridge.layouts)
+    assert buckets >= 4
+    for when, kind, index in events:
+        if kind == "packing" and index >= 2:
+            done = [t for t, k, i in events if k == "answered" and i == index - 2 and t < when]
+            assert len(done) == len(urls), f"bucket {index} was packed before every engine answered bucket {index - 2}"
