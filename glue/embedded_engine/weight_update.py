@@ -96,10 +96,13 @@ class WeightReceiver:
     rank `rank_offset + tp_rank` as SGLang's TP workers join. Every rank receives each broadcast; tp_rank 0's copy
     goes into the model (the engine holds one unsharded model), the other ranks' copies are discarded."""
 
-    def __init__(self, runner: ModelRunner, *, timeout_s: float = 300.0, tp_size: int = 1):
+    def __init__(self, runner: ModelRunner, *, timeout_s: float = 300.0, tp_size: int = 1,
+                 bucket_checksums: bool = True):
         self.runner = runner
         self.timeout_s = timeout_s
         self.tp_size = tp_size
+        # off for the strict face, which answers as SGLang does (no checksums): tensor and disk updates skip hashing
+        self.bucket_checksums = bucket_checksums
         self.groups: dict[str, list[WeightGroup]] = {}
         self._lock = threading.Lock()  # one group change or one update at a time
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # for buckets that do not fit the model
@@ -253,7 +256,7 @@ class WeightReceiver:
             with self.runner.model_lock:
                 home = None if "weights" in self.runner.released else self._homes.home(layout)
                 if home is not None:
-                    pending = self._hasher.submit(_timed_checksum, flat)
+                    pending = self._hash(flat)
                     home.copy_(flat)
                     _finish_copies(home, flat)
                     if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
@@ -262,9 +265,13 @@ class WeightReceiver:
                 answer = self._load_with_checksum(layout, flat, weight_version)
                 _finish_copies(flat)
                 return answer
-            value, checksum_s = pending.result()
+            value, checksum_s = pending.result() if pending else (None, 0.0)
             return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
                 "copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
+
+    def _hash(self, flat: torch.Tensor) -> Any:
+        """The bucket's checksum, taken on the hasher thread (None when bucket checksums are off)."""
+        return self._hasher.submit(_timed_checksum, flat) if self.bucket_checksums else None
 
     def _bucket_of(self, layout: BucketLayout, flattened: Any) -> torch.Tensor:
         """A rank's bucket: its CUDA IPC tensor, or its shared segment through a kept mapping."""
@@ -277,16 +284,16 @@ class WeightReceiver:
         """Copy a bucket into the model while another thread checksums it (both only read it; torch releases the
         GIL in both)."""
         t0 = time.perf_counter()
-        pending = self._hasher.submit(_timed_checksum, flat)
+        pending = self._hash(flat)
         ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
-        value, checksum_s = pending.result()
+        value, checksum_s = pending.result() if pending else (None, 0.0)
         return ok, message, [value], {"copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
 
     def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
         with self._lock:
             try:
-                named, sums = read_checkpoint(model_path)
+                named, sums = read_checkpoint(model_path, with_checksums=self.bucket_checksums)
             except (OSError, ValueError, KeyError) as e:
                 return False, f"cannot read the checkpoint at {model_path!r}: {e}", []
             ok, message = self.runner.load_weights(named, weight_version)
