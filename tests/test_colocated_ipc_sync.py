@@ -4,8 +4,8 @@ device (`SLUICE_PLANNED_DEVICES`, as the launcher sets it for `make rehearse`): 
 a mapping that would hand a rank another GPU's handle is refused by the engine, as CUDA would; 200 syncs leave the
 sources' buffers, the entries they make and the engines' mappings flat.
 
-Smaller than the issue's 4 engines from TP 2 x DP 4 (8 trainer ranks and 8 engine ranks do not fit 2 shared CPU
-cores in a test): 2 engines of TP 2 from TP 2 x DP 2 prove per-GPU sourcing (four sources, two of them receiving
+In `make test`, smaller than the issue's 4 engines from TP 2 x DP 4 (that one is marked long: 16 processes on 2
+shared cores): 2 engines of TP 2 from TP 2 x DP 2 prove per-GPU sourcing (four sources, three of them receiving
 copies), and 1 engine of TP 2 from PP 2 and from EP 2 trainers the same over the other layouts."""
 from __future__ import annotations
 
@@ -125,6 +125,29 @@ def test_two_tp2_engines_from_a_tp2_dp2_trainer_read_every_rank_from_their_own_g
         finally:
             bridge.close()
         assert sluice_segments() == before  # closing the channel unlinks every source's segments
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.long
+def test_four_tp2_engines_from_a_tp2_dp4_trainer_hold_its_weights_bit_for_bit_on_all_eight_ranks(
+        ray_session, engine_processes, tiny_model_dir, tmp_path_factory):
+    """The issue's shape (`make test-long`: 8 trainer ranks and 8 engine ranks take about 100 s on 2 cores): every
+    engine rank reads the copy of the trainer rank on its own device."""
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    trainer_dir = save_tiny_model(tmp_path_factory.mktemp("seed10"), seed=10)
+    trainer = start_trainer(trainer_dir, tensor_model_parallel_size=2, data_parallel_size=4)
+    try:
+        urls = [start_engine(engine_processes, tiny_model_dir, 2 * i) for i in range(4)]
+        expected = checker_of(trainer, trainer_dir)
+        bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000), source=trainer, engine_urls=urls,
+                             engine_tp_size=2, ipc_sources=same_gpu(urls))
+        try:
+            bridge.sync(1)
+        finally:
+            bridge.close()
+        assert [engine_checksums(url) for url in urls] == [expected] * 4
     finally:
         trainer.shutdown()
 
