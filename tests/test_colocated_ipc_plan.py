@@ -1,6 +1,6 @@
 """Issue 49, the plan: colocated engines sync by ipc with one source per GPU (every engine TP rank is handed the bucket
-copy of the trainer rank on its own GPU), whatever the number of engines; the memory plan counts those copies; disk
-syncs a run only where some engine stands on GPUs without a trainer rank, and the plan says why."""
+copy of the trainer rank on its own GPU), whatever the number of engines; the memory plan counts those copies; an
+engine standing on GPUs without a trainer rank alone gets the weights by disk, and the plan says why."""
 from __future__ import annotations
 
 from launch.config import load_config
@@ -37,15 +37,20 @@ def test_the_memory_plan_counts_the_bucket_copies_each_gpu_holds_while_a_sync_ru
     assert "weight_sync" not in memory_plan(disk) and "ipc" not in check_memory(disk)
 
 
-def test_engines_on_gpus_without_a_trainer_rank_sync_by_disk_and_the_plan_says_why():
+def test_an_engine_on_gpus_without_a_trainer_rank_alone_gets_disk_and_the_plan_says_why():
     # trainer TP 2 on GPUs 0-1; engines 0 and 1 of TP 2 on GPUs 0-3: engine 1 shares no GPU with a trainer rank
     overrides = ["cluster.gpus_per_node=4", "cluster.placement=colocated", "rollout.num_engines=2",
                  "cluster.engine_tensor_parallel_size=2", "trainer.tensor_model_parallel_size=2"]
-    cfg, plan = resolve(load_config(None, overrides))
-    assert cfg.sync.transport == "disk" and plan.notes == []
-    assert plan.transport_reason == ("disk: engine(s) 1 stand on devices without a trainer rank (trainer 2 ranks, "
-                                     "engines 4 GPUs), which no CUDA IPC handle reaches")
-    assert weight_sync_plan(cfg, plan)["transport"] == plan.transport_reason
+    for explicit in ([], ["sync.transport=ipc"]):
+        cfg, plan = resolve(load_config(None, overrides + explicit))
+        assert cfg.sync.transport == "ipc" and plan.notes == []
+        assert plan.transport_reason == ("ipc, and disk for engine(s) 1: they stand on devices without a trainer rank "
+                                         "(trainer 2 ranks, engines 4 GPUs), which no CUDA IPC handle reaches")
+        shown = weight_sync_plan(cfg, plan)
+        assert shown["transport"] == plan.transport_reason
+        assert shown["ipc_handles"] == ["engine 0: TP rank 0 <- trainer rank 0 (node 0 gpu 0), TP rank 1 <- trainer "
+                                        "rank 1 (node 0 gpu 1)",
+                                        "engine 1: by disk (no trainer rank on node 0 gpu 2, node 0 gpu 3)"]
 
 
 def test_devices_matter_on_gpus_and_where_cpu_bundles_stand_for_them_and_not_on_plain_cpu():

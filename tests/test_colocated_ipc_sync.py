@@ -152,15 +152,18 @@ def test_four_tp2_engines_from_a_tp2_dp4_trainer_hold_its_weights_bit_for_bit_on
         trainer.shutdown()
 
 
-def test_a_mapping_that_hands_an_engine_rank_another_devices_copy_is_refused_by_the_engine(
+def test_a_mapping_that_hands_an_engine_rank_another_devices_copy_is_refused_and_an_unreached_engine_gets_disk(
         ray_session, engine_processes, tiny_model_dir, tmp_path_factory):
-    """Today's single source (trainer rank 0 for every rank) would fail on GPUs for rank 1: it fails here too."""
+    """Today's single source (trainer rank 0 for every rank) would fail on GPUs for rank 1: it fails here too. The
+    plan's mapping for a TP 2 trainer and two TP 2 engines: engine 0 by ipc from ranks 0 and 1, engine 1 (bundles 2-3,
+    no trainer rank there) by disk, in the same sync."""
     from glue.embedded_engine.tiny_model import save_tiny_model
 
-    trainer = start_trainer(save_tiny_model(tmp_path_factory.mktemp("seed9"), seed=9), tensor_model_parallel_size=2)
+    trainer_dir = save_tiny_model(tmp_path_factory.mktemp("seed9"), seed=9)
+    trainer = start_trainer(trainer_dir, tensor_model_parallel_size=2)
     try:
-        url = start_engine(engine_processes, tiny_model_dir, 0)
-        bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000), source=trainer, engine_urls=[url],
+        urls = [start_engine(engine_processes, tiny_model_dir, 2 * i) for i in range(2)]
+        bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000), source=trainer, engine_urls=urls[:1],
                              engine_tp_size=2)  # no ipc_sources: rank 0 serves both ranks
         try:
             with pytest.raises(WeightSyncError, match=r"serialized_named_tensors\[1\] was made on cpu bundle 0, but TP "
@@ -168,7 +171,18 @@ def test_a_mapping_that_hands_an_engine_rank_another_devices_copy_is_refused_by_
                 bridge.sync(1)
         finally:
             bridge.close()
-        assert call(url, "/model_info", method="GET")[1]["weight_version"] != "1"
+        assert call(urls[0], "/model_info", method="GET")[1]["weight_version"] != "1"
+        bridge = make_bridge(SyncConfig(transport="ipc", bucket_bytes=100_000), source=trainer, engine_urls=urls,
+                             engine_tp_size=2, ipc_sources=lambda url: [0, 1] if url == urls[0] else None,
+                             disk_dir=str(tmp_path_factory.mktemp("weights")))
+        try:
+            bridge.sync(2)
+        finally:
+            bridge.close()
+        expected = checker_of(trainer, trainer_dir)
+        for url in urls:
+            assert call(url, "/model_info", method="GET")[1]["weight_version"] == "2"
+            assert engine_checksums(url) == expected
     finally:
         trainer.shutdown()
 

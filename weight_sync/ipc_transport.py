@@ -99,3 +99,45 @@ class IpcTransport(PointToPoint):
     def close(self) -> None:
         self.served = None
         super().close()
+
+
+class IpcOrDisk:
+    """ipc to the engines whose every rank shares a GPU with a source rank (`sources_of(url)` names them), disk to
+    the others (`sources_of(url)` is None: no handle made on their GPUs exists), one after the other in one sync;
+    the source stages again between them, since a streaming source gathers each bucket once per staging."""
+
+    def __init__(self, ipc: IpcTransport, disk: Any, sources_of: Callable[[str], Sequence[int] | None]):
+        self.ipc, self.disk, self.sources_of = ipc, disk, sources_of
+        self.layouts = ipc.layouts
+
+    def _split(self, urls: Sequence[str]) -> tuple[list[str], list[str]]:
+        near = [url for url in urls if self.sources_of(url) is not None]
+        return near, [url for url in urls if url not in near]
+
+    def connect(self, urls: Sequence[str]) -> None:
+        for transport, part in zip((self.ipc, self.disk), self._split(urls)):
+            if part:
+                transport.connect(part)
+
+    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
+        near, far = self._split(urls)
+        done = self.ipc.transfer(near, weight_version) if near else None
+        if not far:
+            return done
+        if done is not None:
+            self.ipc.source.stage_weights(False)
+        rest = self.disk.transfer(far, weight_version)
+        if done is None:
+            return rest
+        done.engines.update(rest.engines)
+        done.engine_seconds.update(rest.engine_seconds)
+        for key, seconds in rest.timings.items():
+            done.timings[key] = done.timings.get(key, 0.0) + seconds
+        return done
+
+    def disconnect(self, urls: Sequence[str]) -> list[str]:
+        return []  # point to point on both sides: nothing per engine to undo
+
+    def close(self) -> None:
+        self.ipc.close()
+        self.disk.close()

@@ -1,6 +1,6 @@
 """Where the ipc transport's buckets come from: every engine TP rank reads the bucket copy of the trainer rank on its
 own device (one source per GPU; weight_sync.ipc_transport.IpcTransport), planned here from the placement's bundles. An
-engine with a rank on a device no trainer rank holds cannot be reached by a CUDA IPC handle: disk syncs the run then.
+engine with a rank on a device no trainer rank holds cannot be reached by a CUDA IPC handle: it alone gets disk.
 """
 from __future__ import annotations
 
@@ -30,29 +30,31 @@ def plan_sources(plan: RunPlan) -> list[list[int] | None]:
                        plan.device == "gpu" or plan.models_devices)
 
 
-def settle_ipc(cfg: Any, plan: RunPlan, asked: str | None) -> tuple[Any, RunPlan]:
-    """ipc where it reaches every engine; where some engine stands on devices without a trainer rank, disk when ipc
-    was the default (said in the plan's `transport_reason`), a refusal in one line when `asked` for."""
+def settle_ipc(cfg: Any, plan: RunPlan) -> tuple[Any, RunPlan]:
+    """ipc where it reaches; where some engine stands on devices without a trainer rank, that engine alone gets the
+    weights by disk (weight_sync.ipc_transport.IpcOrDisk), said in the plan's `transport_reason`."""
     if cfg.sync.transport != "ipc" or not plan.engines:
         return cfg, plan
     unreached = [e.index for e, ranks in zip(plan.engines, plan_sources(plan)) if ranks is None]
     if not unreached:
         return cfg, plan
-    where = (f"engine(s) {', '.join(map(str, unreached))} stand on devices without a trainer rank (trainer "
-             f"{len(plan.trainer)} ranks, engines {sum(len(e.bundles) for e in plan.engines)} GPUs)")
-    if asked == "ipc":
-        raise ValueError(f"sync.transport=ipc: {where}, and a CUDA IPC handle opens only on the GPU it was made on; "
-                         "use sync.transport=disk, or as many trainer ranks as engine GPUs")
-    cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, transport="disk"))
-    return cfg, dataclasses.replace(plan, transport_reason=f"disk: {where}, which no CUDA IPC handle reaches")
+    reason = (f"ipc, and disk for engine(s) {', '.join(map(str, unreached))}: they stand on devices without a trainer "
+              f"rank (trainer {len(plan.trainer)} ranks, engines {sum(len(e.bundles) for e in plan.engines)} GPUs), "
+              "which no CUDA IPC handle reaches")
+    return cfg, dataclasses.replace(plan, transport_reason=reason)
 
 
 def describe_sources(plan: RunPlan) -> list[str]:
-    """`--dry-run`'s line per engine: `engine 0: TP rank 0 <- trainer rank 0 (node 0 gpu 0), ...`."""
+    """`--dry-run`'s line per engine: `engine 0: TP rank 0 <- trainer rank 0 (node 0 gpu 0), ...`, or `engine 2: by
+    disk (no trainer rank on node 0 gpu 4, node 0 gpu 5)`."""
     lines = []
     for engine, ranks in zip(plan.engines, plan_sources(plan)):
+        if ranks is None:
+            where = ", ".join(plan.device_of(b) for b in engine.bundles)
+            lines.append(f"engine {engine.index}: by disk (no trainer rank on {where})")
+            continue
         pairs = [f"TP rank {t} <- trainer rank {r} ({plan.device_of(b)})"
-                 for t, (r, b) in enumerate(zip(ranks or [], engine.bundles))]
+                 for t, (r, b) in enumerate(zip(ranks, engine.bundles))]
         lines.append(f"engine {engine.index}: " + ", ".join(pairs))
     return lines
 

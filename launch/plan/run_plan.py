@@ -100,12 +100,11 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
     try:
         cfg = _checked_passthrough(cfg)
         colocated_sglang = cfg.cluster.placement == "colocated" and cfg.cluster.engine_kind == "sglang"
-        asked = cfg.sync.transport
         cfg = dataclasses.replace(cfg, sync=dataclasses.replace(
             cfg.sync, max_staleness=max_staleness(cfg), pause_mode=pause_mode(cfg),
             transport=cfg.sync.chosen_transport(colocated_sglang)))
         _check_layout(cfg)
-        return settle_ipc(cfg, _plan(cfg), asked)
+        return settle_ipc(cfg, _plan(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
