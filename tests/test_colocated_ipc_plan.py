@@ -27,12 +27,12 @@ def test_four_colocated_engines_of_tp2_each_read_every_rank_from_the_trainer_ran
     assert shown["bucket_copies"].startswith("8 GPU(s) hold 1 bucket buffer(s) of at most 313.6 KB")
 
 
-def test_the_memory_plan_counts_the_bucket_copies_each_gpu_holds_while_a_sync_runs():
+def test_the_memory_plan_counts_the_bucket_copies_each_gpu_holds_from_the_first_sync_on():
     # tiny model: 78,400 fp32 parameters = 313,600 bytes; pipelined buckets of 100,000 bytes -> two buffers per GPU
     cfg, _ = resolve(load_config(None, EIGHT_GPUS + ["sync.pipeline=true", "sync.bucket_bytes=100000"]))
     assert memory_plan(cfg)["weight_sync"].startswith("ipc bucket buffers: 2 x 100 KB = 200 KB on each GPU with an "
                                                       "engine rank")
-    assert "+ ipc bucket buffers 200 KB while a sync runs of 80 GB per GPU" in check_memory(cfg)
+    assert "+ ipc bucket buffers 200 KB of 80 GB per GPU" in check_memory(cfg)
     disk, _ = resolve(load_config(None, EIGHT_GPUS + ["sync.transport=disk"]))
     assert "weight_sync" not in memory_plan(disk) and "ipc" not in check_memory(disk)
 

@@ -284,7 +284,8 @@ def layout_change(old: Layout, new: Layout, s_old: Settings, s_new: Settings, *,
 @dataclass(frozen=True)
 class IpcBuffers:
     """The ipc transport's bucket buffers on each GPU that holds an engine rank (a full bucket copy each, made by the
-    trainer rank there, weight_sync.channels.IpcChannel): `count` of `bucket` bytes, while a sync runs."""
+    trainer rank there, weight_sync.channels.IpcChannel): `count` of `bucket` bytes, allocated with the first sync and
+    reused by every later one (kept while the trainer trains and the engines generate)."""
 
     count: int
     bucket: int

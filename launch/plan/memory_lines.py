@@ -42,8 +42,9 @@ def memory_plan(cfg: SluiceConfig) -> dict[str, Any]:
     buffers = ipc_buffers(cfg, params.total * settings.weight_bytes)
     if buffers is not None:
         plan["weight_sync"] = (f"ipc bucket buffers: {buffers.count} x {format_bytes(buffers.bucket)} = "
-                               f"{format_bytes(buffers.total)} on each GPU with an engine rank, beside the trainer "
-                               "rank's state while a sync runs (counted in the check against the GPU)")
+                               f"{format_bytes(buffers.total)} on each GPU with an engine rank, kept from the first sync "
+                               "on and reused by every later one (counted with the trainer rank's state in the check "
+                               "against the GPU)")
     return plan
 
 
@@ -175,7 +176,7 @@ def check_memory(cfg: SluiceConfig) -> str:
                                   f"tensor_parallel_size {tp}), which leaves no KV pool ({how}, x cluster."
                                   f"gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); raise {name}."
                                   "tensor_parallel_size or sglang.mem_fraction_static")
-    copies = f" + ipc bucket buffers {format_bytes(buffers.total)} while a sync runs" if buffers else ""
+    copies = f" + ipc bucket buffers {format_bytes(buffers.total)}" if buffers else ""
     return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state{copies} of "
             f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb), activations on top (plan.memory)")
 

@@ -206,7 +206,7 @@ def ipc_plan(plan: RunPlan, total: int, pipeline: bool, bucket: int) -> dict[str
                        "handle made there (/update_weights_from_tensor, one entry per TP rank)",
             "ipc_handles": describe_sources(plan),
             "bucket_copies": f"{len(copies)} GPU(s) hold {count} bucket buffer(s) of at most "
-                             f"{format_bytes(min(bucket, total))} while a sync runs (in plan.memory)"}
+                             f"{format_bytes(min(bucket, total))}, reused every sync (in plan.memory)"}
 
 
 def describe_groups(plan: RunPlan, groups: list[PlannedGroup], numel: dict[str, int], itemsize: int
