@@ -431,7 +431,7 @@ def test_a_tp2_tensor_update_takes_one_entry_per_rank_and_the_checker_sees_the_n
     segment = SharedSegment(f"sluice-strict-test-{uuid.uuid4().hex}", layout.nbytes)
     try:
         pack_bucket(layout, {"model.norm.weight": norm}, segment.buffer)
-        entries = encode_shm_entries(segment, layout, 2)
+        entries = encode_shm_entries(segment, layout, range(2))
         assert call(strict_url, "/begin_weight_update", {})[0] == 200
         try:
             # anything but exactly SGLang's payload, one entry per rank, is refused before a weight moves

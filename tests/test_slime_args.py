@@ -85,7 +85,7 @@ EXPECTED = {
     "run-qwen3-4B.sh": {
         "cluster.placement": "colocated", "cluster.num_nodes": 1, "cluster.gpus_per_node": 8, "cluster.trainer_gpus": 8,
         "cluster.engine_gpus": 8, "cluster.engine_tensor_parallel_size": 2, "rollout.num_engines": 4,
-        "trainer.tensor_model_parallel_size": 2, "trainer.data_parallel_size": 4, "sync.transport": "disk",
+        "trainer.tensor_model_parallel_size": 2, "trainer.data_parallel_size": 4, "sync.transport": "ipc",
         "trainer.max_tokens_per_micro_batch": 9216, "rollout.prompts_per_step": 32, "rollout.samples_per_prompt": 8,
         "rollout.sampling.max_new_tokens": 8192, "rollout.task_args.apply_chat_template": True,
         "rollout.task_args.reward": "rollout_fns.verifiers:math_reward", "run.num_steps": 3000,
@@ -134,6 +134,12 @@ def test_slimes_own_qwen3_scripts_plan_as_written_with_the_config_they_mean(name
         assert shown["rollout"]["slime"]["generate_function"] == f"{user_module}:generate"
         assert shown["reward"]["slime"]["function"] == f"{user_module}:reward_func"
         assert shown["rollout"]["function"] == "rollout_fns.slime_functions:generate_group"
+    if name == "run-qwen3-4B.sh":  # --colocate, 4 engines of TP 2: each engine rank reads the copy on its own GPU
+        sync = shown["plan"]["weight_sync"]
+        assert sync["sources"].startswith("one per GPU: trainer rank 0 gathers each bucket and broadcasts it to "
+                                          "ranks 1-7") and "disk" not in err + json.dumps(sync)
+        assert sync["ipc_handles"][3] == ("engine 3: TP rank 0 <- trainer rank 6 (node 0 gpu 6), TP rank 1 <- "
+                                          "trainer rank 7 (node 0 gpu 7)")
     if name == "run-qwen2.5-0.5B-fully_async.sh":  # slime's own async example passes --sequence-parallel at TP=1
         assert "sequence_parallel" not in shown["trainer"]["megatron"]
         assert "--sequence-parallel is turned off at --tensor-model-parallel-size 1, as Megatron-LM does" in err

@@ -125,5 +125,5 @@ def test_the_cuda_ipc_encoder_imports_on_this_torch_and_refuses_a_bucket_outside
     from weight_sync.ipc import encode_cuda_entries, serialize_entry
 
     with pytest.raises(ValueError, match="this bucket is on cpu"):
-        encode_cuda_entries(torch.zeros(8, dtype=torch.uint8), BucketLayout(index=0, slots=()), 1)
+        encode_cuda_entries(torch.zeros(8, dtype=torch.uint8), BucketLayout(index=0, slots=()), [0])
     assert serialize_entry({"flattened_tensor": None, "metadata": []})  # the pickler imports on this torch

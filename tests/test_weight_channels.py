@@ -49,7 +49,7 @@ def test_an_ipc_channel_shares_each_bucket_bit_identical_with_its_checksum_one_e
             out = channel.send(layout.index, tensors)
             assert out["checksum"] == checksum_tensors([tensors[n] for n in layout.names])
             assert out["device"] == "cpu" and len(out["handles"]) == 2 and len(channel.buffers) == 2  # pipelined
-            read, stand_in = read_entries(out["handles"], 2)
+            read, (stand_in, *_) = read_entries(out["handles"], 2)
             flat = torch.from_file(stand_in.sluice_shm, shared=True, size=read.nbytes, dtype=torch.uint8)
             for name, tensor in unpack_bucket(read, flat):
                 assert torch.equal(tensor, tensors[name]), name

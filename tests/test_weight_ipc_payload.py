@@ -134,13 +134,13 @@ def test_the_cpu_stand_in_entries_pass_sglangs_unpickler_one_per_rank_each_namin
     segment = SharedSegment(f"sluice-payload-test-{id(layout)}", layout.nbytes)
     try:
         pack_bucket(layout, tensors, segment.buffer)
-        entries = encode_shm_entries(segment, layout, 3)
+        entries = encode_shm_entries(segment, layout, range(3))
         assert len(set(entries)) == 3
         for rank, entry in enumerate(entries):
             data = sglang.unpickle(entry)  # every global admitted; SGLang would then fail to slice the stand-in
             assert sorted(data) == sorted(ENVELOPE_KEYS) and data["flattened_tensor"].tp_rank == rank
             assert [m.name for m in data["metadata"]] == list(tensors)
-        read, stand_in = read_entries(entries, 3)
+        read, (stand_in, *_) = read_entries(entries, 3)
         assert read.slots == layout.slots and stand_in.sluice_shm == segment.path and stand_in.nbytes == layout.nbytes
     finally:
         segment.close()
@@ -162,7 +162,8 @@ def test_the_reader_refuses_each_fault_with_a_message_naming_it(segment):
     meta = metadata_of(layout)
 
     def entry(flattened=None, metadata=meta, **extra) -> str:
-        flattened = flattened or types.SimpleNamespace(sluice_shm=segment.path, nbytes=layout.nbytes, tp_rank=0)
+        flattened = flattened or types.SimpleNamespace(sluice_shm=segment.path, nbytes=layout.nbytes, tp_rank=0,
+                                                   device=None)
         return serialize_entry({"flattened_tensor": flattened, "metadata": metadata, **extra})
 
     cases = [
@@ -178,20 +179,29 @@ def test_the_reader_refuses_each_fault_with_a_message_naming_it(segment):
          r"spans bytes 0-512 \(numel 1\)"),
         ([entry(metadata=[types.SimpleNamespace(**{**vars(meta[0]), "dtype": "float32"}), *meta[1:]])], 1,
          "needs a torch.dtype and a torch.Size"),
-        ([entry(types.SimpleNamespace(sluice_shm="/etc/passwd", nbytes=layout.nbytes, tp_rank=0))], 1,
+        ([entry(types.SimpleNamespace(sluice_shm="/etc/passwd", nbytes=layout.nbytes, tp_rank=0,
+                                     device=None))], 1,
          "is not a file in /dev/shm"),
         ([entry(types.SimpleNamespace(sluice_shm=segment.path, nbytes=layout.nbytes))], 1,
          "must be a tensor .* or sluice's CPU stand-in"),
         ([entry(), entry()], 2, r"serialized_named_tensors\[1\] repeats an earlier entry"),
-        ([entry(), entry(types.SimpleNamespace(sluice_shm=segment.path, nbytes=meta[0].numel, tp_rank=1), meta[:1])],
+        ([entry(), entry(types.SimpleNamespace(sluice_shm=segment.path, nbytes=meta[0].numel, tp_rank=1,
+                                                         device=None), meta[:1])],
          2, r"serialized_named_tensors\[1\] describes another bucket"),
-        (list(reversed(encode_shm_entries(segment, layout, 2))), 2, r"serialized_named_tensors\[0\] was made for TP "
+        (list(reversed(encode_shm_entries(segment, layout, range(2)))), 2, r"serialized_named_tensors\[0\] was made for TP "
                                                                     "rank 1"),
     ]
     for entries, tp_size, says in cases:
         with pytest.raises(ValueError, match=says):
             read_entries(entries, tp_size)
-    assert read_entries(encode_shm_entries(segment, layout, 2), 2)[0].slots == layout.slots
+    # where devices are modeled, an entry opens only on the device it was made on, as a CUDA IPC handle does
+    made_on_1 = encode_shm_entries(segment, layout, range(2), device="cpu bundle 1")
+    with pytest.raises(ValueError, match=r"serialized_named_tensors\[0\] was made on cpu bundle 1, but TP rank 0 "
+                                         "stands on cpu bundle 0: each engine rank must get the bucket copy"):
+        read_entries(made_on_1, 2, ["cpu bundle 0", "cpu bundle 1"])
+    with pytest.raises(ValueError, match=r"\[1\] was made on an unmodeled device, but TP rank 1 stands on gpu 1"):
+        read_entries(encode_shm_entries(segment, layout, range(2)), 2, [None, "gpu 1"])
+    assert read_entries(encode_shm_entries(segment, layout, range(2)), 2)[0].slots == layout.slots
 
 
 def test_serializing_an_entry_leaves_torchs_own_reductions_as_they_were():

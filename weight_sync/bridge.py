@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, pipeline_bucket_bytes, plan_buckets, spec_bytes
 from weight_sync.config import BridgeConfig
 from weight_sync.engine_calls import (WeightSyncError, admin_key, begin_update_session, end_update_session,
                                      engine_capabilities, post_json, run_together)
+from weight_sync.ipc_transport import IpcOrDisk, IpcTransport
 from weight_sync.parallel import ParallelBroadcastTransport, parallel_sources
-from weight_sync.transports import (BroadcastTransport, DiskTransport, IpcTransport, Transport, WeightSource,
-                                    free_port)
+from weight_sync.transports import BroadcastTransport, DiskTransport, Transport, WeightSource, free_port
 from weight_sync.verify import check_bucket_checksums, check_full, check_versions
 
 VERIFY_MODES = ("auto", "checksum", "full", "off")
@@ -258,18 +258,23 @@ class WeightBridge:
 
 def make_bridge(cfg: BridgeConfig, *, source: WeightSource, engine_urls: Sequence[str],
                 disk_dir: str | None = None, engine_tp_size: int = 1, api_key: str | None = None,
-                admin_api_key: str | None = None, pipeline: bool | None = None) -> WeightBridge:
+                admin_api_key: str | None = None, pipeline: bool | None = None,
+                ipc_sources: Callable[[str], Sequence[int] | None] | None = None) -> WeightBridge:
     """The bridge `cfg` (the `sync:` section, validated when it was built) describes, connected to every engine;
     each engine has `engine_tp_size` tensor-parallel ranks (SGLang's --tp-size) and was started with `api_key` /
     `admin_api_key` (SGLang's --api-key / --admin-api-key), if any. `pipeline`: see `WeightBridge`; None:
     `cfg.pipeline`, whose null means on with nccl and off with gloo. `cfg.sources` (broadcast only): one source
     rank, or parallel sources (weight_sync.parallel); null: parallel when the source reports several. `disk_dir`:
-    where the disk transport writes when `cfg.disk_dir` is null."""
+    where the disk transport writes when `cfg.disk_dir` is null. `ipc_sources(url)` (ipc): the trainer rank on the GPU
+    of each of that engine's TP ranks (`IpcTransport`), or None for an engine on GPUs without one, which gets the
+    weights by disk (`IpcOrDisk`); no mapping: rank 0 serves every rank."""
     if pipeline is None:
         pipeline = cfg.backend == "nccl" if cfg.pipeline is None else cfg.pipeline
     pipeline = pipeline and not cfg.delta  # a delta bucket is chosen just before it is sent: nothing is packed ahead
     options = dict(timeout_s=cfg.timeout_s, key=admin_key(api_key, admin_api_key))  # every weight route is admin
     transport = cfg.chosen_transport(colocated_sglang=False)  # launch.plan.run_plan has chosen it for a run
+    if transport == "ipc":
+        options["sources_of"] = ipc_sources
     make = TRANSPORT_MAKERS[transport](cfg, options, engine_tp_size, disk_dir)
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=cfg.bucket_bytes, verify=cfg.verify,
                           timeout_s=cfg.timeout_s, api_key=api_key, admin_api_key=admin_api_key, pipeline=pipeline,
@@ -290,9 +295,17 @@ def _broadcast_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size:
 
 
 def _ipc_maker(cfg: BridgeConfig, options: dict[str, Any], engine_tp_size: int, disk_dir: str | None) -> Any:
+    """ipc; with a source mapping, by disk to the engines it gives no sources (GPUs without a trainer rank)."""
     def make(src, layouts, with_checksum, pipeline):
-        return IpcTransport(src, layouts, with_checksum=with_checksum, pipeline=pipeline,
-                            ranks_per_engine=engine_tp_size, **options)
+        ipc = IpcTransport(src, layouts, with_checksum=with_checksum, pipeline=pipeline,
+                           ranks_per_engine=engine_tp_size, **options)
+        sources_of = options.get("sources_of")
+        if sources_of is None:
+            return ipc
+        disk_options = {k: v for k, v in options.items() if k != "sources_of"}
+        disk = DiskTransport(src, layouts, directory=cfg.disk_dir or disk_dir, with_checksum=with_checksum,
+                             **disk_options)
+        return IpcOrDisk(ipc, disk, sources_of)
     return make
 
 

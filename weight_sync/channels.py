@@ -213,20 +213,23 @@ class BroadcastChannel:
 
 
 class IpcChannel:
-    """Buffers engines map instead of receiving a copy, reused every sync, on the device of the source's weights
-    (allocated with the first bucket sent): CUDA buffers shared by CUDA IPC handle, or POSIX shared segments on
-    CPU. Pipelined there are two: the driver asks for bucket k+1 while the engines copy bucket k out of the other
-    one. Each send answers `handles`, SGLang's `serialized_named_tensors` for one engine: one entry per engine TP
-    rank (`tp_size`, weight_sync.ipc)."""
+    """Buffers engines map instead of receiving a copy, reused every sync, on this process's device (allocated with
+    the first bucket): CUDA buffers shared by CUDA IPC handle, or POSIX shared segments on CPU. Pipelined there are
+    two: the driver asks for bucket k+1 while the engines copy bucket k out of the other one. Each bucket answers
+    `handles`: one SGLang `serialized_named_tensors` entry for each engine TP rank in `tp_ranks` (the engine ranks
+    on this process's GPU that it serves, weight_sync.ipc). The source packs a bucket (`send`); a process that serves
+    a copy of it on another GPU receives it into `buffer_for` and shares it with `share`."""
 
     def __init__(self, spec: Mapping[str, Any]):
         self.layouts = layouts_of(spec)
         self.with_checksum = bool(spec.get("with_checksum", True))
-        self.tp_size = int(spec.get("tp_size", 1))
+        self.tp_ranks = [int(r) for r in spec["tp_ranks"]] if "tp_ranks" in spec else list(
+            range(int(spec.get("tp_size", 1))))
         self.name = spec["name"]
         self.count, self.size = buffer_count(spec, self.layouts), biggest_bucket(self.layouts)
         self.buffers: list[torch.Tensor] = []
         self.segments: list[SharedSegment] = []  # CPU only: the files the stand-ins name
+        self.handles_made = 0  # entries serialized over the channel's life (a CUDA entry holds one IPC reference)
 
     def check_staged(self, tensors: Tensors) -> None:
         check_layouts(self.layouts, tensors)
@@ -235,15 +238,26 @@ class IpcChannel:
         """Pack and checksum bucket `index` into its buffer; the `handles` engines read it through and the
         `device` type it is shared from."""
         layout = self.layouts[index]
-        if not self.buffers:
-            self._allocate(tensors[layout.names[0]].device if layout.slots else torch.device("cpu"))
-        slot = index % len(self.buffers)
-        flat, out = timed_pack(layout, tensors, self.buffers[slot])
+        device = tensors[layout.names[0]].device if layout.slots else torch.device("cpu")
+        flat, out = timed_pack(layout, tensors, self.buffer_for(index, device))
         out.update(timed_checksum(flat, self.with_checksum))
+        return {**out, **self.share(index)}
+
+    def buffer_for(self, index: int, device: torch.device) -> torch.Tensor:
+        """The buffer bucket `index` goes into (allocated on `device` with the first bucket), its size exactly."""
+        if not self.buffers:
+            self._allocate(device)
+        return self.buffers[index % len(self.buffers)][: self.layouts[index].nbytes]
+
+    def share(self, index: int) -> dict[str, Any]:
+        """The entries of the bucket now in bucket `index`'s buffer, for this channel's engine ranks."""
+        layout, slot = self.layouts[index], index % len(self.buffers)
+        self.handles_made += len(self.tp_ranks)
         if self.segments:
-            return {**out, "device": "cpu", "handles": encode_shm_entries(self.segments[slot], layout, self.tp_size)}
-        torch.cuda.current_stream(flat.device).synchronize()  # the engine reads the bucket from another process
-        return {**out, "device": "cuda", "handles": encode_cuda_entries(self.buffers[slot], layout, self.tp_size)}
+            entries = encode_shm_entries(self.segments[slot], layout, self.tp_ranks, planned_device())
+            return {"device": "cpu", "handles": entries}
+        torch.cuda.current_stream(self.buffers[slot].device).synchronize()  # the engine reads from another process
+        return {"device": "cuda", "handles": encode_cuda_entries(self.buffers[slot], layout, self.tp_ranks)}
 
     def _allocate(self, device: torch.device) -> None:
         if device.type == "cuda":

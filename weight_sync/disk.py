@@ -81,9 +81,10 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def read_checkpoint(model_path: str) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+def read_checkpoint(model_path: str, with_checksums: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
     """Engine side: every tensor of an HF safetensors directory, and one checksum per shard, computed in the order
-    the index lists the shard's names (the bucket order for checkpoints `CheckpointWriter` wrote)."""
+    the index lists the shard's names (the bucket order for checkpoints `CheckpointWriter` wrote); none without
+    `with_checksums`."""
     from safetensors.torch import load_file
 
     index_path = os.path.join(model_path, INDEX_FILE)
@@ -104,5 +105,6 @@ def read_checkpoint(model_path: str) -> tuple[list[tuple[str, torch.Tensor]], li
         tensors = load_file(os.path.join(model_path, shard))
         order = names if names is not None else list(tensors)
         named.extend((n, tensors[n]) for n in order)
-        checksums.append(checksum_tensors([tensors[n] for n in order]))
+        if with_checksums:
+            checksums.append(checksum_tensors([tensors[n] for n in order]))
     return named, checksums

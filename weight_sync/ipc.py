@@ -1,9 +1,10 @@
 """The ipc transport's payload, for colocated engines: each bucket is shared by handle instead of copied through a
 socket, as SGLang 0.5.23's `/update_weights_from_tensor` reads it: `serialized_named_tensors` holds one entry per
 engine TP rank, each its own base64 ForkingPickler pickle of `{"flattened_tensor": ..., "metadata": [...]}`
-(`load_format: "flattened_bucket"`). GPU: the tensor is the source's CUDA bucket, a CUDA IPC handle naming its
-device by UUID. CPU: a stand-in naming a POSIX shared-memory segment the source reuses every sync (`SharedSegment`),
-which engines keep mapped (`MappedSegments`); only sluice's embedded engine reads it.
+(`load_format: "flattened_bucket"`), and each entry is made by the source on that rank's own device. GPU: the
+tensor is a CUDA bucket, a CUDA IPC handle naming its device by UUID. CPU: a stand-in naming a POSIX shared-memory
+segment the source reuses every sync (`SharedSegment`) and the device its maker stands for, which engines keep mapped
+(`MappedSegments`); only sluice's embedded engine reads it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import os
 import pickle
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,7 +25,8 @@ from weight_sync.buckets import BucketLayout, dtype_to_str
 SHM_DIR = "/dev/shm"
 ENVELOPE_KEYS = ("flattened_tensor", "metadata")  # what SGLang's weight updater reads of an entry, by key
 METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")  # FlattenedTensorMetadata's, by attribute
-STAND_IN_FIELDS = ("sluice_shm", "nbytes", "tp_rank")  # the CPU stand-in for the tensor
+STAND_IN_FIELDS = ("sluice_shm", "nbytes", "tp_rank", "device")  # the CPU stand-in for the tensor (device: the one
+# its maker stands on where devices are modeled, else None: a CUDA handle's device is in the handle itself)
 DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device (SGLang's patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX)
 REBUILD_CUDA = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 _DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16, torch.bfloat16,
@@ -70,23 +72,25 @@ def metadata_of(layout: BucketLayout) -> list[types.SimpleNamespace]:
             for s in layout.slots]
 
 
-def encode_cuda_entries(buffer: torch.Tensor, layout: BucketLayout, tp_size: int) -> list[str]:
-    """One entry per engine TP rank for the bucket packed at the start of CUDA `buffer`, each its own serialization
-    (CUDA IPC counts references per serialization: SGLang's ranks each deserialize only their own). The source must
+def encode_cuda_entries(buffer: torch.Tensor, layout: BucketLayout, tp_ranks: Sequence[int]) -> list[str]:
+    """One entry per engine TP rank in `tp_ranks` (the ranks on this buffer's GPU) for the bucket packed at the start
+    of CUDA `buffer`, each its own serialization (CUDA IPC counts references per serialization: SGLang's ranks each
+    deserialize only their own, so an entry made and never read would hold a reference for good). The source must
     keep `buffer` alive and unchanged until every engine has answered."""
     if buffer.device.type != "cuda":
         raise ValueError(f"encode_cuda_entries shares CUDA tensors; this bucket is on {buffer.device}")
     envelope = {"flattened_tensor": buffer[: layout.nbytes], "metadata": metadata_of(layout)}
-    return [serialize_entry(envelope) for _ in range(tp_size)]
+    return [serialize_entry(envelope) for _ in tp_ranks]
 
 
-def encode_shm_entries(segment: SharedSegment, layout: BucketLayout, tp_size: int) -> list[str]:
-    """The CPU stand-in: SGLang's envelope with, for the tensor, the segment's path and the bucket's size, one
-    entry per TP rank naming its rank."""
+def encode_shm_entries(segment: SharedSegment, layout: BucketLayout, tp_ranks: Sequence[int],
+                       device: str | None = None) -> list[str]:
+    """The CPU stand-in: SGLang's envelope with, for the tensor, the segment's path, the bucket's size, the TP rank
+    the entry is for and the device its maker stands on (`device`, where devices are modeled)."""
     metadata = metadata_of(layout)
-    return [serialize_entry({"flattened_tensor": types.SimpleNamespace(sluice_shm=segment.path, nbytes=layout.nbytes,
-                                                                       tp_rank=rank), "metadata": metadata})
-            for rank in range(tp_size)]
+    return [serialize_entry({"flattened_tensor": types.SimpleNamespace(
+                sluice_shm=segment.path, nbytes=layout.nbytes, tp_rank=rank, device=device), "metadata": metadata})
+            for rank in tp_ranks]
 
 
 def serialize_entry(envelope: dict[str, Any]) -> str:
@@ -135,10 +139,12 @@ class Entry:
     raw: bytes
 
 
-def read_entries(entries: list[str], tp_size: int) -> tuple[BucketLayout, Any]:
+def read_entries(entries: list[str], tp_size: int, devices: list[str | None] | None = None
+                 ) -> tuple[BucketLayout, list[Any]]:
     """Engine side: `serialized_named_tensors` as an engine of `tp_size` ranks reads it, each entry checked as its
     rank would (`read_entry`): exactly one per rank, each its own serialization of the same bucket (a CPU stand-in
-    names its rank). Returns the layout and rank 0's tensor (or stand-in); ValueError names the first fault."""
+    names its rank and, with `devices` (each rank's modeled device), was made on that rank's device, as a CUDA IPC
+    handle must be). Returns the layout and every rank's tensor (or stand-in); ValueError names the first fault."""
     if len(entries) != tp_size:
         raise ValueError(f"serialized_named_tensors has {len(entries)} entries; this engine has {tp_size} TP rank(s) "
                          f"and each reads entry [tp_rank]: send exactly {tp_size}")
@@ -152,7 +158,17 @@ def read_entries(entries: list[str], tp_size: int) -> tuple[BucketLayout, Any]:
         rank = getattr(entry.flattened, "tp_rank", index)
         if rank != index:
             raise ValueError(f"serialized_named_tensors[{index}] was made for TP rank {rank}")
-    return read[0].layout, read[0].flattened
+        _check_device(entry.flattened, (devices or [None] * tp_size)[index], index)
+    return read[0].layout, [entry.flattened for entry in read]
+
+
+def _check_device(flattened: Any, device: str | None, index: int) -> None:
+    """Where devices are modeled, an entry opens only on the device it was made on, as a CUDA IPC handle does."""
+    made_on = getattr(flattened, "device", None)
+    if device is not None and made_on != device:
+        raise ValueError(f"serialized_named_tensors[{index}] was made on {made_on or 'an unmodeled device'}, but TP "
+                         f"rank {index} stands on {device}: each engine rank must get the bucket copy of the trainer "
+                         "rank on its own GPU (sync.transport ipc maps one source per GPU)")
 
 
 def read_entry(entry: Any, index: int = 0) -> Entry:

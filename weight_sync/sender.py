@@ -73,6 +73,15 @@ class BucketSender:
             self._prepared_sums.pop((channel, index), None)
         return answer
 
+    def bucket_buffer(self, channel: str, index: int, device: torch.device) -> torch.Tensor:
+        """Where bucket `index` of an ipc channel lies (the source packed it there) or is received into (a rank
+        serving a copy on its own GPU)."""
+        return self._channel(channel).buffer_for(index, device)
+
+    def share_bucket(self, channel: str, index: int) -> dict[str, Any]:
+        """The ipc entries of the bucket now in bucket `index`'s buffer (a rank serving a copy it received)."""
+        return self._channel(channel).share(index)
+
     def _channel(self, name: str) -> SenderChannel:
         if name not in self.channels:
             raise RuntimeError(f"weight channel {name!r} is not open (open: {sorted(self.channels)})")

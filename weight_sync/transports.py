@@ -271,7 +271,7 @@ class BroadcastTransport(_Base):
         super().close()
 
 
-class _PointToPoint(_Base):
+class PointToPoint(_Base):
     """A transport whose source keeps one channel open across syncs (`CHANNEL`, opened with `_channel_spec()`);
     engines need nothing per connection."""
 
@@ -302,51 +302,7 @@ class _PointToPoint(_Base):
         super().close()
 
 
-class IpcTransport(_PointToPoint):
-    """Colocated engines read each bucket where the source packed it: through `/update_weights_from_tensor`, one
-    SGLang `flattened_bucket` entry per engine TP rank (CUDA IPC handles on GPU, shared-memory stand-ins on CPU;
-    weight_sync.ipc), inside the bridge's weight-update session. The source reuses its buffers every sync:
-    pipelined there are two, and it packs bucket k+1 into the other one while the engines copy bucket k out; the
-    one it packs into was released by every engine's answer to bucket k-1."""
-
-    CHANNEL = "ipc"
-
-    def __init__(self, source: WeightSource, layouts: list[BucketLayout], *, with_checksum: bool, timeout_s: float,
-                 key: str | None = None, pipeline: bool = True, ranks_per_engine: int = 1):
-        super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
-                         pipeline=pipeline)
-        self.ranks_per_engine = ranks_per_engine  # SGLang reads serialized_named_tensors[tp_rank]: one per rank
-
-    def _channel_spec(self) -> dict[str, Any]:
-        return self._spec("ipc", tp_size=self.ranks_per_engine)
-
-    def transfer(self, urls: Sequence[str], weight_version: str) -> Transfer:
-        result = Transfer(engines={url: [] for url in urls})
-        sent = self.source.send_weight_bucket(self.CHANNEL, 0) if self.layouts else {}
-        if sent.get("device") == "cuda" and len(urls) > 1:
-            raise WeightSyncError(
-                f"the ipc transport shares the source's CUDA buffers with one engine, not {len(urls)}: each engine's "
-                "TP ranks deserialize their own CUDA IPC handles, and engines on other GPUs cannot map the source's "
-                "(one source per engine is not built); use one colocated engine, or the broadcast transport")
-        for layout in self.layouts:
-            result.add_source(sent)
-            payload = {"serialized_named_tensors": sent["handles"], "load_format": "flattened_bucket",
-                       **self._flags(layout.index, weight_version)}
-            reading = [lambda url=url: call_update(url, "/update_weights_from_tensor", payload, self.timeout_s,
-                                                   self.key) for url in urls]
-            has_next = layout.index + 1 < len(self.layouts)
-            if self.pipeline and has_next:
-                packing = [lambda index=layout.index + 1: self.source.send_weight_bucket(self.CHANNEL, index)]
-                sent, *answers = self._together(packing + reading)
-            else:
-                answers = self._together(reading)
-            result.add_engines(urls, answers, 1)
-            if not self.pipeline and has_next:
-                sent = self.source.send_weight_bucket(self.CHANNEL, layout.index + 1)
-        return result
-
-
-class DiskTransport(_PointToPoint):
+class DiskTransport(PointToPoint):
     """The source writes a safetensors checkpoint (one shard per bucket) and renames it into place; every engine
     then loads it through `/update_weights_from_disk`."""
 

@@ -118,7 +118,8 @@ def build_engine(*, model_path: str, host: str, port: int, seed: int, max_runnin
                    "nnodes": nnodes, "node_rank": 0, "dist_init_addr": dist_init_addr,
                    "skip_tokenizer_init": tokenizer is None, "context_length": config.max_position_embeddings,
                    "version": "embedded", "frontend": "sluice-embedded-engine"}
-    receiver = WeightReceiver(runner, timeout_s=weight_sync_timeout_s, tp_size=tp_size)
+    receiver = WeightReceiver(runner, timeout_s=weight_sync_timeout_s, tp_size=tp_size,
+                              bucket_checksums=not sglang_strict)
     shared = dict(vocab_size=config.vocab_size, max_context=config.max_position_embeddings, model_info=model_info,
                   server_info=server_info, api_key=api_key, admin_api_key=admin_api_key, tokenizer=tokenizer)
     if sglang_strict:

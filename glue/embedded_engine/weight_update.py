@@ -96,16 +96,20 @@ class WeightReceiver:
     rank `rank_offset + tp_rank` as SGLang's TP workers join. Every rank receives each broadcast; tp_rank 0's copy
     goes into the model (the engine holds one unsharded model), the other ranks' copies are discarded."""
 
-    def __init__(self, runner: ModelRunner, *, timeout_s: float = 300.0, tp_size: int = 1):
+    def __init__(self, runner: ModelRunner, *, timeout_s: float = 300.0, tp_size: int = 1,
+                 bucket_checksums: bool = True):
         self.runner = runner
         self.timeout_s = timeout_s
         self.tp_size = tp_size
+        # off for the strict face, which answers as SGLang does (no checksums): tensor and disk updates skip hashing
+        self.bucket_checksums = bucket_checksums
         self.groups: dict[str, list[WeightGroup]] = {}
         self._lock = threading.Lock()  # one group change or one update at a time
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)  # for buckets that do not fit the model
         self._homes = ParameterBuckets(runner.model)
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-checksum")
-        self._segments = MappedSegments()  # the ipc source's shared segments, kept mapped between buckets
+        # the ipc sources' segments, kept mapped between buckets: up to two per TP rank (pipelined), each its own
+        self._segments = MappedSegments(keep=4 * tp_size)
 
     def drop_parameter_homes(self) -> None:
         """Forget the flat buffers parameters were re-homed into, so released weights free their memory (a
@@ -241,17 +245,18 @@ class WeightReceiver:
         IPC tensor or a shared-memory segment kept mapped from earlier buckets (`MappedSegments`), is copied into
         the model while another thread checksums it, and the copy has finished when this answers (the source then
         reuses its buffer). A bucket that fits the model is copied in one piece into the parameters' flat home."""
-        layout, flattened = read_entries(handles, self.tp_size)
+        layout, per_rank = read_entries(handles, self.tp_size, [planned_device(r) for r in range(self.tp_size)])
         with self._lock:
             t0 = time.perf_counter()
-            if isinstance(flattened, torch.Tensor):
-                flat = flattened[: layout.nbytes]
-            else:
-                flat = self._segments.open(flattened.sluice_shm, layout.nbytes)
+            flat, *others = [self._bucket_of(layout, flattened) for flattened in per_rank]
+            for rank, other in enumerate(others, start=1):  # one model stands for every rank: the others must agree
+                if not torch.equal(other, flat):
+                    raise ValueError(f"serialized_named_tensors[{rank}] holds other bytes than entry [0]: every TP "
+                                     "rank's copy of a bucket must be the same bucket")
             with self.runner.model_lock:
                 home = None if "weights" in self.runner.released else self._homes.home(layout)
                 if home is not None:
-                    pending = self._hasher.submit(_timed_checksum, flat)
+                    pending = self._hash(flat)
                     home.copy_(flat)
                     _finish_copies(home, flat)
                     if weight_version is not None:  # in the same lock hold: no forward sees new weights, old tag
@@ -260,25 +265,35 @@ class WeightReceiver:
                 answer = self._load_with_checksum(layout, flat, weight_version)
                 _finish_copies(flat)
                 return answer
-            value, checksum_s = pending.result()
+            value, checksum_s = pending.result() if pending else (None, 0.0)
             return True, f"Succeeded to update {len(layout.slots)} parameter(s).", [value], {
                 "copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
+
+    def _hash(self, flat: torch.Tensor) -> Any:
+        """The bucket's checksum, taken on the hasher thread (None when bucket checksums are off)."""
+        return self._hasher.submit(_timed_checksum, flat) if self.bucket_checksums else None
+
+    def _bucket_of(self, layout: BucketLayout, flattened: Any) -> torch.Tensor:
+        """A rank's bucket: its CUDA IPC tensor, or its shared segment through a kept mapping."""
+        if isinstance(flattened, torch.Tensor):
+            return flattened[: layout.nbytes]
+        return self._segments.open(flattened.sluice_shm, layout.nbytes)
 
     def _load_with_checksum(self, layout: BucketLayout, flat: torch.Tensor, weight_version: str | None
                             ) -> tuple[bool, str, list[str], dict[str, float]]:
         """Copy a bucket into the model while another thread checksums it (both only read it; torch releases the
         GIL in both)."""
         t0 = time.perf_counter()
-        pending = self._hasher.submit(_timed_checksum, flat)
+        pending = self._hash(flat)
         ok, message = self.runner.load_weights(unpack_bucket(layout, flat), weight_version)
-        value, checksum_s = pending.result()
+        value, checksum_s = pending.result() if pending else (None, 0.0)
         return ok, message, [value], {"copy_in_s": time.perf_counter() - t0, "checksum_s": checksum_s}
 
     def update_from_disk(self, *, model_path: str, weight_version: str | None) -> tuple[bool, str, list[str]]:
         """`/update_weights_from_disk`: every tensor of the checkpoint, all or nothing; one checksum per shard."""
         with self._lock:
             try:
-                named, sums = read_checkpoint(model_path)
+                named, sums = read_checkpoint(model_path, with_checksums=self.bucket_checksums)
             except (OSError, ValueError, KeyError) as e:
                 return False, f"cannot read the checkpoint at {model_path!r}: {e}", []
             ok, message = self.runner.load_weights(named, weight_version)

@@ -121,7 +121,9 @@ class TrainerGroup:
         import ray
 
         if channel not in self._channel_members:
-            return self._all("send_weight_bucket", channel, index)[0]
+            answers = self._all("send_weight_bucket", channel, index)
+            served = {rank: answer["handles"] for rank, answer in enumerate(answers) if "handles" in answer}
+            return {**answers[0], "handles_by_rank": served} if served else answers[0]  # ipc: entries of each GPU
         source, members = self._channel_members[channel]
         answers = ray.get([self._actors[r].send_weight_bucket.remote(channel, index) for r in members])
         return answers[members.index(source)]

@@ -268,6 +268,8 @@ class TrainerWeightSender:
         self.rank = torch.distributed.get_rank()
         self.bucket_names: dict[str, list[list[str]]] = {}  # channel -> the HF names of each of its buckets
         self.channel_source: dict[str, int] = {}  # channel -> the rank that sends it
+        self.copy_groups: dict[str, tuple[list[int], Any]] = {}  # ipc channel -> ranks holding a copy, their group
+        self._groups: dict[tuple[int, ...], Any] = {}  # those groups by ranks, kept for the trainer's life
         self.staged_version: int | None = None  # the version stage() was called at, for send()'s guard
         self.tensor_sums = False  # verify: full: every bucket's send reports its per-tensor checksums
         self._stream: WeightStream | None = None
@@ -289,11 +291,18 @@ class TrainerWeightSender:
         """Every rank learns the channel's buckets; its sending rank opens it (broadcast: blocks until every engine
         joined)."""
         self.bucket_names[name] = [list(layout["names"]) for layout in spec["layouts"]]
-        self.channel_source[name] = int(spec.get("source", SOURCE_RANK))
-        if self.rank == self.channel_source[name]:
+        source = self.channel_source[name] = int(spec.get("source", SOURCE_RANK))
+        serve = {int(rank): tp_ranks for rank, tp_ranks in spec.get("serve", {}).items()}  # ipc: one source per GPU
+        copies = sorted({source, *serve})
+        if len(copies) > 1:  # collective: every rank creates every group, once per set of ranks (reopens reuse it)
+            if tuple(copies) not in self._groups:
+                self._groups[tuple(copies)] = torch.distributed.new_group(copies)
+            self.copy_groups[name] = (copies, self._groups[tuple(copies)])
+        if self.rank in copies:
             if self._sender is None:
                 self._sender = BucketSender()
-            self._sender.open_channel(name, spec, streamed=True)
+            mine = {**spec, "tp_ranks": serve.get(self.rank, [])} if serve else spec
+            self._sender.open_channel(name, mine, streamed=True)
 
     def stage(self, version: int, with_tensor_checksums: bool) -> None:
         """Start a sync of the weights at `version`: nothing is gathered yet (each bucket is, when it is sent).
@@ -317,9 +326,19 @@ class TrainerWeightSender:
             self._prepared.discard((channel, index))
             return self._sender.send_bucket(channel, index) if self.rank == source else {}
         tensors = self._stream.bucket(self.bucket_names[channel][index], source)
-        if self.rank != source:
-            return {}
-        return self._sender.send_bucket(channel, index, tensors, tensor_sums=self.tensor_sums)
+        out = self._sender.send_bucket(channel, index, tensors, tensor_sums=self.tensor_sums) \
+            if self.rank == source else {}
+        if channel in self.copy_groups and self.rank in self.copy_groups[channel][0]:
+            out = self._copy_bucket(channel, index, source, out)
+        return out
+
+    def _copy_bucket(self, channel: str, index: int, source: int, out: dict[str, Any]) -> dict[str, Any]:
+        """ipc, one source per GPU: the channel's source broadcasts the bucket it packed to every rank that serves
+        engine ranks on its own GPU, straight into that rank's shared buffer, which then answers its own entries."""
+        ranks, group = self.copy_groups[channel]
+        buffer = self._sender.bucket_buffer(channel, index, next(self.model.parameters()).device)
+        torch.distributed.broadcast(buffer, src=source, group=group)
+        return out if self.rank == source else self._sender.share_bucket(channel, index)
 
     def prepare(self, channel: str, index: int, version: int, delta: bool) -> dict[str, Any]:
         """Delta sync: like `send` up to the wire: gather bucket `index` and, on the sending rank, choose whether it
@@ -354,5 +373,6 @@ class TrainerWeightSender:
         for channel in [name] if name is not None else list(self.bucket_names):
             self.bucket_names.pop(channel, None)
             self.channel_source.pop(channel, None)
+            self.copy_groups.pop(channel, None)
             if self._sender is not None:
                 self._sender.close_channel(channel)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from glue.trainer.optim import OFFLOAD_NEEDS_BF16, resolve_precision
 from glue.trainer.pipeline import PipelineSplit
 from launch.config import ConfigError, SluiceConfig
 from launch.plan.model_check import hf_parameters, model_config
+from weight_sync.buckets import pipeline_bucket_bytes
 from weight_sync.families import family_of
 from weight_sync.families.table import EMBEDDING, FINAL_NORM, OUTPUT, REPLICATED
 
@@ -277,3 +279,29 @@ def layout_change(old: Layout, new: Layout, s_old: Settings, s_new: Settings, *,
     if needs_sp and new.tp > 1:
         flags.append("--sequence-parallel")
     return " ".join(flags)
+
+
+@dataclass(frozen=True)
+class IpcBuffers:
+    """The ipc transport's bucket buffers on each GPU that holds an engine rank (a full bucket copy each, made by the
+    trainer rank there, weight_sync.channels.IpcChannel): `count` of `bucket` bytes, allocated with the first sync and
+    reused by every later one (kept while the trainer trains and the engines generate)."""
+
+    count: int
+    bucket: int
+
+    @property
+    def total(self) -> int:
+        return self.count * self.bucket
+
+
+def ipc_buffers(cfg: SluiceConfig, total_bytes: int) -> IpcBuffers | None:
+    """The run's ipc buffers for a sync of `total_bytes`, as the bridge sizes them (two pipelined when there are
+    several buckets, buckets of `pipeline_bucket_bytes`); None unless weights travel by ipc."""
+    s = cfg.sync
+    if s.transport != "ipc" or cfg.run.mode == "sft":
+        return None
+    pipeline = s.backend == "nccl" if s.pipeline is None else s.pipeline
+    bucket = pipeline_bucket_bytes(total_bytes, s.bucket_bytes) if pipeline else s.bucket_bytes
+    count = 2 if pipeline and math.ceil(total_bytes / bucket) > 1 else 1
+    return IpcBuffers(count=count, bucket=min(bucket, total_bytes))

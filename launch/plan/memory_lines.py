@@ -10,7 +10,8 @@ from typing import Any
 from glue.trainer.model import check_tensor_parallel
 from glue.trainer.token_budget import activation_bytes_per_token, budget_from_memory
 from launch.config import ConfigError, SluiceConfig
-from launch.plan.memory import Layout, RankMemory, Settings, fitting_layout, layout_change, model_params, rank_memory
+from launch.plan.memory import (Layout, RankMemory, Settings, fitting_layout, ipc_buffers, layout_change, model_params,
+                                rank_memory)
 from launch.plan.fleets import devices_text, fleet_sizes
 from launch.plan.model_check import format_bytes, model_config, section_model_config
 from weight_sync.families import family_of, num_experts
@@ -38,6 +39,12 @@ def memory_plan(cfg: SluiceConfig) -> dict[str, Any]:
                                            (limit or 0) - max(r.total for r in ranks))}
     if cfg.run.mode != "sft":
         plan["engines"] = engine_line(cfg, params.total)
+    buffers = ipc_buffers(cfg, params.total * settings.weight_bytes)
+    if buffers is not None:
+        plan["weight_sync"] = (f"ipc bucket buffers: {buffers.count} x {format_bytes(buffers.bucket)} = "
+                               f"{format_bytes(buffers.total)} on each GPU with an engine rank, kept from the first sync "
+                               "on and reused by every later one (counted with the trainer rank's state in the check "
+                               "against the GPU)")
     return plan
 
 
@@ -151,7 +158,8 @@ def check_memory(cfg: SluiceConfig) -> str:
     peak = max(rank_memory(params, layout, settings), key=lambda r: r.total)
     if not cfg.cluster.uses_gpus:
         return f"memory: a trainer rank holds {format_bytes(peak.total)} of training state (a CPU run: not checked)"
-    limit = gpu_bytes(cfg)
+    buffers = ipc_buffers(cfg, params.total * settings.weight_bytes)
+    limit = gpu_bytes(cfg) - (buffers.total if buffers else 0)  # a sync holds the trainer's state and a bucket copy
     if peak.total > limit:
         raise ConfigError(too_large(cfg, hf_config, params, layout, settings, peak, limit))
     if cfg.run.mode != "sft" and cfg.cluster.engine_server == "sglang":
@@ -170,7 +178,8 @@ def check_memory(cfg: SluiceConfig) -> str:
                                   f"tensor_parallel_size {tp}), which leaves no KV pool ({how}, x cluster."
                                   f"gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); raise {name}."
                                   "tensor_parallel_size or sglang.mem_fraction_static")
-    return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state of "
+    copies = f" + ipc bucket buffers {format_bytes(buffers.total)}" if buffers else ""
+    return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state{copies} of "
             f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb), activations on top (plan.memory)")
 
 

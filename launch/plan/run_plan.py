@@ -21,6 +21,7 @@ from launch.plan.engine_nodes import engine_nodes, node_rank_lines, plan_node_ra
 from launch.plan.fleets import (HOST, PORT, EngineLaunch, SideFleet, check_side_fleets, devices_text,
                                 plan_side_fleets, side_fleet_gpus)
 from launch.args.megatron import check_megatron
+from launch.plan.ipc_sources import settle_ipc
 from launch.args.options import check_values, to_argv
 
 
@@ -51,6 +52,7 @@ class RunPlan:
     models_devices: bool = False  # CPU bundles stand for an SGLang run's GPUs (strict engines): see `device_of`
     side_fleets: list[SideFleet] = field(default_factory=list)  # teacher / judge fleets, on bundles of their own
     engine_nodes: int = 1  # nodes each policy engine spans: a server process per node (EngineLaunch.node_ranks)
+    transport_reason: str = ""  # why sync.transport is not its default (launch.plan.ipc_sources.settle_ipc)
 
     def side_fleet(self, name: str) -> SideFleet:
         """The fleet of section `name` ("teacher" or "judge")."""
@@ -107,7 +109,7 @@ def resolve(cfg: SluiceConfig) -> tuple[SluiceConfig, RunPlan]:
             cfg.sync, max_staleness=max_staleness(cfg), pause_mode=pause_mode(cfg),
             transport=cfg.sync.chosen_transport(colocated_sglang)))
         _check_layout(cfg)
-        return cfg, _plan(cfg)
+        return settle_ipc(cfg, _plan(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -198,12 +200,6 @@ def _check_sglang_engines(cfg: SluiceConfig) -> None:
     if s.transport == "ipc" and c.uses_gpus and c.placement != "colocated":
         raise ValueError("sync.transport=ipc with disaggregated SGLang engines: a CUDA IPC handle opens only on a GPU "
                          "the engine sees, and these engines do not share the trainer's; use sync.transport=broadcast")
-    if s.transport == "ipc" and c.uses_gpus and num_engines(cfg) > 1:
-        raise ValueError(f"sync.transport=ipc (the default with colocated SGLang engines) with {num_engines(cfg)} "
-                         "engines: the ipc source, trainer rank 0, shares its GPU with engine 0 alone, and the others "
-                         "cannot open its CUDA IPC handles (one source per engine is not built); use "
-                         "rollout.num_engines=1 (a larger cluster.engine_tensor_parallel_size for more GPUs) or "
-                         "sync.transport=disk")
 
 
 def _check_layout(cfg: SluiceConfig) -> None:

@@ -17,6 +17,7 @@ from glue.trainer.pipeline import planned_stage_layers
 from glue.trainer.weight_stream import SOURCE_RANK, Coords, SourcePart, weight_sources
 from launch.config import ConfigError, SluiceConfig
 from launch.plan.fleets import node_parts
+from launch.plan.ipc_sources import copy_ranks, describe_sources
 from launch.plan.model_check import format_bytes, hf_parameters, model_config
 from launch.plan.run_plan import RunPlan, rank_coords
 from weight_sync.buckets import pipeline_bucket_bytes
@@ -181,6 +182,10 @@ def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
                                f"trainer's weights{as_stored})",
              "buckets": f"at least {math.ceil(total / bucket)} of at most {bucket / 2**20:.4g} MiB"
                         + (" (pipelined)" if pipeline and s.transport != "disk" else "")}
+    if plan.transport_reason:
+        shown["transport"] = plan.transport_reason
+    if s.transport == "ipc":
+        shown.update(ipc_plan(plan, total, pipeline, bucket))
     groups = plan_weight_groups(cfg, plan, hf_config)
     if groups:
         how = "one: trainer rank 0 sends every tensor" if len(groups) == 1 else (
@@ -188,6 +193,21 @@ def weight_sync_plan(cfg: SluiceConfig, plan: RunPlan) -> dict[str, Any]:
         shown["sources"] = f"{how} (sync.sources: {s.sources or 'null, parallel where the layout has several'})"
         shown["groups"] = describe_groups(plan, groups, numel, itemsize)
     return shown
+
+
+def ipc_plan(plan: RunPlan, total: int, pipeline: bool, bucket: int) -> dict[str, Any]:
+    """The ipc transport's sources (one per GPU), each engine rank's, and the bucket copies they hold."""
+    copies = copy_ranks(plan)
+    count = 2 if pipeline and math.ceil(total / bucket) > 1 else 1
+    others = [r for r in copies if r != 0]
+    to = _ranks(tuple(others)).removeprefix("trainer ")
+    fans = f"trainer rank 0 gathers each bucket and broadcasts it to {to}, " if others else \
+        "trainer rank 0 gathers each bucket, "
+    return {"sources": f"one per GPU: {fans}and every engine TP rank reads the copy on its own GPU through a CUDA IPC "
+                       "handle made there (/update_weights_from_tensor, one entry per TP rank)",
+            "ipc_handles": describe_sources(plan),
+            "bucket_copies": f"{len(copies)} GPU(s) hold {count} bucket buffer(s) of at most "
+                             f"{format_bytes(min(bucket, total))}, reused every sync (in plan.memory)"}
 
 
 def describe_groups(plan: RunPlan, groups: list[PlannedGroup], numel: dict[str, int], itemsize: int

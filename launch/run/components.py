@@ -20,6 +20,7 @@ from glue.rollout.slime.adapter import SlimeFunctions
 from glue.trainer.group import TrainerGroup
 from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.config import SluiceConfig
+from launch.plan.ipc_sources import plan_sources
 from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths
 from launch.run.fleets import (SideFleetRun, check_whole_nodes, engine_env, engine_host_options,
@@ -69,7 +70,7 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     trainer = start_trainer(cfg, plan, placement, model_path, stack, clock) if cfg.run.debug != "rollout_only" \
         else NoTrainer()
     if cfg.run.debug == "off":
-        bridge = start_bridge(cfg, trainer, fleet, run_dir, stack, clock)
+        bridge = start_bridge(cfg, plan, trainer, fleet, run_dir, stack, clock)
     if fleet is not None:
         manager = make_manager(cfg, client, model_path, start_model_rewards(
             cfg, plan, placement, model_path, run_dir, stack, loop, clock, started=side_fleets))
@@ -126,11 +127,18 @@ def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, 
     return trainer
 
 
-def start_bridge(cfg: SluiceConfig, trainer, fleet, run_dir: Path, stack: contextlib.ExitStack, clock):
+def start_bridge(cfg: SluiceConfig, plan: RunPlan, trainer, fleet, run_dir: Path, stack: contextlib.ExitStack,
+                 clock):
+    sources = plan_sources(plan)  # ipc: per engine slot, the trainer rank on each of its ranks' GPUs
+
+    def ipc_sources(url: str) -> list[int]:
+        return sources[fleet.engine_urls.index(url)]  # a replacement takes its slot's url, so the lookup is live
+
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
                                      disk_dir=str(run_dir / "weights"),
                                      engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
-                                     api_key=fleet.api_key, admin_api_key=fleet.admin_api_key)
+                                     api_key=fleet.api_key, admin_api_key=fleet.admin_api_key,
+                                     ipc_sources=ipc_sources)
     stack.callback(bridge.close)
     where = "" if getattr(bridge.transport, "address", None) is None else \
         ": weight group hosted by trainer rank 0 at {}:{}".format(*bridge.transport.address)

@@ -88,12 +88,6 @@ def translate(given: dict[str, Any], context: dict[str, Any], *, loggers: tuple[
         out.values.update(derive(given, here, out.notes))
     out.values.update(run_loggers(given, here, loggers))
     out.defaults.update(slime_defaults(given, context))
-    if out.values.get("cluster.placement") == "colocated" and out.values["rollout.num_engines"] > 1 \
-            and not has(here, "sync.transport"):
-        out.defaults["sync.transport"] = "disk"
-        out.notes.append(f"--colocate with {out.values['rollout.num_engines']} engines: weights go to the engines by "
-                         "disk (sluice's CUDA IPC path serves one colocated engine: --rollout-num-gpus-per-engine "
-                         f"{out.values['cluster.trainer_gpus']} gives one; or set sync.transport)")
     if given.get("rm_type") in RM_TYPES and not given.get("custom_rm_path"):
         out.notes.append(f"--rm-type {given['rm_type']} -> {MATH_REWARD_NOTE}: {RM_TYPES[given['rm_type']][1]}")
     return out
