@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from glue.embedded_engine.request_error import RequestError
 from glue.embedded_engine.text_io import StopStrings, encode_text, parse_stop
 
 # Top-level `GenerateReqInput` fields the engine reads.
@@ -39,15 +40,6 @@ CONTROL_REQUEST_FIELDS = {
 }
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 _SAMPLING_EPS = 1e-6  # below this temperature SGLang samples greedily
-
-
-class RequestError(ValueError):
-    """A payload the engine refuses; `field` names the offending JSON field (dotted for nested ones). The message
-    is prefixed with the field unless it already starts with it. `status` is the HTTP status of the refusal."""
-
-    def __init__(self, field: str, message: str, *, status: int = 400):
-        super().__init__(message if message.startswith(field) else f"{field}: {message}")
-        self.field, self.status = field, status
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from glue.embedded_engine.request_error import RequestError
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_STOP_COUNT = 32  # sglang.srt.sampling.sampling_params.MAX_STOP_COUNT
 
@@ -44,11 +46,11 @@ def parse_stop(tokenizer: Any | None, stop: Any, where: str) -> StopStrings | No
         return None
     strings = [stop] if isinstance(stop, str) else stop
     if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
-        raise_request_error(f"{where}.stop", f"must be a string or a list of strings, got {str(stop)[:100]}")
+        raise RequestError(f"{where}.stop", f"must be a string or a list of strings, got {str(stop)[:100]}")
     if len(strings) > MAX_STOP_COUNT:
-        raise_request_error(f"{where}.stop", f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(strings)}")
+        raise RequestError(f"{where}.stop", f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(strings)}")
     if tokenizer is None:
-        raise_request_error(f"{where}.stop", f"stop={strings!r} needs a tokenizer to match text, and this engine's "
+        raise RequestError(f"{where}.stop", f"stop={strings!r} needs a tokenizer to match text, and this engine's "
                                              "model directory has none; send stop_token_ids, or serve a model saved "
                                              "with its tokenizer")
     max_len = max(len(tokenize(tokenizer, s, f"{where}.stop", add_special_tokens=False)) for s in strings)
@@ -58,13 +60,13 @@ def parse_stop(tokenizer: Any | None, stop: Any, where: str) -> StopStrings | No
 def encode_text(tokenizer: Any | None, text: Any, field: str) -> list[int]:
     """One `text` prompt as SGLang tokenizes it (the tokenizer's own special tokens added, as `tokenizer(text)`)."""
     if tokenizer is None:
-        raise_request_error(field, "this engine's model directory has no tokenizer; send input_ids instead of text, "
+        raise RequestError(field, "this engine's model directory has no tokenizer; send input_ids instead of text, "
                                    "or serve a model saved with its tokenizer")
     if not isinstance(text, str):
-        raise_request_error(field, f"must be a string (or the batch a list of strings), got {str(text)[:100]}")
+        raise RequestError(field, f"must be a string (or the batch a list of strings), got {str(text)[:100]}")
     ids = tokenize(tokenizer, text, field)
     if not ids:
-        raise_request_error(field, "tokenizes to no tokens; send a non-empty text")
+        raise RequestError(field, "tokenizes to no tokens; send a non-empty text")
     return ids
 
 
@@ -73,7 +75,7 @@ def tokenize(tokenizer: Any, text: str, field: str, add_special_tokens: bool = T
     try:
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     except (ValueError, TypeError) as err:  # UnicodeEncodeError is a ValueError
-        raise_request_error(field, f"cannot be tokenized ({type(err).__name__}): send valid UTF-8 text")
+        raise RequestError(field, f"cannot be tokenized ({type(err).__name__}): send valid UTF-8 text")
 
 
 def output_text(tokenizer: Any, output_ids: list[int], finish_reason: dict[str, Any] | None, *,
@@ -92,9 +94,3 @@ def output_text(tokenizer: Any, output_ids: list[int], finish_reason: dict[str, 
         if pos != -1:
             text = text[:pos + len(matched)] if no_stop_trim else text[:pos]
     return text
-
-
-def raise_request_error(field: str, message: str) -> None:
-    from glue.embedded_engine.request_schema import RequestError  # request_schema imports this module
-
-    raise RequestError(field, message)
