@@ -187,6 +187,7 @@ def test_a_mapping_that_hands_an_engine_rank_another_devices_copy_is_refused_and
         trainer.shutdown()
 
 
+@pytest.mark.long  # second variants of the TP 2 x DP 2 sync above (~10 s each)
 @pytest.mark.parametrize("layout, model", [({"pipeline_model_parallel_size": 2}, "tiny_model_dir"),
                                            ({"data_parallel_size": 2, "expert_model_parallel_size": 2},
                                             "tiny_moe_model_dir")])

@@ -351,7 +351,8 @@ LAYOUTS = {  # 2 engines x TP4 + trainer TP4 x DP2 on two nodes; GLM-4.5 (705 GB
 }
 
 
-@pytest.mark.parametrize("name", sorted(RELEASED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n == "Kimi-K2" else n  # as DeepSeek-V3
+                                  for n in sorted(RELEASED)])
 def test_a_released_shape_plans_from_config_json_alone_with_transformers_parameter_count(tmp_path, capsys, name):
     import yaml
 
@@ -503,6 +504,7 @@ def test_a_kimi_k2_config_json_reads_as_deepseek_v3_though_transformers_has_no_k
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a whole run and export (~30 s); the plan's MTP line and count stay in CI (released shapes)
 def test_glm45s_mtp_layer_is_kept_frozen_said_in_the_plan_and_copied_into_the_export(tmp_path, capsys):
     """A GLM-4.5-shaped checkpoint with one MTP layer after its decoder layers (num_nextn_predict_layers: 1, as
     GLM-4.5 ships): --dry-run says it is kept frozen; a run trains the rest, and its exported HF directory holds the

@@ -14,6 +14,7 @@ from launch.run.runner import run
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a second variant of the end-to-end run; the agent through the real router stays in CI
 def test_the_openai_agent_example_config_trains_through_sgl_router(tmp_path):
     cfg = load_config("examples/configs/openai_agent.yaml", [
         f"run.output_dir={tmp_path}", "run.num_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",

@@ -184,6 +184,7 @@ def test_metrics_give_steps_first_step_time_and_mean_sync_time(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a whole rehearsal (~45 s): make rehearse runs every recipe; their shrinks and dry runs stay in CI
 def test_the_moe_script_rehearses_two_steps_against_strict_engines(tmp_path):
     row = rehearse(load_recipe("launch/scripts/qwen3_30b_a3b_moe.sh", tmp_path / "script"), tmp_path,
                    engine=ENGINE, timeout_s=300)

@@ -53,6 +53,7 @@ def saved_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a whole run replayed and compared step by step (~70 s); the saved steps' contents stay in CI
 def test_a_train_only_replay_of_a_deterministic_run_reproduces_its_training_with_no_engines(saved_run, tmp_path):
     done = sluice(tmp_path, "replay", "run.debug=train_only", f"run.replay_from={saved_run}", *SHAPED)
     assert started(done) == ["model", "ray", "trainer"]  # no engines, no router, no weight bridge

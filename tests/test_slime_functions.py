@@ -132,6 +132,7 @@ def reward_of(sample) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a second variant: tests/test_slime_search_r1.py trains a slime-shaped function in CI
 def test_a_slime_generate_and_reward_function_train_two_sync_steps_unchanged(tmp_path):
     run_dir, records = slime_run(tmp_path, "sync")
     check_trained_samples(run_dir, records, max_staleness=0)

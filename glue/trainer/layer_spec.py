@@ -41,7 +41,8 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
         choice = "local"
     if post_norms and resolve_layer_spec(choice) == "te":
         raise ValueError(POST_NORMS_TE)
-    has_sinks_or_window = config.softmax_type != "vanilla" or config.window_size is not None
+    has_sinks_or_window = (getattr(config, "softmax_type", "vanilla") != "vanilla"
+                           or getattr(config, "window_size", None) is not None)
     if resolve_layer_spec(choice) == "te" and has_sinks_or_window and choice == "te":
         raise ValueError(SINKS_ELSEWHERE)
     if resolve_layer_spec(choice) == "te" and not has_sinks_or_window:
