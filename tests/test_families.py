@@ -297,15 +297,6 @@ RELEASED = {
                                      "truncate": False, "original_max_position_embeddings": 4096},
                     "rope_theta": 150000, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
                     "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16"},
-    "gpt-oss-120b": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-                     "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
-                     "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4,
-                     "vocab_size": 201088, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
-                     "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
-                     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                      "truncate": False, "original_max_position_embeddings": 4096},
-                     "rope_theta": 150000, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
-                     "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16"},
     "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                      "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
@@ -314,6 +305,9 @@ RELEASED = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                      "torch_dtype": "bfloat16"},
 }
+# gpt-oss-120b: gpt-oss-20b's architecture with 36 layers and 128 experts
+RELEASED["gpt-oss-120b"] = {**RELEASED["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
+                            "layer_types": ["sliding_attention", "full_attention"] * 18}
 # engines and trainer on 8-GPU nodes, the trainer's optimizer state offloaded; the MoE experts over EP 8
 LAYOUT = ["cluster.gpus_per_node=8", "run.ray_address=auto", "--sequence-parallel", "--optimizer-cpu-offload",
           "--tensor-model-parallel-size", "4", "trainer.data_parallel_size=2"]
