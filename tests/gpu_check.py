@@ -33,9 +33,10 @@ CHECKS = {
                   "there) and trainer.compile's, equal to sluice's function in bf16 with gradients"),
     "colocated_ipc_sync": ("tests/test_gpu_one_device.py::test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_"
                            "engine_on_the_same_gpu_by_cuda_ipc_bit_identically", "a colocated sync, megatron-core "
-                           "trainer on CUDA to embedded engines on the same GPU through /update_weights_from_tensor "
-                           "(SGLang's flattened-bucket entries, CUDA IPC handles): every tensor bit-identical, a strict "
-                           "engine takes the same payload; seconds and GB/s"),
+                           "trainer on CUDA to two embedded engines on the same GPU in one sync, both served by the "
+                           "trainer rank there, through /update_weights_from_tensor (SGLang's flattened-bucket "
+                           "entries, CUDA IPC handles): every tensor bit-identical on both, a strict engine takes the "
+                           "same payload; seconds and GB/s"),
     "nccl_two_ranks": ("tests/test_weight_gpu.py::test_nccl_broadcast_moves_a_bucket_bit_exactly_between_two_processes",
                        "NCCL broadcast of a bucket between two ranks"),
 }

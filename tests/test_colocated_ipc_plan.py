@@ -3,7 +3,9 @@ copy of the trainer rank on its own GPU), whatever the number of engines; the me
 engine standing on GPUs without a trainer rank alone gets the weights by disk, and the plan says why."""
 from __future__ import annotations
 
-from launch.config import load_config
+import pytest
+
+from launch.config import ConfigError, load_config
 from launch.plan.ipc_sources import describe_sources, ipc_sources, plan_sources
 from launch.plan.memory_lines import check_memory, memory_plan
 from launch.plan.run_plan import resolve
@@ -35,6 +37,24 @@ def test_the_memory_plan_counts_the_bucket_copies_each_gpu_holds_from_the_first_
     assert "+ ipc bucket buffers 200 KB of 80 GB per GPU" in check_memory(cfg)
     disk, _ = resolve(load_config(None, EIGHT_GPUS + ["sync.transport=disk"]))
     assert "weight_sync" not in memory_plan(disk) and "ipc" not in check_memory(disk)
+
+
+def test_the_bucket_copies_kept_beside_a_colocated_engine_come_out_of_its_kv_pool():
+    # 78,400 parameters served in bf16 over engine TP 2 = 78,400 bytes of weights per engine GPU; 250,000 bytes of
+    # mem_fraction_static leave 171,600 for the KV pool by disk, and nothing once 200,000 bytes of buffers stay there
+    sglang = ["cluster.engine=sglang", "sync.pipeline=true", "sync.bucket_bytes=100000"]
+    roomy, _ = resolve(load_config(None, EIGHT_GPUS + sglang + ["sglang.mem_fraction_static=0.5"]))
+    line = memory_plan(roomy)["engines"]
+    assert "KV pool 40 GB (mem_fraction_static x 80 GB - weights; sglang.mem_fraction_static 0.5 - ipc bucket " \
+           "buffers 200 KB)" in line, line
+    tight = EIGHT_GPUS + sglang + ["sglang.mem_fraction_static=0.000003125"]
+    disk, _ = resolve(load_config(None, tight + ["sync.transport=disk"]))
+    assert "KV pool 171.6 KB" in memory_plan(disk)["engines"] and "ipc" not in memory_plan(disk)["engines"]
+    check_memory(disk)
+    ipc, _ = resolve(load_config(None, tight))
+    with pytest.raises(ConfigError, match=r"leaves no KV pool \(sglang.mem_fraction_static 3.125e-06 - ipc bucket "
+                                          r"buffers 200 KB"):
+        check_memory(ipc)
 
 
 def test_an_engine_on_gpus_without_a_trainer_rank_alone_gets_disk_and_the_plan_says_why():

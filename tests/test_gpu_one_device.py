@@ -281,11 +281,13 @@ class TrainerProcess:
 
 def test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_engine_on_the_same_gpu_by_cuda_ipc_bit_identically(
         tmp_path, engine_processes, record_property):
-    """The production colocated path on one GPU: the megatron-core trainer (after a step) and embedded engines on
-    the same device; the engines release their memory for training and take it back, then the bridge sends every
+    """The production colocated path on one GPU: the megatron-core trainer (after a step) and two embedded engines
+    on the same device; the engines release their memory for training and take it back, then the bridge sends every
     bucket through /update_weights_from_tensor as SGLang reads it (CUDA IPC handles, one per engine TP rank) inside
-    the weight-update session. verify: full compares every tensor's SHA-256, trainer against engine; a strict
-    engine (SGLang's payload checks) takes the same payload and then generates what the verified engine does."""
+    the weight-update session, both engines served by the trainer rank on their GPU (the plan's one source per GPU,
+    launch.plan.ipc_sources) in the same sync. verify: full compares every tensor's SHA-256, trainer against each
+    engine; a strict engine (SGLang's payload checks) takes the same payload and then generates what the verified
+    engines do."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from glue.embedded_engine.tiny_model import save_tiny_model
     from glue.loop.colocation import Colocated
@@ -297,6 +299,8 @@ def test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_engine_on_the_same
                                  hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
                                  intermediate_size=2816)  # 79 M parameters, 316 MB in float32
     lenient = engine_processes.start(model_path, "--device", "cuda", timeout_s=180)
+    beside = engine_processes.start(model_path, "--device", "cuda", timeout_s=180)  # a second engine on the GPU
+    colocated = [lenient, beside]
     strict = engine_processes.start(model_path, "--device", "cuda", "--sglang-strict", timeout_s=180)
 
     ctx = mp.get_context("spawn")
@@ -308,9 +312,9 @@ def test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_engine_on_the_same
         assert status == "ok", version
         trainer = TrainerProcess(calls, answers, version)
         cfg = SyncConfig(transport="ipc", verify="full", pipeline=True, bucket_bytes=128 * 2**20)
-        bridge = make_bridge(cfg, source=trainer, engine_urls=[lenient])
+        bridge = make_bridge(cfg, source=trainer, engine_urls=colocated, ipc_sources=lambda url: [0])
         try:
-            colocation = Colocated(trainer=trainer, bridge=bridge, engine_urls=[lenient])
+            colocation = Colocated(trainer=trainer, bridge=bridge, engine_urls=colocated)
             figures = []
             for _ in range(3):  # train phase (engines release, trainer onloads), then rollout (resume, sync, offload)
                 colocation.before_train()
@@ -332,7 +336,7 @@ def test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_engine_on_the_same
         if proc.is_alive():
             proc.kill()
     first, warm = figures[0], min(figures[1:], key=lambda f: f["sync/total_s"])
-    for name, value in {"bytes": first["sync/bytes"], "buckets": first["sync/buckets"],
+    for name, value in {"engines": len(colocated), "bytes": first["sync/bytes"], "buckets": first["sync/buckets"],
                         "first_sync_s": first["sync/total_s"], "sync_s": warm["sync/total_s"],
                         "sync_gb_per_s": warm["sync/gb_per_s"], "transfer_s": warm["sync/transfer_s"],
                         "transfer_gb_per_s": warm["sync/bytes"] / warm["sync/transfer_s"] / 1e9,
@@ -342,11 +346,12 @@ def test_a_colocated_sync_from_the_trainer_on_cuda_reaches_an_engine_on_the_same
     print(f"colocated CUDA IPC sync of {first['sync/bytes'] / 1e6:.0f} MB in {int(first['sync/buckets'])} buckets: "
           f"{warm['sync/total_s']:.3f} s with verify full ({warm['sync/gb_per_s']:.2f} GB/s), transfer "
           f"{warm['sync/transfer_s']:.3f} s; first sync {first['sync/total_s']:.3f} s")
-    assert call(lenient, "/model_info")[1]["weight_version"] == str(version)
-    assert call(strict, "/model_info")[1]["weight_version"] == str(version)
+    for url in (*colocated, strict):
+        assert call(url, "/model_info")[1]["weight_version"] == str(version)
     prompt = {"input_ids": [3, 4, 5], "return_logprob": True,
               "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
-    ours, theirs = generate(lenient, prompt), generate(strict, prompt)
-    assert ours["output_ids"] == theirs["output_ids"]
+    ours, beside_ours, theirs = (generate(url, prompt) for url in (*colocated, strict))
+    assert ours["output_ids"] == beside_ours["output_ids"] == theirs["output_ids"]
     assert [t[0] for t in ours["meta_info"]["output_token_logprobs"]] == \
+        [t[0] for t in beside_ours["meta_info"]["output_token_logprobs"]] == \
         [t[0] for t in theirs["meta_info"]["output_token_logprobs"]]

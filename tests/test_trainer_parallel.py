@@ -81,6 +81,17 @@ def test_moe_with_tensor_and_expert_parallelism_and_untensored_experts_trains_li
     assert_same_step(one, two, "TP=2 x EP=2 (ETP=1) with sequence parallelism")
 
 
+def test_moe_experts_whole_on_each_tp_rank_under_sequence_parallelism_train_like_one_rank(tmp_path_factory, batch):
+    # EP=1 with expert TP=1 below TP=2: each TP rank holds every expert whole and routes only its half of the
+    # sequence, so the two copies' gradients are partial and must be summed over the expert-data-parallel group
+    # (megatron-core marks them for it only at EP > 1); left alone the copies drift apart from the first step
+    model = save_tiny_model(str(tmp_path_factory.mktemp("moe_etp1")), family="mixtral", seed=3)
+    one = run_trainer_ranks(model, 1, batch, **ADAM)
+    two = run_trainer_ranks(model, 2, batch, **ADAM, expert_tensor_parallel_size=1,
+                            megatron={"sequence_parallel": True})
+    assert_same_step(one, two, "TP=2 (sequence parallel) with every expert whole on each rank")
+
+
 def test_packed_rows_under_sequence_parallelism_go_as_thd_and_train_like_one_padded_rank(tmp_path_factory):
     # rows of three 11-token samples (33 tokens, padded to 34 for TP=2 with a trailing padding span of its own) go
     # to the core attention as THD while each TP rank holds half of the row's hidden states

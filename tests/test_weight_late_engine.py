@@ -99,3 +99,41 @@ def test_a_late_engine_that_joins_after_the_trainer_moved_past_the_last_sync_get
         if bridge is not None:
             bridge.close()
         fleet.stop()
+
+
+def test_a_late_engine_past_the_planned_colocated_ones_gets_the_weights_by_disk_beside_the_ipc_ones(
+        tiny_model_dir, tmp_path):
+    """ipc with the plan's sources (launch.plan.ipc_sources.slot_sources): an engine added past the plan stands on
+    no planned GPU, so it is synced by disk while the planned engine keeps reading ipc handles."""
+    from transformers import AutoModelForCausalLM
+
+    from glue.embedded_engine.tiny_model import save_tiny_model
+    from launch.plan.ipc_sources import slot_sources
+    from weight_sync.ipc_transport import IpcOrDisk
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "seed9", seed=9), dtype=torch.float32)
+    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
+    fleet = RolloutFleet(model_path=tiny_model_dir, num_engines=1, log_dir=tmp_path / "logs",
+                         engine_args=["--num-threads", "1"])
+    fleet.start()
+    bridge = None
+    try:
+        bridge = make_bridge(SyncConfig(transport="ipc", verify="full"), source=source,
+                             engine_urls=fleet.engine_urls, disk_dir=str(tmp_path / "weights"),
+                             ipc_sources=slot_sources([[0]], fleet.engine_urls))
+        assert isinstance(bridge.transport, IpcOrDisk)
+        bridge.sync(3)
+        late = fleet.add_engine(prepare=bridge.add_engine)
+        assert bridge.transport.sources_of(late) is None and bridge.transport.sources_of(fleet.engine_urls[0]) == [0]
+        with torch.no_grad():
+            for tensor in source.tensors.values():
+                tensor.add_(0.25)
+        source.version = 4
+        bridge.sync(4)
+        assert [call(u, "/model_info")[1]["weight_version"] for u in fleet.engine_urls] == ["4", "4"]
+        assert [weight_checksums(u, 30) for u in fleet.engine_urls] == [source_sums(source)] * 2
+        assert any((tmp_path / "weights").iterdir())  # the late engine's weights went by disk
+    finally:
+        if bridge is not None:
+            bridge.close()
+        fleet.stop()

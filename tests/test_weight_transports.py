@@ -223,3 +223,35 @@ def test_engines_with_two_tensor_parallel_ranks_each_get_disjoint_ranks_in_the_w
     engine_ranks = sorted(j["rank_offset"] + tp_rank for j in joined for tp_rank in range(2))
     assert source.world_size == 7 and {j["world_size"] for j in joined} == {7}
     assert engine_ranks == [1, 2, 3, 4, 5, 6]  # every member rank once, the source being rank 0
+
+
+class BucketsOnCuda:
+    """A weight source whose bucket copies stand on CUDA (what the ipc channel reports there), for the transport's
+    own reach check on a machine without CUDA: every entry a handle string, no engine ever reads it."""
+
+    def __init__(self):
+        self.channels: list[dict] = []
+
+    def open_weight_channel(self, name, spec):
+        self.channels.append(spec)
+
+    def close_weight_channel(self, name):
+        pass
+
+    def send_weight_bucket(self, name, index):
+        entries = [f"handle {index}.{n}" for n in range(len(self.channels[-1]["serve"][0]))]
+        return {"device": "cuda", "handles": entries, "handles_by_rank": {0: entries}, "checksum": None}
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_on_cuda_one_source_serves_two_engine_ranks_only_where_the_plan_put_them_on_its_gpu(planned):
+    from weight_sync.buckets import BucketLayout
+    from weight_sync.ipc_transport import IpcTransport
+
+    dead = [f"http://127.0.0.1:{port}" for port in (9, 13)]  # nothing listens: a planned transfer reaches its call
+    transport = IpcTransport(BucketsOnCuda(), [BucketLayout(index=0, slots=())], with_checksum=False, timeout_s=2,
+                             sources_of=(lambda url: [0]) if planned else None)
+    with pytest.raises(WeightSyncError) as raised:
+        transport.transfer(dead, "1")
+    shared = "a source rank would serve 2 engine ranks from one GPU's buffer" in str(raised.value)
+    assert shared != planned, raised.value  # the plan's mapping (two engines beside rank 0) vouches for the devices

@@ -24,8 +24,9 @@ class IpcTransport(PointToPoint):
     """Colocated engines read each bucket where a source rank on their own GPU holds it: through
     `/update_weights_from_tensor`, one SGLang `flattened_bucket` entry per engine TP rank (CUDA IPC handles on GPU,
     shared-memory stand-ins on CPU; weight_sync.ipc), inside the bridge's weight-update session. `sources_of(url)`:
-    the source rank on the GPU of each of the engine's TP ranks (the plan's colocation, one source per GPU); None:
-    rank 0 serves every rank (one engine on its GPU, or CPU tests). Each source rank reuses its buffers every sync:
+    the source rank on the GPU of each of the engine's TP ranks (the plan's colocation, one source per GPU; a source
+    serves every engine rank on its own GPU, e.g. two engines sharing one); None: rank 0 serves every rank, which on
+    CUDA reaches only the one engine rank on its GPU (CPU tests reach any). Each source rank reuses its buffers every sync:
     pipelined there are two, and it fills bucket k+1 into the other one while the engines copy bucket k out; the one
     it fills was released by every engine rank's answer to bucket k-1."""
 
@@ -37,6 +38,7 @@ class IpcTransport(PointToPoint):
         super().__init__(source, layouts, with_checksum=with_checksum, timeout_s=timeout_s, key=key,
                          pipeline=pipeline)
         self.ranks_per_engine = ranks_per_engine  # SGLang reads serialized_named_tensors[tp_rank]: one per rank
+        self.planned = sources_of is not None  # a mapping from the placement: each source on its engine ranks' GPU
         self.sources_of = sources_of or (lambda url: [0] * ranks_per_engine)
         self.served: dict[int, list[int]] | None = None  # the open channel's serve_map
 
@@ -74,7 +76,8 @@ class IpcTransport(PointToPoint):
         self.connect(urls)
         result = Transfer(engines={url: [] for url in urls})
         sent = self.source.send_weight_bucket(self.CHANNEL, 0) if self.layouts else {}
-        if sent.get("device") == "cuda" and any(len(tp) > 1 for tp in (self.served or {}).values()):
+        crowded = any(len(tp) > 1 for tp in (self.served or {}).values())
+        if sent.get("device") == "cuda" and crowded and not self.planned:
             raise WeightSyncError(
                 f"ipc over CUDA: a source rank would serve {max(len(tp) for tp in self.served.values())} engine "
                 "ranks from one GPU's buffer, but each engine rank must read a copy on its own GPU; give the bridge "

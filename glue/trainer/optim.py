@@ -221,6 +221,23 @@ def _torch_optimizers(part: Any, *, on_device: bool = False) -> list[Any]:
     return [hybrid.gpu_optimizer] * (hybrid.gpu_optimizer is not None) if on_device else list(hybrid.sub_optimizers)
 
 
+def reduce_experts_over_expert_dp(model: torch.nn.Module) -> None:
+    """Mark the routed experts' parameters for the expert-data-parallel reduce where megatron-core leaves them dense.
+    megatron-core 0.16 marks them (`allreduce = False`: DDP reduces them over the expert-data-parallel group, the
+    expert optimizer shards them there) only at EP > 1. At EP 1 with expert TP below TP under sequence parallelism,
+    each TP rank's experts see only its own slice of the tokens, so their copies on the TP ranks (expert-data-parallel
+    peers, not data-parallel ones) each hold part of the gradient; left dense, no collective sums them and the copies
+    drift apart from the first step (the weights sent to the engines are rank 0's, the forward uses every rank's).
+    Without sequence parallelism every TP rank routes the same tokens and their gradients agree as they are."""
+    c = model.config
+    if not c.num_moe_experts or c.expert_model_parallel_size > 1 or not c.sequence_parallel or \
+            c.expert_tensor_parallel_size == c.tensor_model_parallel_size:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
 def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Training:
     """Wrap `model` (this rank's GPTModel, weights loaded, on its device) for training and make its optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -232,6 +249,7 @@ def build(model: torch.nn.Module, cfg: TrainerConfig, precision: str) -> Trainin
     bf16 = precision == "bf16"
     if cfg.megatron.get("optimizer_cpu_offload") and not bf16:
         raise ValueError(OFFLOAD_NEEDS_BF16)
+    reduce_experts_over_expert_dp(model)
     inner = Float16Module(model.config, model) if bf16 else model
     ddp_config = DistributedDataParallelConfig(**{
         "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "average_in_collective": False,

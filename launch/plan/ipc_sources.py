@@ -5,7 +5,7 @@ engine with a rank on a device no trainer rank holds cannot be reached by a CUDA
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from launch.plan.run_plan import RunPlan
@@ -28,6 +28,16 @@ def plan_sources(plan: RunPlan) -> list[list[int] | None]:
     """`ipc_sources` of the plan's trainer ranks and engines."""
     return ipc_sources([r.bundle for r in plan.trainer], [e.bundles for e in plan.engines],
                        plan.device == "gpu" or plan.models_devices)
+
+
+def slot_sources(sources: list[list[int] | None], engine_urls: list[str]) -> Callable[[str], list[int] | None]:
+    """ipc: the trainer rank on each TP rank's GPU of the engine at `url`, by its slot in the live `engine_urls` (a
+    replacement takes its slot's url). An engine added past the plan (RolloutFleet.add_engine) stands on no planned
+    GPU, so no handle is known to reach it: None, the weights go to it by disk."""
+    def sources_of(url: str) -> list[int] | None:
+        slot = engine_urls.index(url)
+        return sources[slot] if slot < len(sources) else None
+    return sources_of
 
 
 def settle_ipc(cfg: Any, plan: RunPlan) -> tuple[Any, RunPlan]:

@@ -10,7 +10,7 @@ from typing import Any
 from glue.trainer.model import check_tensor_parallel
 from glue.trainer.token_budget import activation_bytes_per_token, budget_from_memory
 from launch.config import ConfigError, SluiceConfig
-from launch.plan.memory import (Layout, RankMemory, Settings, fitting_layout, ipc_buffers, layout_change, model_params,
+from launch.plan.memory import (IpcBuffers, Layout, RankMemory, Settings, fitting_layout, ipc_buffers, layout_change, model_params,
                                 rank_memory)
 from launch.plan.fleets import devices_text, fleet_sizes
 from launch.plan.model_check import format_bytes, model_config, section_model_config
@@ -37,14 +37,14 @@ def memory_plan(cfg: SluiceConfig) -> dict[str, Any]:
             "trainer": [rank_line(r, layout, settings, limit) for r in ranks],
             "activations": activation_line(cfg, hf_config, layout, settings,
                                            (limit or 0) - max(r.total for r in ranks))}
-    if cfg.run.mode != "sft":
-        plan["engines"] = engine_line(cfg, params.total)
     buffers = ipc_buffers(cfg, params.total * settings.weight_bytes)
+    if cfg.run.mode != "sft":
+        plan["engines"] = engine_line(cfg, params.total, buffers)
     if buffers is not None:
         plan["weight_sync"] = (f"ipc bucket buffers: {buffers.count} x {format_bytes(buffers.bucket)} = "
                                f"{format_bytes(buffers.total)} on each GPU with an engine rank, kept from the first sync "
                                "on and reused by every later one (counted with the trainer rank's state in the check "
-                               "against the GPU)")
+                               "against the GPU, and taken from the engines' KV pool)")
     return plan
 
 
@@ -121,27 +121,33 @@ def micro_batch_tokens(cfg: SluiceConfig) -> tuple[int | None, str]:
                                           f"tokens of {counted}")
 
 
-def engine_memory(cfg: SluiceConfig, count: int, tp: int | None = None) -> tuple[int, float, str]:
+def engine_memory(cfg: SluiceConfig, count: int, tp: int | None = None, buffers: IpcBuffers | None = None
+                  ) -> tuple[int, float, str]:
     """(weights, KV pool, where the pool's fraction comes from) per GPU of an SGLang engine of TP `tp` (default: the
     policy engines'): the parameters split over engine TP at the dtype the engines serve, and mem_fraction_static x
-    the GPU - the weights (SGLang's meaning); with the fraction unset, the most SGLang's own choice can be."""
+    the GPU - the weights (SGLang's meaning); with the fraction unset, the most SGLang's own choice can be. `buffers`:
+    the ipc bucket buffers the colocated trainer rank keeps on the same GPU from the first sync on, after SGLang sized
+    its pool at start, so the pool has that much less room."""
     gpu = gpu_bytes(cfg)
     wide = str(cfg.sglang.get("dtype", "")) in ("float32", "float")
     weights = count * (4 if wide else 2) // (tp or cfg.cluster.engine_tensor_parallel_size)
+    kept = buffers.total if buffers else 0
+    less = f" - ipc bucket buffers {format_bytes(kept)}" if kept else ""
     given = cfg.sglang.get("mem_fraction_static")
     if given is not None:
-        return weights, float(given) * gpu - weights, f"sglang.mem_fraction_static {float(given):g}"
+        return weights, float(given) * gpu - weights - kept, f"sglang.mem_fraction_static {float(given):g}{less}"
     fraction = 1 - SGLANG_RESERVE[gpu > 60 * GiB] / gpu
     reserve = format_bytes(SGLANG_RESERVE[gpu > 60 * GiB])
-    return weights, fraction * gpu - weights, (f"sglang.mem_fraction_static unset: SGLang sizes it at start, keeping "
-                                               f"at least {reserve} back, so at most {fraction:.3f}")
+    return weights, fraction * gpu - weights - kept, (f"sglang.mem_fraction_static unset: SGLang sizes it at start, "
+                                                      f"keeping at least {reserve} back, so at most {fraction:.3f}"
+                                                      f"{less}")
 
 
-def engine_line(cfg: SluiceConfig, count: int) -> str:
+def engine_line(cfg: SluiceConfig, count: int, buffers: IpcBuffers | None = None) -> str:
     c = cfg.cluster
     if c.engine_server != "sglang" or not c.uses_gpus:
         return f"{cfg.rollout.num_engines} embedded engines on CPU: no GPU memory"
-    weights, kv, how = engine_memory(cfg, count)
+    weights, kv, how = engine_memory(cfg, count, buffers=buffers)
     colocated = "; colocated: the trainer's state is offloaded while they run" if c.placement == "colocated" else ""
     nodes = c.engine_tensor_parallel_size // c.gpus_per_node
     over = f" ({nodes} nodes x {c.gpus_per_node}, a server per node)" if nodes > 1 else ""
@@ -163,7 +169,7 @@ def check_memory(cfg: SluiceConfig) -> str:
     if peak.total > limit:
         raise ConfigError(too_large(cfg, hf_config, params, layout, settings, peak, limit))
     if cfg.run.mode != "sft" and cfg.cluster.engine_server == "sglang":
-        weights, kv, how = engine_memory(cfg, params.total)
+        weights, kv, how = engine_memory(cfg, params.total, buffers=buffers)
         if kv <= 0:
             raise ConfigError(f"an engine's weights take {format_bytes(weights)} per GPU (engine TP "
                               f"{cfg.cluster.engine_tensor_parallel_size}), which leaves no KV pool ({how}, x "

@@ -20,7 +20,7 @@ from glue.rollout.slime.adapter import SlimeFunctions
 from glue.trainer.group import TrainerGroup
 from glue.trainer.reference import check_same_shapes, resolve_ref_load
 from launch.config import SluiceConfig
-from launch.plan.ipc_sources import plan_sources
+from launch.plan.ipc_sources import plan_sources, slot_sources
 from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths
 from launch.run.fleets import (SideFleetRun, check_whole_nodes, engine_env, engine_host_options,
@@ -129,16 +129,11 @@ def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, 
 
 def start_bridge(cfg: SluiceConfig, plan: RunPlan, trainer, fleet, run_dir: Path, stack: contextlib.ExitStack,
                  clock):
-    sources = plan_sources(plan)  # ipc: per engine slot, the trainer rank on each of its ranks' GPUs
-
-    def ipc_sources(url: str) -> list[int]:
-        return sources[fleet.engine_urls.index(url)]  # a replacement takes its slot's url, so the lookup is live
-
     bridge = weight_sync.make_bridge(cfg.sync, source=trainer, engine_urls=fleet.engine_urls,
                                      disk_dir=str(run_dir / "weights"),
                                      engine_tp_size=cfg.cluster.engine_tensor_parallel_size,
                                      api_key=fleet.api_key, admin_api_key=fleet.admin_api_key,
-                                     ipc_sources=ipc_sources)
+                                     ipc_sources=slot_sources(plan_sources(plan), fleet.engine_urls))
     stack.callback(bridge.close)
     where = "" if getattr(bridge.transport, "address", None) is None else \
         ": weight group hosted by trainer rank 0 at {}:{}".format(*bridge.transport.address)
