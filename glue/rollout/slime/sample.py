@@ -189,3 +189,15 @@ def checked_reward(reward: Any, where: str) -> float | dict:
         raise TypeError(f"{where} must return a finite number or a dict with a finite 'score', got "
                         f"{str(reward)[:200]}{keys}")
     return reward if isinstance(reward, dict) else float(reward)
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    samples: list[list[Sample]]
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
