@@ -20,6 +20,7 @@ from glue.rollout.slime.http_calls import Fleet
 from glue.rollout.slime.rollout_calls import RolloutCalls
 from glue.rollout.slime.sample import Sample as SlimeSample
 from glue.rollout.slime.sample import from_prompt
+from helpers.slime_rm_hub import use_rm_hub
 
 shim.install()  # what sluice does before loading a slime function; slime itself is not installed here
 
@@ -50,20 +51,7 @@ async def reward_by_index(args, sample, **kwargs):
 
 @pytest.fixture
 def rm_hub(monkeypatch):
-    """slime.rollout.rm_hub as the run has it. Where this build has none yet, slime's dispatch to
-    `args.custom_rm_path` (async_rm one sample, batched_async_rm a list) stands in for this test."""
-    try:
-        import slime.rollout.rm_hub  # noqa: F401 - sluice's own, where it provides one
-    except ImportError:
-        async def async_rm(args, sample, **kwargs):
-            return await shim.load_function(args.custom_rm_path)(args, sample, **kwargs)
-
-        async def batched_async_rm(args, samples, **kwargs):
-            return await shim.load_function(args.custom_rm_path)(args, samples, **kwargs)
-
-        hub = types.ModuleType("slime.rollout.rm_hub")
-        hub.async_rm, hub.batched_async_rm = async_rm, batched_async_rm
-        monkeypatch.setitem(sys.modules, "slime.rollout.rm_hub", hub)
+    use_rm_hub(monkeypatch)
 
 
 def args_for(text_model_dir, **overrides):
