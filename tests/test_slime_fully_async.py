@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -35,6 +36,15 @@ def fully_async_config(tmp_path, num_steps: int):
         "rollout.num_engines=1"])
 
 
+def forget_earlier_runs() -> None:
+    """The function's records start empty (a run earlier in this process imported its module: it is not imported
+    here first, so that the run's loader sees the exit hook it registers)."""
+    module = sys.modules.get("helpers.slime_fully_async")
+    for records in () if module is None else (module.CALLS, module.STARTED, module.GIVEN_BACK, module.ERRORS,
+                                              module.REWARDS):
+        records.clear()
+
+
 def left_behind() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name in ("fully-async-worker", "slime-rollout-calls")]
 
@@ -59,6 +69,7 @@ def check_calls_and_samples(run_dir, records, module) -> None:
 @pytest.mark.slow
 def test_a_fully_async_worker_function_trains_two_steps_and_the_run_ends_with_no_thread_left(tmp_path, monkeypatch):
     use_rm_hub(monkeypatch)  # generate_and_rm scores through slime.rollout.rm_hub's async_rm (args.custom_rm_path)
+    forget_earlier_runs()
     run_dir = run(fully_async_config(tmp_path, num_steps=2))
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and [r["weights/version"] for r in records] == [1, 2]
@@ -73,6 +84,7 @@ def test_a_fully_async_worker_function_trains_two_steps_and_the_run_ends_with_no
 def test_sigint_stops_a_fully_async_worker_function_s_run_after_its_step_with_no_thread_left(tmp_path,
                                                                                               monkeypatch):
     use_rm_hub(monkeypatch)
+    forget_earlier_runs()
     metrics = tmp_path / "fully_async" / "metrics.jsonl"
 
     def interrupt_after_the_first_step() -> None:
