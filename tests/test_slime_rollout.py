@@ -41,6 +41,15 @@ async def generate_two_tokens(args, sample: Sample, sampling_params) -> Sample:
     return sample
 
 
+async def generate_aborted_once(args, sample: Sample, sampling_params) -> Sample:
+    """The first turn is cut by an abort-mode pause; a sample given again continues from its tokens."""
+    finish = "abort" if sample.status == Sample.Status.PENDING else "stop"
+    CALLS.append({"fn": "generate", "index": sample.index, "finish": finish, "tokens": list(sample.tokens)})
+    sample.append_response_tokens(args, tokens=[7], log_probs=[-0.5], text="a",
+                                  meta_info={"finish_reason": {"type": finish}, "weight_version": "1"})
+    return sample
+
+
 async def reward_by_index(args, sample, **kwargs):
     if isinstance(sample, list):  # slime's batched form (group_rm): one reward per sample
         CALLS.append({"fn": "group_reward", "n": len(sample)})
@@ -115,6 +124,24 @@ def test_generate_state_carries_slime_s_sampling_params_and_is_one_per_run(text_
                                      "no_stop_trim": True, "spaces_between_special_tokens": False}
     assert (state.aborted, state.remaining_batch_size, state.pendings) == (False, 0, set())
     assert state.tokenizer.decode(state.tokenizer.encode("hello")) == "hello"
+
+
+def test_slime_s_default_rollout_takes_a_step_s_groups_and_continues_a_group_cut_by_an_abort(text_model_dir,
+                                                                                             rm_hub):
+    from slime.rollout.sglang_rollout import generate_rollout
+
+    args, CALLS[:] = args_for(text_model_dir, custom_generate_function_path="test_slime_rollout.generate_aborted_once",
+                              n_samples_per_prompt=2), []
+    source, drawn = prompts_source()
+    output = generate_rollout(args, 0, source)
+    assert [[(s.index, s.tokens, s.status, s.reward) for s in g] for g in output.samples] == [
+        [(0, [100, 7, 7], Sample.Status.COMPLETED, 0.0), (1, [100, 7, 7], Sample.Status.COMPLETED, 1.0)],
+        [(2, [101, 7, 7], Sample.Status.COMPLETED, 2.0), (3, [101, 7, 7], Sample.Status.COMPLETED, 3.0)]]
+    continued = [c["tokens"] for c in CALLS if c["fn"] == "generate" and c["finish"] == "stop"]
+    assert sorted(continued) == [[100, 7]] * 2 + [[101, 7]] * 2  # from the tokens the abort left
+    assert drawn == [100, 101] and GenerateState(args).pendings == set()
+    with pytest.raises(ValueError, match="evaluates each eval prompt through generate_and_rm"):
+        generate_rollout(args, 0, source, evaluation=True)
 
 
 # --- the data source -----------------------------------------------------------------------------------------------

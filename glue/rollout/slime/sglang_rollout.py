@@ -156,20 +156,37 @@ async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params:
 
 
 async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -> list[list[Sample]]:
-    """`args.rollout_batch_size` groups from `data_source`, generated and scored concurrently; the groups are
-    ordered by their first sample's index, as slime orders them."""
+    """`args.rollout_batch_size` groups from `data_source`, generated and scored concurrently, ordered by their
+    first sample's index as slime orders them. A group that comes back with an aborted sample (a weight sync's
+    abort-mode pause) is submitted again, its aborted samples continued, at most `ABORTED_RESUBMITS` times."""
     state = GenerateState(args)
     done: list[list[Sample]] = []
     try:
         state.submit_generate_tasks(data_source.get_samples(args.rollout_batch_size))
         while len(done) < args.rollout_batch_size:
             finished, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
-            done += [task.result() for task in finished]
+            for group in (task.result() for task in finished):
+                if _should_continue(group) and not state.aborted:
+                    state.submit_generate_tasks([group])
+                else:
+                    done.append(group)
     finally:
         for task in state.pendings:
             task.cancel()
         state.reset()
     return sorted(done, key=lambda group: _first(group).index)
+
+
+ABORTED_RESUBMITS = 8  # times one group is submitted again for its aborted samples, in one rollout call
+
+
+def _should_continue(group: list) -> bool:
+    samples = [s for item in group for s in (item if isinstance(item, list) else [item])]
+    if not any(s.status == Sample.Status.ABORTED for s in samples):
+        return False
+    first = samples[0]
+    first.metadata["aborted_resubmits"] = first.metadata.get("aborted_resubmits", 0) + 1
+    return first.metadata["aborted_resubmits"] <= ABORTED_RESUBMITS
 
 
 def _first(group: list) -> Sample:
