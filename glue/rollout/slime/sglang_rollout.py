@@ -10,7 +10,7 @@ import contextlib
 import importlib
 import inspect
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from glue.rollout.slime.http_calls import post
 from glue.rollout.slime.sample import RolloutFnTrainOutput, Sample
@@ -112,7 +112,7 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, eval
             sample.status = Sample.Status.ABORTED
             return sample
         path = sample.generate_function_path or args.custom_generate_function_path
-        fn = generate if path is None else load_function(path, "args.custom_generate_function_path")
+        fn = generate if path is None else _generate_function(path)
         if "evaluation" in inspect.signature(fn).parameters:
             sample = await fn(args, sample, sampling_params, evaluation=evaluation)
         else:
@@ -129,6 +129,15 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, eval
     elif unscored:
         sample.reward = await rm_hub().async_rm(args, sample)
     return sample
+
+
+_generate_functions: dict[str, Callable] = {}  # loaded once per path, not once per sample
+
+
+def _generate_function(path: str) -> Callable:
+    if path not in _generate_functions:
+        _generate_functions[path] = load_function(path, "args.custom_generate_function_path")
+    return _generate_functions[path]
 
 
 async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params: dict, evaluation: bool = False
