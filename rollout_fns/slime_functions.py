@@ -8,8 +8,9 @@ from glue.types import Sample
 
 
 async def generate_group(ctx: RolloutContext, prompt: dict, num_samples: int) -> list[Sample]:
-    """`num_samples` samples of `prompt` from the run's slime generate function (or one call of its whole-rollout
-    function), each with a weight version per response token, scored by reward.slime.function or the task."""
+    """`num_samples` samples of `prompt` from the run's slime generate function (or the next group its whole-rollout
+    function returns: called once per step's groups), each with a weight version per response token, scored by
+    reward.slime.function or the task."""
     if ctx.slime is None or (ctx.slime.generate is None and ctx.slime.rollout is None):
         raise ValueError("rollout_fns.slime_functions runs slime's functions: set rollout.slime.generate_function or "
                          "rollout.slime.rollout_function")

@@ -6,7 +6,6 @@ samples reach the trainer with the engine's tokens and logprobs and a weight ver
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import sys
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from glue.loop.replay import load_step
 from glue.metrics.logger import read_metrics
 from glue.rollout.slime import shim
 from glue.rollout.slime.adapter import load_slime_functions, token_versions
+from glue.rollout.slime.http_calls import GenerateCall
 from glue.rollout.slime.sample import Sample as SlimeSample
 from glue.types import SampleStatus
 from launch.config import ConfigError, load_config
@@ -150,9 +150,9 @@ def test_a_slime_generate_and_reward_function_train_two_async_steps_unchanged(tm
 
 def test_tool_tokens_take_the_version_of_the_turn_before_and_recorded_answers_stamp_their_own():
     sample = SlimeSample(tokens=[1, 2, 10, 11, 50, 51, 12, 13], response_length=6)
-    calls = [shim.GenerateCall(input_len=2, output_ids=[10, 11], versions=[3, 4]),
-             shim.GenerateCall(input_len=6, output_ids=[12, 13], versions=[5, 5]),
-             shim.GenerateCall(input_len=2, output_ids=[99], versions=[9])]  # another sample's answer
+    calls = [GenerateCall(input_len=2, output_ids=[10, 11], versions=[3, 4]),
+             GenerateCall(input_len=6, output_ids=[12, 13], versions=[5, 5]),
+             GenerateCall(input_len=2, output_ids=[99], versions=[9])]  # another sample's answer
     assert token_versions(sample, calls) == [3, 4, 4, 4, 5, 5]
     assert token_versions(sample, []) is None  # the adapter then takes the engines' version at the group's start
 
@@ -275,36 +275,6 @@ def test_the_slime_keys_make_the_adapter_the_rollout_function_and_conflicts_are_
                            "rollout.function=rollout_fns.multi_turn:generate_group"])
     with pytest.raises(ConfigError, match="set rollout.slime.generate_function or rollout.slime.rollout_function"):
         load_config(None, ["rollout.function=rollout_fns.slime_functions:generate_group"])
-
-
-def test_slime_s_whole_rollout_contract_runs_once_per_group_on_its_own_thread_and_sees_the_generate_path():
-    from glue.rollout.slime.adapter import SlimeFunctions
-
-    seen = {}
-
-    def generate_rollout(args, rollout_id, data_source, evaluation=False):
-        [group] = data_source.get_samples(args.rollout_batch_size)
-        seen.update(rollout_id=rollout_id, n=len(group), more=data_source.get_samples(1),
-                    generate=args.custom_generate_function_path)
-        for s in group:
-            s.append_response_tokens(args, tokens=[5, 6], log_probs=[-1.0, -2.0],
-                                     meta_info={"finish_reason": {"type": "stop"}, "weight_version": "3"})
-            s.reward = 0.5
-        return SimpleNamespace(samples=[group])
-
-    module = SimpleNamespace(generate_rollout=generate_rollout)
-    sys.modules["slime_rollout_for_test"] = module
-    fns = SlimeFunctions(client=None, model_path="/nonexistent", sampling_params={"max_new_tokens": 4},
-                         samples_per_prompt=3, prompts_per_step=1, seed=0,
-                         rollout_function="slime_rollout_for_test:generate_rollout",
-                         generate_function="test_slime_functions:generate_with_tool")  # slime: found through args
-    fns.args.rollout_batch_size = 1
-    ctx = SimpleNamespace(group_id=7, max_resumes=2, sampling_for=lambda i: {"max_new_tokens": 4})
-    samples = asyncio.run(fns.generate_group(ctx, {"prompt_tokens": [1, 2], "label": "x"}, 3))
-    assert seen == {"rollout_id": 7, "n": 3, "more": [], "generate": "test_slime_functions:generate_with_tool"}
-    assert [(s.response_tokens, s.versions, s.reward, s.index) for s in samples] == \
-        [([5, 6], [3, 3], 0.5, i) for i in range(3)]
-    assert json.dumps([s.to_dict() for s in samples])  # checkpointable
 
 
 def test_the_docs_slime_config_names_the_adapter_and_the_reward(tmp_path):

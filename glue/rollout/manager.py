@@ -42,6 +42,9 @@ class RolloutContext:
     resumed: dict[int, Sample] = field(default_factory=dict)  # sample index -> its tokens so far, after a resume
     tracked: dict[int, Sample] = field(default_factory=dict)  # what `track` registered: checkpointed while in flight
     slime: Any = None  # rollout.slime / reward.slime: the run's glue.rollout.slime.adapter.SlimeFunctions, else None
+    # the task's next prompt beyond this group's, from any thread (slime's data source draws more when a function
+    # asks for more groups than the steps admitted); None where no more can be drawn (evaluation)
+    draw_prompt: Callable[[], dict] | None = None
     judge: Any = None  # the run's LLM judge (judge: section, glue.rewards.judge.Judge): `await ctx.judge.judge(SampleText(...))`; None without one
     # reward.on_error: a reward function that raises fails its sample ("fail_sample": FAILED, the group trains on
     # the rest) or the whole group ("fail_group": `score` raises)
@@ -199,6 +202,7 @@ class RolloutManager:
         self.reward_fn = reward_fn or self.task.reward  # the task's reward, unless reward.slime.function replaces it
         self.slime = slime  # rollout.slime / reward.slime: glue.rollout.slime.adapter.SlimeFunctions, or None
         self._prompts: Iterator[dict] = iter(self.task.prompts(seed))
+        self._drawing = threading.Lock()  # next_group on the event loop, `draw_prompt` from a function's thread
         self._next_group_id = 0
         self._reissue: list[tuple[int, dict]] = []  # (group id, prompt) to issue again after a resume
         self._resumed: dict[int, dict[int, Sample]] = {}  # group id -> its checkpointed partial samples by index
@@ -251,9 +255,14 @@ class RolloutManager:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    def draw_prompt(self) -> dict:
+        """The task's next prompt, from any thread (`RolloutContext.draw_prompt`)."""
+        return self._next_prompt()
+
     def _next_prompt(self) -> dict:
         try:
-            prompt = next(self._prompts)
+            with self._drawing:
+                prompt = next(self._prompts)
         except StopIteration:
             raise RuntimeError(f"task {self.task_path!r} ran out of prompts; make prompts(seed) yield more "
                                "(or loop over the data set)") from None
@@ -301,6 +310,7 @@ class RolloutManager:
                              error_masking=self.error_masking, task=self.task, routed_experts=self.routed_experts,
                              resumed=self._resumed.pop(group_id, {}),
                              judge=getattr(self.group_rewards, "judge", None), slime=self.slime,
+                             draw_prompt=self.draw_prompt,
                              reward_on_error=self.reward_on_error, errors=self.errors)
         self._contexts[group_id] = ctx
         try:

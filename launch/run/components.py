@@ -74,6 +74,8 @@ def start_components(cfg: SluiceConfig, plan: RunPlan, placement, model_path: st
     if fleet is not None:
         manager = make_manager(cfg, client, model_path, start_model_rewards(
             cfg, plan, placement, model_path, run_dir, stack, loop, clock, started=side_fleets))
+        if manager.slime is not None:  # before the fleet stops: a slime rollout call in progress may finish
+            stack.callback(manager.slime.close)
     if fleet is not None and cfg.teacher is not None:  # on-policy distillation: the teacher scores every group
         manager = start_teacher(cfg, plan, placement, manager, model_path, run_dir, stack, loop, clock,
                                 started=side_fleets)

@@ -12,45 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
-import importlib.util
 import inspect
 import os
-import sys
 from typing import Any, Callable
 from urllib.parse import urlparse
 
 from glue.fleet.engine_client import weight_version_to_int
-from glue.plugins import load_object
 from glue.rollout.manager import score
-from glue.rollout.slime import shim
+from glue.rollout.slime import http_calls, sglang_rollout, shim, user_code
+from glue.rollout.slime.data_source import PromptDataSource
+from glue.rollout.slime.rollout_calls import RolloutCalls
 from glue.rollout.slime.sample import checked_reward, from_prompt, from_sluice, to_sluice
 from glue.types import Sample as SluiceSample, SampleStatus
-
-PATH_FORMS = "'package.module:function', 'package.module.function' or 'path/to/file.py:function'"
-
 
 def load_function(path: str, what: str) -> Callable:
     """The function at `path` (module path, or a .py file with ':function'), with slime's modules importable."""
     shim.install()
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{what}: expected {PATH_FORMS}, got {path!r}")
-    file, sep, attr = path.partition(".py:")
-    if not sep:
-        return load_object(path, what=what)
-    file = os.path.abspath(file + ".py")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{what}: {path!r}: no such file {file}; give {PATH_FORMS}")
-    name = f"slime_user_{os.path.splitext(os.path.basename(file))[0]}"
-    if name not in sys.modules:
-        sys.path.insert(0, os.path.dirname(file))  # slime scripts import a function's sibling modules this way
-        spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    if not hasattr(sys.modules[name], attr):
-        raise AttributeError(f"{what}: {file} has no function {attr!r}")
-    return getattr(sys.modules[name], attr)
+    return user_code.load_function(path, what)
 
 
 def check_contract(fn: Callable, what: str, *, params: int, is_async: bool, form: str) -> None:
@@ -123,29 +101,6 @@ def load_slime_functions(generate_function: str | None, rollout_function: str | 
     return generate, rollout, reward
 
 
-class OneGroupSource:
-    """slime's data source for one sluice group: `get_samples` hands out this prompt's samples once."""
-
-    def __init__(self, samples: list[Any]):
-        self._groups = [samples]
-
-    def get_samples(self, num_samples: int) -> list[list[Any]]:
-        taken, self._groups = self._groups[:num_samples], self._groups[num_samples:]
-        return taken
-
-    def add_samples(self, samples: list[list[Any]]) -> None:
-        pass  # slime's partial-rollout buffer: sluice generates an aborted sample again itself
-
-    def save(self, rollout_id: int) -> None:
-        pass
-
-    def load(self, rollout_id: int | None = None) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-
 class SlimeFunctions:
     """A run's slime functions: the generate (or whole-rollout) function and the reward function, their `args`."""
 
@@ -166,9 +121,10 @@ class SlimeFunctions:
                                prompts_per_step=prompts_per_step, seed=seed, generate_path=generate_function,
                                reward_path=reward_function, max_context_len=max_context_len, rm_type=rm_type,
                                context_parallel_size=context_parallel_size, max_tokens_per_gpu=max_tokens_per_gpu)
-        self.fleet = shim.Fleet(router_url=getattr(client, "router_url", ""),
+        self.fleet = http_calls.Fleet(router_url=getattr(client, "router_url", ""),
                                       api_key=getattr(client, "api_key", None))
         self._tokenizer: Any = None
+        self._calls: RolloutCalls | None = None  # the whole-rollout function's calls, from the first group on
 
     @property
     def tokenizer(self) -> Any:
@@ -186,7 +142,7 @@ class SlimeFunctions:
         """reward.slime.function on a sluice sample (the task-reward stand-in for sluice's own rollout functions)."""
         slime_sample = from_sluice(sample, prompt_text=self.text(sample.prompt_tokens),
                                    response_text=self.text(sample.response_tokens))
-        with shim.serving(self.fleet):
+        with http_calls.serving(self.fleet):
             return checked_reward(await self.reward_fn(self.args, slime_sample), self._reward_where)
 
     @property
@@ -194,11 +150,15 @@ class SlimeFunctions:
         return f"reward.slime.function {self.reward_path!r}"
 
     async def generate_group(self, ctx: Any, prompt: dict, num_samples: int) -> list[SluiceSample]:
-        """One group: the generate function once per sample (concurrently), or the whole-rollout function once."""
+        """One group: the next one the whole-rollout function's calls return (glue.rollout.slime.rollout_calls), or
+        the generate function once per sample (concurrently). Eval groups (negative ids, glue.loop.evaluation) are
+        generated per sample, as slime's eval runs each prompt through generate_and_rm: by the generate function,
+        else slime's default `generate`."""
         fallback = asyncio.ensure_future(self._fleet_version())  # awaited only for a sample with no version known
         try:
-            with shim.serving(self.fleet):
-                samples = await (self._run_rollout(ctx, prompt, num_samples, fallback) if self.rollout is not None
+            with http_calls.serving(self.fleet):
+                samples = await (self._from_rollout_calls(ctx, prompt, fallback)
+                                 if self.rollout is not None and ctx.group_id >= 0
                                  else self._samples(ctx, prompt, num_samples, fallback))
                 for index, sample in enumerate(samples):
                     sample.index = index
@@ -206,6 +166,11 @@ class SlimeFunctions:
         finally:
             fallback.cancel()
         return samples
+
+    def close(self) -> None:
+        """At the run's end: the whole-rollout function's last call may finish, then its exit hooks run."""
+        if self._calls is not None:
+            self._calls.close()
 
     async def _samples(self, ctx: Any, prompt: dict, num_samples: int, fallback: asyncio.Future
                        ) -> list[SluiceSample]:
@@ -224,8 +189,9 @@ class SlimeFunctions:
         discarded = 0
         for attempt in range(1 + ctx.max_resumes):
             fresh = from_prompt(prompt, text=self.text(prompt["prompt_tokens"]), group_id=ctx.group_id, index=index)
-            with shim.recording() as record:
-                out = await self._call_generate(fresh, {**ctx.sampling_for(index), **shim.SLIME_TEXT_PARAMS})
+            with http_calls.recording() as record:
+                out = await self._call_generate(fresh, {**ctx.sampling_for(index), **shim.SLIME_TEXT_PARAMS},
+                                                evaluation=ctx.group_id < 0)
             outs = out if isinstance(out, list) else [out]
             if not any(_status_of(s) == "aborted" for s in outs) or attempt == ctx.max_resumes:
                 break
@@ -238,32 +204,28 @@ class SlimeFunctions:
                 sample.metadata["resume_limit_hit"] = 1
         return samples
 
-    async def _call_generate(self, sample: Any, sampling_params: dict) -> Any:
-        if "evaluation" in inspect.signature(self.generate).parameters:
-            out = await self.generate(self.args, sample, sampling_params, evaluation=False)
+    async def _call_generate(self, sample: Any, sampling_params: dict, evaluation: bool) -> Any:
+        generate = self.generate or sglang_rollout.generate  # eval groups of a whole-rollout function: slime's default
+        if "evaluation" in inspect.signature(generate).parameters:
+            out = await generate(self.args, sample, sampling_params, evaluation=evaluation)
         else:
-            out = await self.generate(self.args, sample, sampling_params)
+            out = await generate(self.args, sample, sampling_params)
         if out is None or (isinstance(out, list) and not out):
             raise TypeError(f"rollout.slime function {self.generate_path!r} returned {out!r}; return the sample "
                             "(or a list of samples)")
         return out
 
-    async def _run_rollout(self, ctx: Any, prompt: dict, num_samples: int, fallback: asyncio.Future
-                           ) -> list[SluiceSample]:
-        """slime's whole-rollout contract, one group per call: `args.rollout_batch_size` groups are asked for, the
-        data source holds this one. It is a plain function that runs its own event loop, so it runs on a thread."""
-        text = self.text(prompt["prompt_tokens"])
-        fresh = [from_prompt(prompt, text=text, group_id=ctx.group_id, index=i) for i in range(num_samples)]
-        with shim.recording() as record:
-            context = contextvars.copy_context()
-            output = await asyncio.get_running_loop().run_in_executor(
-                None, context.run, self.rollout, self.args, ctx.group_id, OneGroupSource(fresh))
-        groups = getattr(output, "samples", output)
-        if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
-            raise TypeError(f"rollout.slime.rollout_function {self.generate_path!r} must return "
-                            f"RolloutFnTrainOutput(samples=[[Sample, ...]]) or a list of groups, got {type(output)}")
-        return [await self._to_sluice(s, record.calls, ctx.group_id, i, fallback)
-                for i, s in enumerate(s for group in groups for s in group)]
+    async def _from_rollout_calls(self, ctx: Any, prompt: dict, fallback: asyncio.Future) -> list[SluiceSample]:
+        if self._calls is None:
+            source = PromptDataSource(samples_per_prompt=self.args.n_samples_per_prompt, draw=ctx.draw_prompt,
+                                      to_sample=self._fresh_sample)
+            self._calls = RolloutCalls(self.rollout, self.args, source, fleet=self.fleet,
+                                       where=f"rollout.slime.rollout_function {self.generate_path!r}")
+        group, answers = await self._calls.next_group(prompt)
+        return [await self._to_sluice(s, answers, ctx.group_id, i, fallback) for i, s in enumerate(group)]
+
+    def _fresh_sample(self, prompt: dict, group_index: int, index: int) -> Any:
+        return from_prompt(prompt, text=self.text(prompt["prompt_tokens"]), group_id=group_index, index=index)
 
     async def _to_sluice(self, sample: Any, calls: list, group_id: int, index: int, fallback: asyncio.Future
                          ) -> SluiceSample:

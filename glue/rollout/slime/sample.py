@@ -1,6 +1,8 @@
 """slime's `Sample` as slime's rollout and reward functions see it (slime.utils.types.Sample: its fields, its nested
-`Status`, `append_response_tokens`), and the two conversions at the seam: a sluice prompt into a slime sample, and
-what a slime function returns back into sluice's `glue.types.Sample` with a policy version on every response token.
+`Status`, `append_response_tokens`), what a whole-rollout function returns (slime.rollout.base_types'
+`RolloutFnTrainOutput` / `RolloutFnEvalOutput`), and the two conversions at the seam: a sluice prompt into a slime
+sample, and what a slime function returns back into sluice's `glue.types.Sample` with a policy version on every
+response token.
 
 `tokens` is the whole sequence (prompt then response) and `response_length` counts its response part, as in slime;
 `loss_mask` and `rollout_log_probs` have one entry per response token. `token_versions` is sluice's own: the weight
@@ -189,3 +191,19 @@ def checked_reward(reward: Any, where: str) -> float | dict:
         raise TypeError(f"{where} must return a finite number or a dict with a finite 'score', got "
                         f"{str(reward)[:200]}{keys}")
     return reward if isinstance(reward, dict) else float(reward)
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    """A whole-rollout function's training answer: its groups (and metrics, which sluice does not log)."""
+
+    samples: list[list[Sample]]
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    """A whole-rollout function's evaluation answer, by data set name (sluice evaluates per prompt instead)."""
+
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
