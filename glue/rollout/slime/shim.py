@@ -1,6 +1,8 @@
 """The few `slime` modules that slime's rollout and reward functions import, for running them where slime is not
 installed: `slime.utils.types.Sample`, `slime.utils.http_utils.post / get`, `slime.utils.misc.load_function`,
-`slime.rollout.sglang_rollout.GenerateState / generate` and `slime.rollout.base_types`. `install()` registers them
+`slime.rollout.sglang_rollout.GenerateState / generate` and `slime.rollout.base_types`, with the rule-based
+rewards of `slime.rollout.rm_hub` (glue.rollout.slime.rm_hub) and the rest of `slime.utils` that functions import
+(glue.rollout.slime.utils). `install()` registers them
 (only when `import slime` would fail); an installed slime is left alone.
 
 `post` is how a function reaches the fleet: it sends the run's API key to the router (sgl-router and the engines
@@ -19,6 +21,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from glue.rollout.slime import rm_hub, utils
 from glue.rollout.slime.sample import Sample, versions_of
 
 
@@ -212,7 +215,7 @@ def install() -> bool:
         return True
     if importlib.util.find_spec("slime") is not None:
         return False
-    for name, attrs in MODULES.items():
+    for name, attrs in (entry for table in (MODULES, rm_hub.MODULES, utils.MODULES) for entry in table.items()):
         parts = name.split(".")
         for depth in range(1, len(parts) + 1):
             module_name = ".".join(parts[:depth])
