@@ -5,9 +5,6 @@ and `--rm-type` scoring a text task's responses with the same rules."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -140,39 +137,36 @@ def test_custom_rm_paths_come_first_the_sample_s_then_args_and_batched_passes_th
     assert asyncio.run(batched_async_rm(batched, [sample("a", ""), sample("abc", "")])) == [1.0, 3.0]
 
 
-class RewardService(BaseHTTPRequestHandler):
-    """A reward model service on loopback: answers {"score": len(response)}, the first request with a 503."""
+async def score_with_a_reward_service(sample_to_score, **args_values):
+    """remote_rm against a reward service on loopback that answers {"score": len(response)}, its first request with
+    a 503; (the answer, the bodies the service received)."""
+    from aiohttp import web
 
-    seen: list = []
+    seen = []
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        RewardService.seen.append(body)
-        code, answer = (503, {}) if len(RewardService.seen) == 1 else (200, {"score": len(body["response"])})
-        data = json.dumps(answer).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    async def score(request):
+        seen.append(await request.json())
+        if len(seen) == 1:
+            return web.json_response({}, status=503)
+        return web.json_response({"score": len(seen[-1]["response"])})
 
-    def log_message(self, *args):
-        pass
+    app = web.Application()
+    app.router.add_post("/score", score)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/score"
+        return await async_rm(args_for(rm_type="remote_rm", rm_url=url, **args_values), sample_to_score), seen
+    finally:
+        await runner.cleanup()
 
 
 def test_remote_rm_posts_prompt_response_and_label_to_rm_url_and_retries_a_failed_try():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), RewardService)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        args = args_for(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{server.server_address[1]}/score")
-        answer = asyncio.run(async_rm(args, Sample(prompt="p", response="four", label={"ground_truth": "4"})))
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    answer, seen = asyncio.run(score_with_a_reward_service(
+        Sample(prompt="p", response="four", label={"ground_truth": "4"})))
     assert answer == {"score": 4}
-    assert RewardService.seen == [{"prompt": "p", "response": "four", "label": {"ground_truth": "4"}}] * 2
+    assert seen == [{"prompt": "p", "response": "four", "label": {"ground_truth": "4"}}] * 2
     with pytest.raises(ValueError, match="rm_type remote_rm needs args.rm_url"):
         asyncio.run(async_rm(args_for(rm_type="remote_rm"), sample("", "")))
 
