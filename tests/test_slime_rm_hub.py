@@ -98,6 +98,12 @@ def test_gpqa_compares_option_letters_or_the_correct_option_s_text():
     assert compute_gpqa_reward("answer: D", "x", {"correct_letter": "d"}) == 1.0
 
 
+@pytest.mark.parametrize("rm_type", ["math", "dapo", "f1"])
+def test_a_rule_that_compares_text_refuses_a_dict_label_naming_its_type(rm_type):
+    with pytest.raises(ValueError, match=f"^rm_type {rm_type}: the label is a dict .* takes a string or a number"):
+        asyncio.run(async_rm(args_for(rm_type=rm_type), sample("\\boxed{1}", {"ground_truth": "1"})))
+
+
 def test_ifbench_without_ifbench_s_library_says_what_is_missing_in_one_line():
     with pytest.raises(ImportError, match="^rm_type ifbench needs IFBench's evaluation_lib"):
         compute_ifbench_reward("text", None, {"instruction_id_list": ["count:word_count_range"]})

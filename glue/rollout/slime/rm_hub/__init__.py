@@ -6,6 +6,8 @@ by `sample.metadata["rm_type"]` or `args.rm_type` over `sample.response` and `sa
 (`boxed_f1`) first reduces the response to its last `\\boxed{}` answer. Rules and their rewards: deepscaler and math
 0 / 1, dapo {"score": 1.0 / -1.0, "acc", "pred"}, f1 the token F1, gpqa and ifbench 0.0 / 1.0, random 0 / 1 at
 random, remote_rm whatever `args.rm_url` answers a POST of {"prompt", "response", "label"} with.
+Labels: deepscaler, math, dapo and f1 compare text and take a string or a number (anything else is refused in one
+line naming its type); gpqa takes a letter, an option's index or its text; remote_rm sends any JSON label as it is.
 
 `MODULES` is what the stand-in `slime` package (glue.rollout.slime.shim) registers under slime's names.
 """

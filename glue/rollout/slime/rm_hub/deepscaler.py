@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from glue.rollout.slime.rm_hub.labels import label_text
 from glue.rollout.slime.rm_hub.math_utils import extract_answer, grade_answer_mathd, grade_answer_sympy
 
 
@@ -18,10 +19,7 @@ def get_deepscaler_rule_based_reward(response: str, label: Any) -> int:
     answer = extract_answer(solution)
     if answer is None or label == "":
         return 0
-    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-        raise ValueError(f"rm_type deepscaler: the label is a {type(label).__name__} ({str(label)[:80]}); it takes "
-                         "a string or a number")
-    truth = str(label)
+    truth = label_text(label, "deepscaler")
     if "\\boxed" in truth:
         truth = extract_answer(truth)
         if truth is None:

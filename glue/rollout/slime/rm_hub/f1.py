@@ -6,6 +6,8 @@ import re
 import string
 from collections import Counter
 
+from glue.rollout.slime.rm_hub.labels import label_text
+
 ZERO = (0, 0, 0)
 CLOSED_ANSWERS = ("yes", "no", "noanswer")  # scored all or nothing
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -21,7 +23,7 @@ def f1_score(prediction: str | None, ground_truth: str) -> tuple[float, float, f
     none, when there is no prediction, and when either is yes / no / noanswer and they differ."""
     if prediction is None:
         return ZERO
-    predicted, truth = normalize_answer(prediction), normalize_answer(str(ground_truth))
+    predicted, truth = normalize_answer(prediction), normalize_answer(label_text(ground_truth, "f1"))
     if predicted != truth and (predicted in CLOSED_ANSWERS or truth in CLOSED_ANSWERS):
         return ZERO
     predicted_words, truth_words = predicted.split(), truth.split()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from glue.rollout.slime.rm_hub.labels import label_text
+
 ANSWER_LINE = r"(?i)Answer\s*:\s*([^\n]+)"
 SOLUTION_TAIL = 300  # characters of the response read at all
 BOX_TAIL = 100  # characters the strict box is looked for in
@@ -114,5 +116,6 @@ def verify(solution_str: str, answer: str, strict_box_verify: bool = False,
 def compute_score(solution_str: str, ground_truth: str, strict_box_verify: bool = False,
                   pause_tokens_index: list[int] | None = None) -> dict:
     """{"score": 1.0 for a correct answer, -1.0 otherwise, "acc": whether correct, "pred": the answer read}."""
-    correct, pred = verify(solution_str[-SOLUTION_TAIL:], str(ground_truth), strict_box_verify, pause_tokens_index)
+    truth = label_text(ground_truth, "dapo")
+    correct, pred = verify(solution_str[-SOLUTION_TAIL:], truth, strict_box_verify, pause_tokens_index)
     return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred}

@@ -10,6 +10,9 @@ element with the same brackets; expressions with more than two unknown letters o
 from __future__ import annotations
 
 import re
+from typing import Any
+
+from glue.rollout.slime.rm_hub.labels import label_text
 
 BOXES = ("\\boxed", "\\fbox")
 UNIT_WORDS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
@@ -210,11 +213,11 @@ def grade_answer_mathd(given_answer: str, ground_truth: str) -> bool:
     return mathd_normalize_answer(ground_truth) == mathd_normalize_answer(given_answer)
 
 
-def grade_answer_verl(solution_str: str, ground_truth: object) -> bool:
+def grade_answer_verl(solution_str: str, ground_truth: Any) -> bool:
     """Whether the last boxed answer of `solution_str` equals `ground_truth` (itself boxed or plain)."""
     if not ground_truth:
         return False
-    truth = str(ground_truth)
+    truth = label_text(ground_truth, "math")
     if "\\boxed" in truth:
         truth = extract_answer(truth)
     given = extract_answer(solution_str)
