@@ -88,7 +88,8 @@ EXPECTED = {
         "trainer.tensor_model_parallel_size": 2, "trainer.data_parallel_size": 4, "sync.transport": "ipc",
         "trainer.max_tokens_per_micro_batch": 9216, "rollout.prompts_per_step": 32, "rollout.samples_per_prompt": 8,
         "rollout.sampling.max_new_tokens": 8192, "rollout.task_args.apply_chat_template": True,
-        "rollout.task_args.reward": "rollout_fns.verifiers:math_reward", "run.num_steps": 3000,
+        "rollout.task_args.reward": "rollout_fns.slime_rewards:rm_hub_reward",
+        "rollout.task_args.reward_args": {"rm_type": "deepscaler"}, "run.num_steps": 3000,
         "run.save_interval": 20, "run.name": "run-qwen3-4B", "run.resume": "auto", "eval.interval": 20,
         "eval.samples_per_prompt": 16, "eval.sampling.temperature": None, "eval.sampling.max_new_tokens": 16384,
         "eval.sampling.top_p": 1.0, "model.shape.num_layers": 36, "trainer.megatron.sequence_parallel": True,
@@ -159,7 +160,8 @@ def test_rm_type_and_the_context_length_reach_the_functions_args_with_slimes_pro
     translated = slime_args.translate({"rm_type": "deepscaler", "rollout_max_context_len": 4096}, {})
     assert translated.values == {"rollout.slime.rm_type": "deepscaler", "rollout.slime.max_context_len": 4096,
                                  "rollout.task_args.max_prompt_tokens": 4095,
-                                 "rollout.task_args.reward": "rollout_fns.verifiers:math_reward"}
+                                 "rollout.task_args.reward": "rollout_fns.slime_rewards:rm_hub_reward",
+                                 "rollout.task_args.reward_args": {"rm_type": "deepscaler"}}
     own_limit = slime_args.translate({"rollout_max_context_len": 4096, "rollout_max_prompt_len": 1000}, {}).values
     assert own_limit["rollout.task_args.max_prompt_tokens"] == 1000
     custom = slime_args.translate({"rm_type": "search_r1", "custom_rm_path": "my.rm:reward"}, {}).values
@@ -181,12 +183,11 @@ def test_a_model_shape_flag_that_config_json_contradicts_is_refused_naming_both_
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--rollout-stop", "</s>"], "sluice: config error: --rollout-stop (slime) has no sluice equivalent: "
-                                 "rollout.sampling.stop_token_ids (--rollout-stop-token-ids)"),
     (["--num-epoch", "3"], "sluice: config error: --num-epoch (slime) has no sluice equivalent: run.num_steps "
                            "(--num-rollout): epochs x rows / --rollout-batch-size"),
-    (["--rm-type", "f1"], "sluice: config error: --rm-type f1: no sluice equivalent (sluice has deepscaler, math, dapo); "
-                          "use --custom-rm-path or rollout.task_args.reward"),
+    (["--rm-type", "remote_rm"], "sluice: config error: --rm-type remote_rm: no sluice equivalent (sluice has "
+                                 "deepscaler, dapo, math, f1, gpqa, ifbench, random, each also as boxed_<name>); use "
+                                 "--custom-rm-path, reward_model: for a served reward model, or rollout.task_args.reward"),
     (["--global-batch-size", "48"], "sluice: config error: --global-batch-size 48 must divide the 16 x 8 = 128 samples "
                                     "of a rollout (--rollout-batch-size x --n-samples-per-prompt)"),
     (["--use-dynamic-batch-size"], "sluice: config error: --use-dynamic-batch-size needs --max-tokens-per-gpu"),
@@ -194,7 +195,7 @@ def test_a_model_shape_flag_that_config_json_contradicts_is_refused_naming_both_
     (["--rollout-batch", "4"], "sluice: error: unrecognised option '--rollout-batch': not a sluice, slime, megatron, "
                                "--sglang-* or --router-* flag; did you mean --rollout-batch-size?"),
     (["--eval-promt-data", "x"], "did you mean --eval-prompt-data?"),
-], ids=["rollout-stop", "num-epoch", "rm-type", "global-batch-size", "dynamic batch", "label key", "did you mean",
+], ids=["num-epoch", "rm-type", "global-batch-size", "dynamic batch", "label key", "did you mean",
         "did you mean eval"])
 def test_a_slime_argument_sluice_cannot_run_is_refused_in_one_line_saying_what_to_use(capsys, argv, line):
     assert main(["--dry-run", "--config", DEMO, *argv]) == 2
@@ -269,4 +270,9 @@ def test_a_slime_shaped_launch_script_is_the_same_run_as_the_recipe_it_rewrites(
     slime["trainer"]["megatron"].pop("optimizer")
     # --rm-type is also kept as slime functions' args.rm_type; this run has no slime function to read it
     assert slime["rollout"]["slime"].pop("rm_type") == "math" and original["rollout"]["slime"].pop("rm_type") is None
+    # --rm-type math grades the boxed answer by slime's own rule (rm_hub), the recipe by Math-Verify on the boxed answer
+    task, recipe_task = slime["rollout"]["task_args"], original["rollout"]["task_args"]
+    assert (task.pop("reward"), task.pop("reward_args")) == ("rollout_fns.slime_rewards:rm_hub_reward", {"rm_type": "math"})
+    assert recipe_task.pop("reward") == "rollout_fns.verifiers:math_reward"
+    assert recipe_task.pop("reward_args") == {"require_boxed": True}
     assert slime == original

@@ -12,7 +12,6 @@ import pytest
 from glue.loop.replay import load_step
 from glue.metrics.logger import read_metrics
 from glue.rollout.slime import shim
-from helpers.slime_rm_hub import use_rm_hub
 from launch.config import load_config
 from launch.run.runner import run
 from rollout_fns.arith_data import write_arith_jsonl
@@ -78,8 +77,8 @@ async def reward_func(args, sample, **kwargs):
 
 @pytest.mark.slow
 @pytest.mark.long  # an end-to-end variant: tests/test_slime_fully_async.py keeps one whole slime rollout run in CI
-def test_slime_s_default_rollout_with_a_code_tool_generate_function_trains_two_steps(tmp_path, monkeypatch):
-    use_rm_hub(monkeypatch)
+def test_slime_s_default_rollout_with_a_code_tool_generate_function_trains_two_steps(tmp_path):
+    shim.install()
     data = write_arith_jsonl(tmp_path / "arith.jsonl", 32, seed=5)
     cfg = load_config("examples/configs/demo.yaml", [
         f"run.output_dir={tmp_path}", "run.name=code_tool", "run.num_steps=2", "run.save_rollouts=true",

@@ -15,11 +15,11 @@ import time
 import pytest
 
 from glue.loop.replay import load_step
+from glue.rollout.slime import shim
 from glue.metrics.logger import read_metrics
 from launch.config import load_config
 from launch.run.runner import run
 from rollout_fns.arith_data import write_arith_jsonl
-from helpers.slime_rm_hub import use_rm_hub
 
 FUNCTION = "helpers.slime_fully_async.generate_rollout_fully_async"  # slime's dotted form
 
@@ -67,8 +67,8 @@ def check_calls_and_samples(run_dir, records, module) -> None:
 
 
 @pytest.mark.slow
-def test_a_fully_async_worker_function_trains_two_steps_and_the_run_ends_with_no_thread_left(tmp_path, monkeypatch):
-    use_rm_hub(monkeypatch)  # generate_and_rm scores through slime.rollout.rm_hub's async_rm (args.custom_rm_path)
+def test_a_fully_async_worker_function_trains_two_steps_and_the_run_ends_with_no_thread_left(tmp_path):
+    shim.install()  # generate_and_rm scores through slime.rollout.rm_hub's async_rm (args.custom_rm_path)
     forget_earlier_runs()
     run_dir = run(fully_async_config(tmp_path, num_steps=2))
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -81,9 +81,8 @@ def test_a_fully_async_worker_function_trains_two_steps_and_the_run_ends_with_no
 
 @pytest.mark.slow
 @pytest.mark.long  # a second whole run: the one above stays in make test
-def test_sigint_stops_a_fully_async_worker_function_s_run_after_its_step_with_no_thread_left(tmp_path,
-                                                                                              monkeypatch):
-    use_rm_hub(monkeypatch)
+def test_sigint_stops_a_fully_async_worker_function_s_run_after_its_step_with_no_thread_left(tmp_path):
+    shim.install()
     forget_earlier_runs()
     metrics = tmp_path / "fully_async" / "metrics.jsonl"
 

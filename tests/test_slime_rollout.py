@@ -20,7 +20,6 @@ from glue.rollout.slime.http_calls import Fleet
 from glue.rollout.slime.rollout_calls import RolloutCalls
 from glue.rollout.slime.sample import Sample as SlimeSample
 from glue.rollout.slime.sample import from_prompt
-from helpers.slime_rm_hub import use_rm_hub
 
 shim.install()  # what sluice does before loading a slime function; slime itself is not installed here
 
@@ -59,8 +58,8 @@ async def reward_by_index(args, sample, **kwargs):
 
 
 @pytest.fixture
-def rm_hub(monkeypatch):
-    use_rm_hub(monkeypatch)
+def rm_hub():
+    shim.install()
 
 
 def args_for(text_model_dir, **overrides):

@@ -15,6 +15,7 @@ class SamplingConfig:
     top_k: int = -1  # top-k sampling, -1 = off
     max_new_tokens: int = 8  # response length limit per generate call
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's eos
+    stop: list[str] = field(default_factory=list)  # stop strings (SGLang's sampling_params.stop; slime's --rollout-stop): the engines need the model's tokenizer
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -23,6 +24,8 @@ class SamplingConfig:
             raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"rollout.sampling.stop must be a list of non-empty strings, got {self.stop!r}")
 
     def to_sglang(self) -> dict[str, Any]:
         """SGLang's `sampling_params` JSON object."""
@@ -30,6 +33,8 @@ class SamplingConfig:
                   "max_new_tokens": self.max_new_tokens}
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
         return params
 
 
@@ -45,14 +50,15 @@ class SlimeRolloutConfig:
     generate_function: str | None = None  # slime's --custom-generate-function-path: async def generate(args, sample, sampling_params) -> Sample | list[Sample], called once per sample
     rollout_function: str | None = None  # slime's --rollout-function-path: a generate function as above, or slime's def generate_rollout(args, rollout_id, data_source, evaluation=False), called once per group (with generate_function also set it must be the latter, which finds that one in args.custom_generate_function_path, as in slime)
     max_context_len: int | None = None  # slime's --rollout-max-context-len: args.rollout_max_context_len (and eval_max_context_len), the prompt-plus-response budget slime's multi-turn functions cap their turns by; null: none, as slime's default
+    eval_max_context_len: int | None = None  # slime's --eval-max-context-len: args.eval_max_context_len; null: max_context_len, as slime's default
     rm_type: str | None = None  # slime's --rm-type as the functions see it (args.rm_type); the reward itself is reward.slime.function or the task's
 
     def __post_init__(self) -> None:
-        if self.max_context_len is not None and (isinstance(self.max_context_len, bool)
-                                                 or not isinstance(self.max_context_len, int)
-                                                 or self.max_context_len < 2):
-            raise ValueError(f"rollout.slime.max_context_len must be an integer >= 2 (a prompt token and a response "
-                             f"token) or null, got {self.max_context_len!r}")
+        for name in ("max_context_len", "eval_max_context_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+                raise ValueError(f"rollout.slime.{name} must be an integer >= 2 (a prompt token and a response "
+                                 f"token) or null, got {value!r}")
         for name in ("generate_function", "rollout_function"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

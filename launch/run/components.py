@@ -29,6 +29,7 @@ from launch.run.reward_models import start_model_rewards
 from launch.run.stopping import close_loop
 from launch.run.tasks import task_args_for
 from launch.run.teacher import start_teacher
+from launch.slime.namespace import run_values, tokens_per_gpu
 import weight_sync
 
 
@@ -155,13 +156,8 @@ def make_slime_functions(cfg: SluiceConfig, client, model_path: str):
                           reward_function=cfg.reward.slime.function,
                           max_context_len=cfg.rollout.slime.max_context_len, rm_type=cfg.rollout.slime.rm_type,
                           context_parallel_size=cfg.trainer.context_parallel_size,
-                          max_tokens_per_gpu=tokens_per_gpu(cfg.trainer.max_tokens_per_micro_batch))
-
-
-def tokens_per_gpu(budget: int | str | None) -> int | None:
-    """slime's max_tokens_per_gpu for sluice's packing budget: the number when one is set, else None (slime's
-    default: no dynamic batch), "auto" included since its size is known only on the trainer's device."""
-    return budget if isinstance(budget, int) and budget > 0 else None
+                          max_tokens_per_gpu=tokens_per_gpu(cfg.trainer.max_tokens_per_micro_batch),
+                          run_values=run_values(cfg))
 
 
 def make_manager(cfg: SluiceConfig, client, model_path: str, group_rewards=None):

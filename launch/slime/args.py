@@ -15,7 +15,7 @@ from typing import Any
 from glue.rollout.config import RolloutConfig
 from launch.slime.megatron import SCHEDULE, SHAPE_ARGS
 from launch.slime.spec import SlimeArg
-from launch.slime.table import CLUSTER, DATA, EVAL, ROLLOUT, RM_TYPES, TRAIN
+from launch.slime.table import CLUSTER, DATA, EVAL, ROLLOUT, TRAIN
 from launch.slime.table_algo import ALGO, CHECKPOINT, DEBUG, LOGGING, OTHER, REWARD
 
 ROWS: list[SlimeArg] = [*CLUSTER, *TRAIN, *ROLLOUT, *DATA, *EVAL, *ALGO, *CHECKPOINT, *REWARD, *LOGGING, *DEBUG,
@@ -88,12 +88,7 @@ def translate(given: dict[str, Any], context: dict[str, Any], *, loggers: tuple[
         out.values.update(derive(given, here, out.notes))
     out.values.update(run_loggers(given, here, loggers))
     out.defaults.update(slime_defaults(given, context))
-    if given.get("rm_type") in RM_TYPES and not given.get("custom_rm_path"):
-        out.notes.append(f"--rm-type {given['rm_type']} -> {MATH_REWARD_NOTE}: {RM_TYPES[given['rm_type']][1]}")
     return out
-
-
-MATH_REWARD_NOTE = "rollout_fns.verifiers:math_reward"
 
 
 def cluster(given: dict[str, Any], here: dict[str, Any], notes: list[str]) -> dict[str, Any]:

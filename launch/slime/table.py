@@ -11,15 +11,8 @@ SLIME_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"  # slime's defau
 SLIME_FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 SLIME_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"  # slime's default --data-source-path
 SLIME_NONZERO_STD = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
-MATH_REWARD = "rollout_fns.verifiers:math_reward"
-# --rm-type -> (the sluice reward function's task_args, a note on how close it is)
-RM_TYPES = {
-    "deepscaler": ({"reward": MATH_REWARD}, "approximately: Math-Verify on the last answer of the whole response "
-                                            "(slime's deepscaler grades only the text after </think>)"),
-    "math": ({"reward": MATH_REWARD, "reward_args": {"require_boxed": True}}, "the \\boxed{} answer, by Math-Verify"),
-    "dapo": ({"reward": MATH_REWARD}, "approximately: Math-Verify on the last answer (slime's dapo reads the "
-                                      "'Answer:' line)"),
-}
+RM_HUB_REWARD = "rollout_fns.slime_rewards:rm_hub_reward"  # slime's rule-based rewards, as slime's rm_hub scores
+RM_TYPES = ("deepscaler", "dapo", "math", "f1", "gpqa", "ifbench", "random")  # each also with a boxed_ prefix
 
 
 def rollout_function(path: str, given: dict) -> dict:
@@ -46,14 +39,16 @@ def max_context(value: int, given: dict) -> dict:
 
 
 def reward_type(name: str, given: dict) -> dict:
-    """--rm-type: the functions' args.rm_type as given, and the text task's reward unless --custom-rm-path (which
-    slime calls instead) is set."""
+    """--rm-type: the functions' args.rm_type as given, and the text task's reward (slime's rule of that name)
+    unless --custom-rm-path (which slime calls instead) is set."""
     if given.get("custom_rm_path"):
         return {"rollout.slime.rm_type": name}
-    if name not in RM_TYPES:
-        raise ValueError(f"--rm-type {name}: no sluice equivalent (sluice has {', '.join(RM_TYPES)}); use "
-                         "--custom-rm-path or rollout.task_args.reward")
-    return {"rollout.slime.rm_type": name, **{f"rollout.task_args.{k}": v for k, v in RM_TYPES[name][0].items()}}
+    if name.removeprefix("boxed_") not in RM_TYPES:
+        raise ValueError(f"--rm-type {name}: no sluice equivalent (sluice has {', '.join(RM_TYPES)}, each also as "
+                         "boxed_<name>); use --custom-rm-path, reward_model: for a served reward model, or "
+                         "rollout.task_args.reward")
+    return {"rollout.slime.rm_type": name, "rollout.task_args.reward": RM_HUB_REWARD,
+            "rollout.task_args.reward_args": {"rm_type": name}}
 
 
 def eval_data(values: list[str], given: dict) -> dict:
@@ -183,7 +178,8 @@ ROLLOUT = [
     to("--rollout-max-response-len", "rollout.sampling.max_new_tokens", "rollout", int),
     no("--rollout-skip-special-tokens", "rollout", "the text task decodes responses for its reward itself",
        takes="none"),
-    no("--rollout-stop", "rollout", "rollout.sampling.stop_token_ids (--rollout-stop-token-ids)", takes="many"),
+    to("--rollout-stop", "rollout.sampling.stop", "rollout", takes="many",
+       note="stop strings in every sampling_params (the engines need the model's tokenizer) and args.rollout_stop"),
     to("--rollout-stop-token-ids", "rollout.sampling.stop_token_ids", "rollout", int, takes="many"),
     switch("--rollout-shuffle", {"rollout.task_args.shuffle": True}, "rollout",
            note="slime's default (and so sluice's with --prompt-data): not shuffled"),
@@ -270,5 +266,6 @@ EVAL = [
     to("--eval-max-response-len", "eval.sampling.max_new_tokens", "eval", int),
     to("--eval-max-prompt-len", "eval.task_args.max_prompt_tokens", "eval", int),
     no("--eval-min-new-tokens", "eval", "eval.sampling.max_new_tokens bounds the length", scalar=int),
-    no("--eval-max-context-len", "eval", "--eval-max-prompt-len with --eval-max-response-len", scalar=int),
+    to("--eval-max-context-len", "rollout.slime.eval_max_context_len", "eval", int,
+       note="args.eval_max_context_len for slime functions; slime's default: --rollout-max-context-len"),
 ]

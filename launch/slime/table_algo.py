@@ -4,7 +4,7 @@ each mapped to sluice's config or refused in one line; the loss family rows are 
 from __future__ import annotations
 
 from launch.slime.spec import SlimeArg, derived, no, same, switch, to
-from launch.slime.table import kl_estimator, loss_type, resume_from, reward_type, run_folder
+from launch.slime.table import RM_HUB_REWARD, RM_TYPES, kl_estimator, loss_type, resume_from, reward_type, run_folder
 
 DISTILL = "the teacher: section (docs/distillation.md)"
 
@@ -82,7 +82,8 @@ CHECKPOINT = [
 
 REWARD = [
     SlimeArg("--rm-type", "reward", "rollout.slime.rm_type, rollout.task_args.reward", "one", str, reward_type,
-             "deepscaler, dapo (approximately) and math -> rollout_fns.verifiers:math_reward"),
+             f"{', '.join(RM_TYPES)} (each also boxed_<name>) -> {RM_HUB_REWARD}, slime's rule of that name (rm_hub); "
+             "remote_rm: reward_model: or --custom-rm-path"),
     no("--reward-key", "reward", "a reward function returns a dict whose 'score' is trained"),
     no("--eval-reward-key", "reward", "evaluation reads the same 'score'"),
     no("--group-rm", "reward", "judge: or reward_model: score whole groups", takes="none"),

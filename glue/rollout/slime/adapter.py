@@ -21,6 +21,7 @@ from glue.fleet.engine_client import weight_version_to_int
 from glue.rollout.manager import score
 from glue.rollout.slime import http_calls, sglang_rollout, shim, user_code
 from glue.rollout.slime.data_source import PromptDataSource
+from glue.rollout.slime.defaults import SGLANG_DEFAULTS, SLIME_DEFAULTS, derive
 from glue.rollout.slime.rollout_calls import RolloutCalls
 from glue.rollout.slime.sample import checked_reward, from_prompt, from_sluice, to_sluice
 from glue.types import Sample as SluiceSample, SampleStatus
@@ -56,23 +57,23 @@ REWARD_FORM = "async def reward_func(args, sample, **kwargs) -> float | dict"
 def slime_args(*, router_url: str, model_path: str, sampling_params: dict, samples_per_prompt: int,
                prompts_per_step: int, seed: int, generate_path: str | None, reward_path: str | None,
                max_context_len: int | None = None, rm_type: str | None = None, context_parallel_size: int = 1,
-               max_tokens_per_gpu: int | None = None) -> argparse.Namespace:
-    """The attributes of slime's `args` that rollout and reward functions read, from this run's settings; where
-    the run sets none, slime's defaults (no context limit, no rm_type, CP 1, no dynamic batch)."""
+               max_tokens_per_gpu: int | None = None, run_values: dict[str, Any] | None = None) -> argparse.Namespace:
+    """slime's `args` as rollout and reward functions receive it: every argument of slime's parser with slime's
+    default (glue.rollout.slime.defaults), under `run_values` (slime's names for what this run's config decides,
+    launch.slime.namespace), under the settings given here, then what slime derives from them (an unset
+    eval_max_context_len is the rollout's, ...)."""
     address = urlparse(router_url)
-    return argparse.Namespace(
+    values = {**SLIME_DEFAULTS, **SGLANG_DEFAULTS, **(run_values or {})}
+    values.update(
         sglang_router_ip=address.hostname, sglang_router_port=address.port, hf_checkpoint=model_path,
         rollout_temperature=sampling_params.get("temperature", 1.0), rollout_top_p=sampling_params.get("top_p", 1.0),
         rollout_top_k=sampling_params.get("top_k", -1), rollout_max_response_len=sampling_params["max_new_tokens"],
-        rollout_max_context_len=max_context_len, rollout_stop=None,
-        rollout_stop_token_ids=sampling_params.get("stop_token_ids"), rollout_skip_special_tokens=False,
-        n_samples_per_prompt=samples_per_prompt, rollout_batch_size=prompts_per_step, rollout_seed=seed,
-        custom_generate_function_path=generate_path, custom_rm_path=reward_path, rm_type=rm_type, reward_key=None,
-        group_rm=False, partial_rollout=False, mask_offpolicy_in_partial_rollout=False, ci_test=False,
-        use_rollout_routing_replay=False, sglang_dp_size=None, sglang_server_concurrency=512,
-        sglang_enable_deterministic_inference=False, eval_max_context_len=max_context_len,
-        rollout_global_dataset=True, context_parallel_size=context_parallel_size,
+        rollout_max_context_len=max_context_len, rollout_stop=sampling_params.get("stop"),
+        rollout_stop_token_ids=sampling_params.get("stop_token_ids"), n_samples_per_prompt=samples_per_prompt,
+        rollout_batch_size=prompts_per_step, rollout_seed=seed, custom_generate_function_path=generate_path,
+        custom_rm_path=reward_path, rm_type=rm_type, context_parallel_size=context_parallel_size,
         max_tokens_per_gpu=max_tokens_per_gpu)
+    return argparse.Namespace(**derive(values))
 
 
 def load_slime_functions(generate_function: str | None, rollout_function: str | None, reward_function: str | None
@@ -108,7 +109,7 @@ class SlimeFunctions:
                  prompts_per_step: int, seed: int, generate_function: str | None = None,
                  rollout_function: str | None = None, reward_function: str | None = None,
                  max_context_len: int | None = None, rm_type: str | None = None, context_parallel_size: int = 1,
-                 max_tokens_per_gpu: int | None = None):
+                 max_tokens_per_gpu: int | None = None, run_values: dict[str, Any] | None = None):
         """The last four are slime's args of the same names (`slime_args`), as the run sets them."""
         self.client, self.model_path = client, model_path
         self.reward_path = reward_function
@@ -120,7 +121,8 @@ class SlimeFunctions:
                                sampling_params=sampling_params, samples_per_prompt=samples_per_prompt,
                                prompts_per_step=prompts_per_step, seed=seed, generate_path=generate_function,
                                reward_path=reward_function, max_context_len=max_context_len, rm_type=rm_type,
-                               context_parallel_size=context_parallel_size, max_tokens_per_gpu=max_tokens_per_gpu)
+                               context_parallel_size=context_parallel_size, max_tokens_per_gpu=max_tokens_per_gpu,
+                               run_values=run_values)
         self.fleet = http_calls.Fleet(router_url=getattr(client, "router_url", ""),
                                       api_key=getattr(client, "api_key", None))
         self._tokenizer: Any = None

@@ -1,8 +1,9 @@
 """The `slime` modules that slime's rollout and reward functions import, for running them where slime is not
 installed: `slime.utils.types.Sample`, `slime.utils.http_utils.post / get` (http_calls), `slime.utils.misc.load_function`,
 `slime.rollout.sglang_rollout` (GenerateState, generate, generate_and_rm, generate_and_rm_group, generate_rollout) and
-`slime.rollout.base_types`. `install()` registers them (only when `import slime` would fail); an installed slime is
-left alone.
+`slime.rollout.base_types`, with the rule-based rewards of `slime.rollout.rm_hub` (glue.rollout.slime.rm_hub) and the
+rest of `slime.utils` that functions import (glue.rollout.slime.utils). `install()` registers them (only when
+`import slime` would fail); an installed slime is left alone.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import types
 from typing import Any
 
-from glue.rollout.slime import sglang_rollout
+from glue.rollout.slime import rm_hub, sglang_rollout, utils
 from glue.rollout.slime.http_calls import get, post
 from glue.rollout.slime.sample import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
@@ -46,7 +47,7 @@ def install() -> bool:
         return True
     if importlib.util.find_spec("slime") is not None:
         return False
-    for name, attrs in MODULES.items():
+    for name, attrs in (entry for table in (MODULES, rm_hub.MODULES, utils.MODULES) for entry in table.items()):
         parts = name.split(".")
         for depth in range(1, len(parts) + 1):
             module_name = ".".join(parts[:depth])
