@@ -46,7 +46,8 @@ def forget_earlier_runs() -> None:
 
 
 def left_behind() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name in ("fully-async-worker", "slime-rollout-calls")]
+    names = ("fully-async-worker", "slime-rollout-calls", "slime-async-loop")
+    return [t.name for t in threading.enumerate() if t.name in names]
 
 
 def check_calls_and_samples(run_dir, records, module) -> None:

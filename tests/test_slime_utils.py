@@ -58,6 +58,20 @@ def test_async_utils_run_from_a_coroutine_on_its_own_loop_is_refused_instead_of_
         run(nested())
 
 
+def test_the_run_s_end_stops_async_utils_run_s_loop_and_a_later_run_starts_another():
+    from glue.rollout.slime.utils import stop_async_loop
+
+    async def tag(value):
+        return threading.current_thread().name, value
+
+    assert run(tag(1)) == ("slime-async-loop", 1)
+    assert "slime-async-loop" in [t.name for t in threading.enumerate()]
+    assert stop_async_loop() is True
+    assert "slime-async-loop" not in [t.name for t in threading.enumerate()]
+    assert run(tag(2)) == ("slime-async-loop", 2)  # a later run in the same process gets a fresh loop
+    assert stop_async_loop() is True
+
+
 def test_singleton_meta_gives_one_instance_until_cleared():
     class State(metaclass=SingletonMeta):
         def __init__(self, n):

@@ -1,6 +1,7 @@
 """A fully-async rollout function in slime's `--rollout-function-path` form, written the way slime's fully-async
-rollout is (its own code, not slime's): on the first call a background thread with its own event loop starts pulling
-groups from the data source one at a time, generates and scores each with `generate_and_rm_group`, gives a group with
+rollout is (its own code, not slime's): on the first call a background thread starts pulling
+groups from the data source one at a time (a coroutine it runs with `slime.utils.async_utils.run`, on slime's one
+background loop), generates and scores each with `generate_and_rm_group`, gives a group with
 an aborted sample back to the data source and queues the others; every call takes `args.rollout_batch_size` finished
 groups from that queue, which stays warm between calls. An atexit hook stops the worker, as slime's does. The lists
 below record what happened, for tests/test_slime_fully_async.py."""
@@ -13,6 +14,7 @@ import threading
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
+from slime.utils.async_utils import run
 from slime.utils.types import Sample
 
 CALLS: list[tuple[int, int]] = []  # (rollout_id, finished groups already waiting when the call began)
@@ -29,7 +31,7 @@ class RolloutWorker:
         self.limit = args.rollout_batch_size  # groups generating at once, and finished ones waiting, at most
         self.finished: queue.Queue = queue.Queue()
         self.running = True
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.keep_generating()), name=WORKER_THREAD,
+        self.thread = threading.Thread(target=lambda: run(self.keep_generating()), name=WORKER_THREAD,
                                        daemon=True)
         self.thread.start()
 

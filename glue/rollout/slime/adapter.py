@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 from glue.fleet.engine_client import weight_version_to_int
 from glue.rollout.manager import score
-from glue.rollout.slime import http_calls, sglang_rollout, shim, user_code
+from glue.rollout.slime import http_calls, sglang_rollout, shim, user_code, utils
 from glue.rollout.slime.data_source import PromptDataSource
 from glue.rollout.slime.defaults import SGLANG_DEFAULTS, SLIME_DEFAULTS, derive
 from glue.rollout.slime.rollout_calls import RolloutCalls
@@ -170,9 +170,13 @@ class SlimeFunctions:
         return samples
 
     def close(self) -> None:
-        """At the run's end: the whole-rollout function's last call may finish, then its exit hooks run."""
+        """At the run's end: the whole-rollout function's last call may finish, then its exit hooks run, then the
+        background loop of `slime.utils.async_utils.run` stops, if a function started it."""
         if self._calls is not None:
             self._calls.close()
+        if not utils.stop_async_loop():
+            print("sluice: slime.utils.async_utils.run's loop still runs a coroutine that ignored cancellation; its "
+                  "thread is left to the process's exit", flush=True)
 
     async def _samples(self, ctx: Any, prompt: dict, num_samples: int, fallback: asyncio.Future
                        ) -> list[SluiceSample]:

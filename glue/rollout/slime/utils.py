@@ -27,6 +27,21 @@ class AsyncLoopThread:
         and the recording of its /generate answers)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Cancel what still runs on the loop, stop it and join its thread; False if the thread outlived
+        `timeout_s` (a coroutine that ignores cancellation)."""
+        def cancel_all() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_soon(self.loop.stop)
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(cancel_all)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return False
+        self.loop.close()
+        return True
+
 
 _loop: AsyncLoopThread | None = None
 _loop_lock = threading.Lock()
@@ -39,6 +54,15 @@ def get_async_loop() -> AsyncLoopThread:
         if _loop is None:
             _loop = AsyncLoopThread()
         return _loop
+
+
+def stop_async_loop() -> bool:
+    """At a run's end: the background loop `run` started, if any, stopped with its thread (slime's lives until its
+    process exits; a sluice run can end before its process does). True when no such thread is left."""
+    global _loop
+    with _loop_lock:
+        loop, _loop = _loop, None
+    return loop is None or loop.stop()
 
 
 def run(coro: Coroutine) -> Any:
