@@ -34,6 +34,7 @@ from launch.plan.run_plan import RunPlan, resolve
 from launch.run.cluster import describe_placement, start_cluster
 from launch.run.components import make_phases, start_components
 from launch.run.folder import export_final_policy, find_checkpoint, plot_run, prepare_model
+from launch.run.folder_lock import RunFolderLock
 from launch.run.preflight import preflight
 from launch.run.startup import StartupClock
 from launch.run.stopping import StopSignals, cancel_tasks
@@ -49,8 +50,14 @@ def run(cfg: SluiceConfig) -> Path:
     if cfg.run.mode == "sft":
         raise ConfigError("run.mode sft runs through `sluice` (launch.cli.start) or launch.run.sft.run_sft, not the RL runner")
     preflight(cfg, plan)
-    run_dir = cfg.run_dir
     check_replay(cfg)
+    with RunFolderLock(cfg.run_dir):  # one run per folder, for the run's whole life (launch.run.folder_lock)
+        return run_in_folder(cfg, plan)
+
+
+def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
+    """`run`, once the run holds its folder: the checkpoint to continue, start-up, the loop, the clean-up."""
+    run_dir = cfg.run_dir
     resume_from = find_checkpoint(cfg)
     clock = StartupClock()
     model_path = prepare_model(cfg, run_dir)

@@ -20,6 +20,7 @@ from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths, start_cluster
 from launch.run.components import trainer_actor_options
 from launch.run.folder import export_final_policy, find_checkpoint, plot_run, prepare_model
+from launch.run.folder_lock import RunFolderLock
 from launch.run.preflight import preflight
 from launch.run.startup import StartupClock
 from launch.run.stopping import StopSignals
@@ -29,6 +30,12 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
     """Run the resolved SFT config `cfg` to completion (or a requested stop); returns the run directory."""
     preflight(cfg, plan)
     check_sft_files(cfg)
+    with RunFolderLock(cfg.run_dir):  # one run per folder, for the run's whole life (launch.run.folder_lock)
+        return run_sft_in_folder(cfg, plan)
+
+
+def run_sft_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
+    """`run_sft`, once the run holds its folder."""
     run_dir = cfg.run_dir
     resume_from = find_checkpoint(cfg)
     clock = StartupClock()
