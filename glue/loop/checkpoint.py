@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,12 +19,20 @@ STATE = "state.json"
 
 
 class Checkpoints:
-    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0):
-        self.directory, self.keep, self.interval = Path(directory), keep, interval
+    """`interval`: every this many steps; `interval_s`: also at the first step boundary this many seconds after the
+    last checkpoint (or the run's start); 0 / None: not on that schedule. `clock`: seconds, monotonic."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0, interval_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.directory, self.keep, self.interval, self.interval_s = Path(directory), keep, interval, interval_s
+        self.clock = clock
+        self.last_saved = clock()
 
     def due(self, step: int, *, last: bool) -> bool:
-        """Every `interval` steps (0: never on a schedule), and always at the run's last step."""
-        return last or (self.interval > 0 and step % self.interval == 0)
+        """Every `interval` steps, once `interval_s` has passed since the last checkpoint, and always at the run's
+        last step."""
+        return (last or (self.interval > 0 and step % self.interval == 0)
+                or (bool(self.interval_s) and self.clock() - self.last_saved >= self.interval_s))
 
     def all(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -63,6 +72,7 @@ class Checkpoints:
             remove(old)
         for stale in [*self.directory.glob(".step_*.partial"), *self.directory.glob(".step_*.removing")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write or mid-delete
+        self.last_saved = self.clock()
         return final
 
     @staticmethod

@@ -218,7 +218,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
         build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch)
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                              interval=cfg.run.save_interval) if debug != "rollout_only" else None
+                              interval=cfg.run.save_interval,
+                              interval_s=cfg.run.save_interval_s) if debug != "rollout_only" else None
     parts = LoopParts(stream=stream, trainer=trainer, fleet=watch, phases=colocation, logger=logger,
                       checkpoints=checkpoints, hooks=hooks)
     training = asyncio.ensure_future(run_loop(parts, num_steps=cfg.run.num_steps, loss_cfg=cfg.loss,
