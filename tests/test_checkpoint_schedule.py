@@ -1,6 +1,7 @@
 """When checkpoints are written (glue.loop.checkpoint.Checkpoints.due): every run.save_interval steps, and at the first
 step boundary run.save_interval_s seconds after the last checkpoint, so a kill loses a bounded stretch of training
-whatever a step takes; checked by the decision function with a clock of its own and by the loop itself."""
+whatever a step takes; checked by the decision function with a clock of its own and by the loop itself. A requested
+stop goes from the train step straight to its checkpoint, without the weight sync."""
 import asyncio
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from glue.loop.buffer import RolloutBuffer
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.colocation import Disaggregated
-from glue.loop.controller import LoopParts, run_loop
+from glue.loop.controller import LoopHooks, LoopParts, run_loop
 from glue.loop.staleness import StalenessGate
 from glue.loop.stream import RolloutStream
 from glue.metrics.logger import MetricsLogger
@@ -81,8 +82,11 @@ class SlowTrainer:
 
 
 class Bridge:
+    def __init__(self):
+        self.synced = []
+
     def sync(self, version):
-        pass
+        self.synced.append(version)
 
 
 class Fleet:
@@ -96,17 +100,30 @@ class Fleet:
         return True
 
 
-def test_the_loop_checkpoints_on_the_clock_between_the_step_schedule(tmp_path):
-    # steps of 700 s, run.save_interval 50 never reached in 6 steps, run.save_interval_s 1800: a checkpoint after
-    # step 3 (2,100 s) and step 6 (the last; 2,100 s after the one before)
-    clock = Clock()
+def loop_parts(tmp_path, clock, bridge, **hooks):
     manager = RolloutManager(function_path="test_checkpoint_schedule:one_token_group",
                              task_path="test_checkpoint_schedule:RewardOne", client=None, sampling_params={},
                              prompts_per_step=1, samples_per_prompt=2, seed=0)
     stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=1, max_staleness=0),
                            buffer=RolloutBuffer(groups_per_step=1, stale_policy="keep"), max_groups=6)
     checkpoints = Checkpoints(tmp_path / "ckpt", keep=10, interval=50, interval_s=1800, clock=clock)
-    parts = LoopParts(stream=stream, trainer=SlowTrainer(clock), fleet=Fleet(), phases=Disaggregated(Bridge()),
-                      logger=MetricsLogger(tmp_path / "metrics.jsonl"), checkpoints=checkpoints)
+    return LoopParts(stream=stream, trainer=SlowTrainer(clock), fleet=Fleet(), phases=Disaggregated(bridge),
+                     logger=MetricsLogger(tmp_path / "metrics.jsonl"), checkpoints=checkpoints,
+                     hooks=LoopHooks(**hooks))
+
+
+def test_the_loop_checkpoints_on_the_clock_between_the_step_schedule(tmp_path):
+    # steps of 700 s, run.save_interval 50 never reached in 6 steps, run.save_interval_s 1800: a checkpoint after
+    # step 3 (2,100 s) and step 6 (the last; 2,100 s after the one before)
+    parts = loop_parts(tmp_path, Clock(), Bridge())
     assert asyncio.run(run_loop(parts, num_steps=6, loss_cfg=LossConfig())) == 6
-    assert [p.name for p in checkpoints.all()] == ["step_00000003", "step_00000006"]
+    assert [p.name for p in parts.checkpoints.all()] == ["step_00000003", "step_00000006"]
+
+
+def test_a_requested_stop_goes_from_the_train_step_straight_to_its_checkpoint_without_a_weight_sync(tmp_path):
+    bridge, asked = Bridge(), []
+    parts = loop_parts(tmp_path, Clock(), bridge, stop=lambda: len(asked) > 0)
+    parts.trainer.train_step = lambda batch, train=parts.trainer.train_step: (asked.append(1), train(batch))[1]
+    assert asyncio.run(run_loop(parts, num_steps=6, loss_cfg=LossConfig())) == 1
+    assert bridge.synced == []  # the engines are not brought to version 1: a resume does that
+    assert [p.name for p in parts.checkpoints.all()] == ["step_00000001"]

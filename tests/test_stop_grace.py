@@ -76,7 +76,7 @@ async def grace_over_after(seconds):
     await asyncio.sleep(seconds)
 
 
-def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_groups_had(tmp_path):
+def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_groups_had(tmp_path, capsys):
     manager = RolloutManager(function_path="test_stop_grace:tracked_group",
                              task_path="test_stop_grace:HungSecondGroupTask", client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
     stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
@@ -98,6 +98,38 @@ def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_grou
     assert partial == {1: [(0, [5, 6], 1.0), (1, [6, 6], 1.0)]}  # the hung group's finished samples, kept
     assert fleet.calls == ["pause abort", "continue"]
     assert not stream._tasks, "the hung group is cancelled when the loop ends"
+    assert capsys.readouterr().err.strip() == (
+        f"sluice: checkpoint {checkpoint} (the last step trained): 1 finished groups kept whole, 1 still generating "
+        "issued again on resume with 2 samples' tokens so far; the cut step is trained after the resume")
+
+
+def test_sigterm_with_stop_grace_s_0_cuts_the_wait_at_once(capsys):
+    # run.stop_grace_s: 0 is how a run under a short kill timer (ray job stop's 3 s) checkpoints at once
+    with StopSignals(grace_s=0) as stop:
+        stop.armed = True
+
+        async def sigterm_then_grace():
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0)
+            sent = time.monotonic()
+            await stop.grace_over()
+            return time.monotonic() - sent
+
+        assert asyncio.run(sigterm_then_grace()) < 1 and stop.requested == "SIGTERM" and stop.cut
+        time.sleep(stop.LATE_S + 0.3)
+    err = capsys.readouterr().err
+    assert "SIGTERM: stopping after the step in progress, or in 0 s (run.stop_grace_s)" in err
+    assert "has passed" not in err  # the wait was cut: nothing is still running past the grace
+
+
+def test_a_step_still_training_when_the_grace_is_over_says_its_checkpoint_follows_it(capsys):
+    with StopSignals(grace_s=0.1) as stop:
+        stop.armed = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1 + stop.LATE_S + 0.5)  # the loop is in a train step: nobody awaits grace_over
+        stop.stopping = True
+    assert ("sluice: run.stop_grace_s=0.1 s has passed and the step in progress is training, syncing weights or "
+            "writing its checkpoint, which is not cut: the checkpoint follows it") in capsys.readouterr().err
 
 
 def test_the_first_signal_starts_the_grace_and_a_second_stops_at_once():
