@@ -198,3 +198,50 @@ def test_stop_grace_s_defaults_to_30_s_and_is_checked():
     assert RunConfig().stop_grace_s == 30.0
     with pytest.raises(ValueError, match="run.stop_grace_s must be >= 0"):
         RunConfig(stop_grace_s=-1)
+
+
+class RouterGoesFleet:
+    """A fleet whose router exits once `gone` is set (as under `ray job stop`, which signals every process below
+    the driver)."""
+
+    name, engine_urls = "", []
+
+    def __init__(self):
+        self.gone = False
+
+    def exited(self):
+        return ["router (http://127.0.0.1:1) exited with code 0; its log: runs/x/logs/router.log"] if self.gone else []
+
+    def dead_engines(self):
+        return []
+
+
+def test_a_process_that_exits_after_a_stop_was_asked_does_not_end_the_run_before_its_checkpoint(capsys):
+    from glue.fleet.fleet import ProcessDied
+    from glue.fleet.watch import FleetWatch
+
+    async def stop_then_checkpoint(fleet, stopping):
+        stopping.append(True)
+        fleet.gone = True  # the same SIGTERM reached the router
+        await asyncio.sleep(0.5)  # the checkpoint, which needs the trainer, not the router
+        return 7
+
+    async def watched(stopping):
+        fleet = RouterGoesFleet()
+        watch = FleetWatch(fleet, repair=None, poll_s=0.05, health_interval_s=3600)
+        return await watch.run(asyncio.ensure_future(stop_then_checkpoint(fleet, stopping)),
+                               stopping=lambda: bool(stopping))
+
+    assert asyncio.run(watched([])) == 7
+    assert capsys.readouterr().err.strip() == (
+        "sluice: router (http://127.0.0.1:1) exited with code 0; its log: runs/x/logs/router.log (after the stop was "
+        "asked): not repaired; the stop goes on to its checkpoint")
+
+    async def unasked():  # without a stop the router's exit ends the run, as before
+        fleet = RouterGoesFleet()
+        fleet.gone = True
+        watch = FleetWatch(fleet, repair=None, poll_s=0.05, health_interval_s=3600)
+        return await watch.run(asyncio.ensure_future(asyncio.sleep(5)))
+
+    with pytest.raises(ProcessDied, match="router .* exited with code 0"):
+        asyncio.run(unasked())

@@ -225,7 +225,7 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
     training = asyncio.ensure_future(run_loop(parts, num_steps=cfg.run.num_steps, loss_cfg=cfg.loss,
                                               pause_mode=cfg.sync.pause_mode, first_step=first_step))
     try:
-        return await watch.run(training)
+        return await watch.run(training, stopping=stop)
     finally:
         logger.close()
 
