@@ -103,19 +103,20 @@ def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_grou
         "issued again on resume with 2 samples' tokens so far; the cut step is trained after the resume")
 
 
+async def signal_then_grace(stop, sig) -> float:
+    """Send `sig` to this process, then wait for `stop`'s grace; returns the seconds waited."""
+    os.kill(os.getpid(), sig)
+    await asyncio.sleep(0)
+    sent = time.monotonic()
+    await stop.grace_over()
+    return time.monotonic() - sent
+
+
 def test_sigterm_with_stop_grace_s_0_cuts_the_wait_at_once(capsys):
     # run.stop_grace_s: 0 is how a run under a short kill timer (ray job stop's 3 s) checkpoints at once
     with StopSignals(grace_s=0) as stop:
         stop.armed = True
-
-        async def sigterm_then_grace():
-            os.kill(os.getpid(), signal.SIGTERM)
-            await asyncio.sleep(0)
-            sent = time.monotonic()
-            await stop.grace_over()
-            return time.monotonic() - sent
-
-        assert asyncio.run(sigterm_then_grace()) < 1 and stop.requested == "SIGTERM" and stop.cut
+        assert asyncio.run(signal_then_grace(stop, signal.SIGTERM)) < 1 and stop.requested == "SIGTERM" and stop.cut
         time.sleep(stop.LATE_S + 0.3)
     err = capsys.readouterr().err
     assert "SIGTERM: stopping after the step in progress, or in 0 s (run.stop_grace_s)" in err
@@ -135,15 +136,7 @@ def test_a_step_still_training_when_the_grace_is_over_says_its_checkpoint_follow
 def test_the_first_signal_starts_the_grace_and_a_second_stops_at_once():
     with StopSignals(grace_s=0.3) as stop:
         stop.armed = True
-
-        async def first_signal_then_grace():
-            os.kill(os.getpid(), signal.SIGINT)
-            await asyncio.sleep(0)
-            sent = time.monotonic()
-            await stop.grace_over()
-            return time.monotonic() - sent
-
-        waited = asyncio.run(first_signal_then_grace())
+        waited = asyncio.run(signal_then_grace(stop, signal.SIGINT))
         assert stop.requested == "SIGINT" and 0.2 <= waited < 3
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
