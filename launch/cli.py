@@ -15,6 +15,7 @@ from launch.args.command_line import Parser, parse_args
 from launch.config import ConfigError, load_config, to_dict
 from launch.plan.run_plan import resolve
 from launch.run.cluster import ClusterError
+from launch.run.folder_lock import RunFolderHeld, check_folder_free
 from launch.run.user_code import put_on_import_path
 
 
@@ -105,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                 from launch.run.sft import check_sft_files  # lazy: launch.run.sft is the SFT driver (torch)
 
                 checked.append(check_sft_files(cfg))
+            checked.append(check_folder_free(cfg.run_dir))  # a dry run checks the lock, never takes it
         except ConfigError as err:
             print(f"sluice: config error: {err}", file=sys.stderr)
+            return 2
+        except RunFolderHeld as err:
+            print(f"sluice: error: {err}", file=sys.stderr)
             return 2
         from launch.plan.memory_lines import fleet_lines, memory_plan  # lazy: --dry-run only; pulls glue.trainer.model (torch)
         from launch.plan.weight_groups import weight_sync_plan  # lazy: --dry-run only; pulls glue.trainer (torch)
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ConfigError as err:  # found at start-up: the run folder, the model path
         print(f"sluice: config error: {err}", file=sys.stderr)
+        return 2
+    except RunFolderHeld as err:  # another live run writes the folder: nothing was started or touched
+        print(f"sluice: error: {err}", file=sys.stderr)
         return 2
     except (ClusterError, RolloutFailed) as err:
         print(f"sluice: error: {err}", file=sys.stderr)

@@ -130,6 +130,7 @@ class RunConfig:
     overwrite: bool = False  # a folder holding a previous run is refused unless true (replaced once start-up succeeded)
     resume: str = "auto"  # auto: continue from the run folder's latest checkpoint if any; never; or a checkpoint path
     save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
+    save_interval_s: float | None = 1800.0  # also write one at the first step boundary this many seconds after the last (null or 0: by steps only): a kill (a pre-empted node, `ray job stop` past its grace) then loses at most this much training plus a step, whatever a step takes; 30 min of the whole cluster's time against the few minutes a large model's checkpoint takes
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
     stop_grace_s: float = 30.0  # the first Ctrl-C / SIGTERM waits at most this long for the step in progress, then cancels the groups still generating (their samples so far go into the checkpoint), writes the checkpoint and exits 0; a second signal stops at once
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
@@ -151,6 +152,9 @@ class RunConfig:
         if self.save_interval < 0 or self.keep_checkpoints < 1:
             raise ValueError(f"run.save_interval must be >= 0 and run.keep_checkpoints >= 1, got "
                              f"{self.save_interval} and {self.keep_checkpoints}")
+        if self.save_interval_s is not None and not self.save_interval_s >= 0:
+            raise ValueError(f"run.save_interval_s must be >= 0 seconds (0 or null: checkpoints by steps only), got "
+                             f"{self.save_interval_s}")
         if not self.stop_grace_s >= 0:
             raise ValueError(f"run.stop_grace_s must be >= 0 (seconds a stop waits for the step in progress), got "
                              f"{self.stop_grace_s}")

@@ -73,7 +73,7 @@ def test_dry_run_lists_what_it_checked(capsys):
     checked = yaml.safe_load(capsys.readouterr().out)["checked"]
     assert [line.split(":")[0] for line in checked] == ["plugins", "eval", "model", "layer spec", "attention (auto)",
                                                         "memory", "data", "weight groups", "tokenizer", "ports",
-                                                        "placement"]
+                                                        "placement", "run folder"]
 
 
 def _attention_line(capsys, args: list[str]) -> str:

@@ -114,7 +114,9 @@ def test_the_30b_a3b_recipe_holds_70_gb_per_trainer_rank_worked_by_hand(capsys, 
     # trainer.max_tokens_per_micro_batch auto: per 1k tokens, and what the trainer's own sizing would pick
     assert memory["activations"].startswith("about 1.381 GB per 1k tokens of a micro-batch (no recompute")
     assert "auto: sized at start from the memory left: about 3,584 tokens in the 10.03 GB" in memory["activations"]
-    assert "memory: a trainer rank holds 69.97 GB of training state of 80 GB per GPU" in " ".join(shown["checked"])
+    # the check counts one micro-batch of the longest sample on top: the demo task's 4 tokens x 1.381 MB
+    assert ("memory: a trainer rank holds 69.97 GB of training state + about 5.523 MB of activations for a "
+            "micro-batch of 4 tokens of 80 GB per GPU") in " ".join(shown["checked"])
 
 
 def test_an_uneven_pipeline_split_plans_each_stages_own_layers_and_the_larger_one_sets_the_memory(capsys, tmp_path):
@@ -224,3 +226,50 @@ def test_each_engine_holds_its_weights_over_engine_tp_and_the_kv_pool_the_fracti
         "sluice: config error: an engine's weights take 61.06 GB per GPU (engine TP 1), which leaves no KV pool "
         "(sglang.mem_fraction_static 0.7, x cluster.gpu_memory_gb=80); raise cluster.engine_tensor_parallel_size "
         "or sglang.mem_fraction_static")
+
+
+def qwen3_8b(tmp_path) -> str:
+    """A plan-only directory: Qwen3-8B's config.json (the released shape) and a one-row data file for the recipe."""
+    from helpers.slime_scripts import CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["strands_qwen3_8b.sh"]))
+    (tmp_path / "train.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    return str(tmp_path)
+
+
+def test_qwen3_8b_at_tp1_dp4_is_refused_because_its_longest_sample_cannot_fit_beside_the_training_state(capsys, tmp_path):
+    # the qwen3_8b recipe (samples up to 1,024 prompt + 1,024 response tokens) at TP1 x DP4 on 80 GB GPUs
+    model = qwen3_8b(tmp_path)
+    recipe = ["--config", "examples/configs/qwen3_8b.yaml", f"model.path={model}",
+              f"rollout.task_args.path={model}/train.jsonl", f"eval.task_args.path={model}/train.jsonl"]
+    tp1 = ["--tensor-model-parallel-size", "1", "trainer.data_parallel_size=4"]
+    # per token and layer 2 x (10 x 4096 + 5 x 12288) bytes over 36 layers, + 4 x 151,936 for the logits and their
+    # gradient: 7,980,544 bytes; a 2,048-token sample 16.34 GB beside 73.72 GB of state is more than 80 GB
+    per_token = 36 * 2 * (10 * 4096 + 5 * 12288) + 4 * 151936
+    assert per_token == 7_980_544 and 2048 * per_token == 16_344_154_112
+    assert main(["--dry-run", *recipe, *tp1]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "sluice: config error: trainer.max_tokens_per_micro_batch auto cannot fit the longest sample at all: 2,048 "
+        "tokens (rollout.task_args.max_prompt_tokens 1024 + rollout.sampling.max_new_tokens 1024) needs about 16.34 GB "
+        "of activations on a trainer rank (TP1 x PP1 x DP4; 7.981 GB per 1k tokens, no recompute: every layer's "
+        "activations), and its training state takes 73.72 GB: 90.06 GB, more than the 80 GB of "
+        "cluster.gpu_memory_gb=80; --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        "would fit (about 2.268 GB of activations); or shorter samples, or a larger TP / PP (or "
+        "--optimizer-cpu-offload) to leave more of the GPU")
+    # a fixed budget wider than the sample is refused with its own figures
+    assert main(["--dry-run", *recipe, *tp1, "trainer.max_tokens_per_micro_batch=4096"]) == 2
+    assert "a micro-batch of 4,096 tokens (trainer.max_tokens_per_micro_batch=4096) needs about 32.69 GB" in \
+        capsys.readouterr().err
+    # with full recompute it fits, and auto goes below 1,024 tokens: 6.283 GB free x 0.5 / 7,980,544 = 393 -> 256
+    assert main(["--dry-run", *recipe, *tp1, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["plan"]["memory"]["activations"].endswith(
+        "about 256 tokens in the 6.283 GB the training state leaves; a longer sample (up to 2,048 tokens) gets a row "
+        "of its own")
+    # the recipe's own layout (TP4) fits with room to spare
+    assert main(["--dry-run", *recipe]) == 0
+    assert "training state + about 4.086 GB of activations for a micro-batch of 2,048 tokens" in \
+        " ".join(yaml.safe_load(capsys.readouterr().out)["checked"])

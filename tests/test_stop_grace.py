@@ -76,7 +76,7 @@ async def grace_over_after(seconds):
     await asyncio.sleep(seconds)
 
 
-def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_groups_had(tmp_path):
+def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_groups_had(tmp_path, capsys):
     manager = RolloutManager(function_path="test_stop_grace:tracked_group",
                              task_path="test_stop_grace:HungSecondGroupTask", client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
     stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
@@ -98,20 +98,45 @@ def test_a_stop_whose_grace_runs_out_cuts_the_step_and_checkpoints_what_its_grou
     assert partial == {1: [(0, [5, 6], 1.0), (1, [6, 6], 1.0)]}  # the hung group's finished samples, kept
     assert fleet.calls == ["pause abort", "continue"]
     assert not stream._tasks, "the hung group is cancelled when the loop ends"
+    assert capsys.readouterr().err.strip() == (
+        f"sluice: checkpoint {checkpoint} (the last step trained): 1 finished groups kept whole, 1 still generating "
+        "issued again on resume with 2 samples' tokens so far; the cut step is trained after the resume")
+
+
+async def signal_then_grace(stop, sig) -> float:
+    """Send `sig` to this process, then wait for `stop`'s grace; returns the seconds waited."""
+    os.kill(os.getpid(), sig)
+    await asyncio.sleep(0)
+    sent = time.monotonic()
+    await stop.grace_over()
+    return time.monotonic() - sent
+
+
+def test_sigterm_with_stop_grace_s_0_cuts_the_wait_at_once(capsys):
+    # run.stop_grace_s: 0 is how a run under a short kill timer (ray job stop's 3 s) checkpoints at once
+    with StopSignals(grace_s=0) as stop:
+        stop.armed = True
+        assert asyncio.run(signal_then_grace(stop, signal.SIGTERM)) < 1 and stop.requested == "SIGTERM" and stop.cut
+        time.sleep(stop.LATE_S + 0.3)
+    err = capsys.readouterr().err
+    assert "SIGTERM: stopping after the step in progress, or in 0 s (run.stop_grace_s)" in err
+    assert "has passed" not in err  # the wait was cut: nothing is still running past the grace
+
+
+def test_a_step_still_training_when_the_grace_is_over_says_its_checkpoint_follows_it(capsys):
+    with StopSignals(grace_s=0.1) as stop:
+        stop.armed = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1 + stop.LATE_S + 0.5)  # the loop is in a train step: nobody awaits grace_over
+        stop.stopping = True
+    assert ("sluice: run.stop_grace_s=0.1 s has passed and the step in progress is training, syncing weights or "
+            "writing its checkpoint, which is not cut: the checkpoint follows it") in capsys.readouterr().err
 
 
 def test_the_first_signal_starts_the_grace_and_a_second_stops_at_once():
     with StopSignals(grace_s=0.3) as stop:
         stop.armed = True
-
-        async def first_signal_then_grace():
-            os.kill(os.getpid(), signal.SIGINT)
-            await asyncio.sleep(0)
-            sent = time.monotonic()
-            await stop.grace_over()
-            return time.monotonic() - sent
-
-        waited = asyncio.run(first_signal_then_grace())
+        waited = asyncio.run(signal_then_grace(stop, signal.SIGINT))
         assert stop.requested == "SIGINT" and 0.2 <= waited < 3
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
@@ -166,3 +191,50 @@ def test_stop_grace_s_defaults_to_30_s_and_is_checked():
     assert RunConfig().stop_grace_s == 30.0
     with pytest.raises(ValueError, match="run.stop_grace_s must be >= 0"):
         RunConfig(stop_grace_s=-1)
+
+
+class RouterGoesFleet:
+    """A fleet whose router exits once `gone` is set (as under `ray job stop`, which signals every process below
+    the driver)."""
+
+    name, engine_urls = "", []
+
+    def __init__(self):
+        self.gone = False
+
+    def exited(self):
+        return ["router (http://127.0.0.1:1) exited with code 0; its log: runs/x/logs/router.log"] if self.gone else []
+
+    def dead_engines(self):
+        return []
+
+
+def test_a_process_that_exits_after_a_stop_was_asked_does_not_end_the_run_before_its_checkpoint(capsys):
+    from glue.fleet.fleet import ProcessDied
+    from glue.fleet.watch import FleetWatch
+
+    async def stop_then_checkpoint(fleet, stopping):
+        stopping.append(True)
+        fleet.gone = True  # the same SIGTERM reached the router
+        await asyncio.sleep(0.5)  # the checkpoint, which needs the trainer, not the router
+        return 7
+
+    async def watched(stopping):
+        fleet = RouterGoesFleet()
+        watch = FleetWatch(fleet, repair=None, poll_s=0.05, health_interval_s=3600)
+        return await watch.run(asyncio.ensure_future(stop_then_checkpoint(fleet, stopping)),
+                               stopping=lambda: bool(stopping))
+
+    assert asyncio.run(watched([])) == 7
+    assert capsys.readouterr().err.strip() == (
+        "sluice: router (http://127.0.0.1:1) exited with code 0; its log: runs/x/logs/router.log (after the stop was "
+        "asked): not repaired; the stop goes on to its checkpoint")
+
+    async def unasked():  # without a stop the router's exit ends the run, as before
+        fleet = RouterGoesFleet()
+        fleet.gone = True
+        watch = FleetWatch(fleet, repair=None, poll_s=0.05, health_interval_s=3600)
+        return await watch.run(asyncio.ensure_future(asyncio.sleep(5)))
+
+    with pytest.raises(ProcessDied, match="router .* exited with code 0"):
+        asyncio.run(unasked())

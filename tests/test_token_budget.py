@@ -28,7 +28,11 @@ def test_a_token_of_the_265m_model_holds_about_a_megabyte_of_activations():
 def test_the_budget_is_half_the_free_memory_in_whole_steps_within_its_bounds():
     # 70 GiB free: 37,580,963,840 bytes for activations // 947,200 per token = 39,675 tokens, down to 256s: 39,424
     assert budget_from_memory(70 * 2**30, 947_200) == 39_424
-    assert budget_from_memory(10**6, 947_200) == 1024  # never under 1,024 tokens
+    # a full GPU goes below 1,024 tokens: 2 GB free holds 1,000,000,000 // 947,200 = 1,055 -> 1,024; 1 GB 527 -> 512
+    assert budget_from_memory(2 * 10**9, 947_200) == 1024 and budget_from_memory(10**9, 947_200) == 512
+    # under 256 tokens in steps of 16: 378,880,000 bytes hold 200 tokens -> 192
+    assert budget_from_memory(378_880_000, 947_200) == 192
+    assert budget_from_memory(10**6, 947_200) == 16  # never under 16 tokens (the start-up check refuses such a run)
     assert budget_from_memory(10**15, 947_200) == 65536  # nor over 65,536
 
 

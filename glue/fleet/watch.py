@@ -29,6 +29,7 @@ their repair is the replacement alone (`fleet_repair`), and their faults count u
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,16 +73,28 @@ class FleetWatch:
         self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
 
     # ---- what the loop calls
-    async def run(self, training: asyncio.Future) -> Any:
+    async def run(self, training: asyncio.Future, stopping: Callable[[], bool] = lambda: False) -> Any:
         """Await `training` while watching; a fault that cannot be repaired cancels it and raises ProcessDied (as
         does a training error once a process died, or a dead trainer rank), instead of a traceback from whichever
-        call met the death first."""
+        call met the death first. Once `stopping()` (a stop was asked) a process that exits is no fault: the signal
+        may have reached it too (`ray job stop` signals every process below the driver), and the stop goes on to its
+        checkpoint, which needs the trainer, not the router."""
         from ray.exceptions import RayActorError
 
         watches = [self, *self.beside]
         watchdogs = [asyncio.ensure_future(w._watch()) for w in watches]
         try:
-            await asyncio.wait({training, *watchdogs}, return_when=asyncio.FIRST_COMPLETED)
+            watching = {training, *watchdogs}
+            while True:
+                await asyncio.wait(watching, return_when=asyncio.FIRST_COMPLETED)
+                ended = {w for w in watching - {training} if w.done()}
+                if training.done() or not ended or not stopping():
+                    break
+                for watchdog in ended:
+                    reason = str(watchdog.exception() or "").strip().splitlines()[:1]
+                    print(f"sluice: {reason[0] if reason else 'a watched process ended'} (after the stop was asked): "
+                          "not repaired; the stop goes on to its checkpoint", file=sys.stderr, flush=True)
+                watching -= ended
             if not training.done():
                 training.cancel()
                 await asyncio.gather(training, return_exceptions=True)

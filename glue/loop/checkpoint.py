@@ -1,12 +1,15 @@
 """Checkpoints of a run: `<run>/checkpoints/step_<N>/` holds the trainer's part (glue.trainer.checkpointing: `dist/`,
 the weights as each rank's shards; `trainer/`: optimizer and RNG state per rank) and the driver's (`state.json`: step, policy version, the
 task's cursor and the groups to issue again). Each is written into a `.partial` folder and renamed once complete, so
-a crash mid-write leaves the previous checkpoint the latest; only the newest `keep` are kept."""
+a crash mid-write leaves the previous checkpoint the latest; only the newest `keep` are kept, each moved aside
+(`.step_<N>.removing`) before it is deleted, so a crash mid-delete never leaves a `step_<N>` with part of its files.
+A `step_<N>` without state.json (written last) is incomplete and never resumed."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,12 +19,20 @@ STATE = "state.json"
 
 
 class Checkpoints:
-    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0):
-        self.directory, self.keep, self.interval = Path(directory), keep, interval
+    """`interval`: every this many steps; `interval_s`: also at the first step boundary this many seconds after the
+    last checkpoint (or the run's start); 0 / None: not on that schedule. `clock`: seconds, monotonic."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0, interval_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.directory, self.keep, self.interval, self.interval_s = Path(directory), keep, interval, interval_s
+        self.clock = clock
+        self.last_saved = clock()
 
     def due(self, step: int, *, last: bool) -> bool:
-        """Every `interval` steps (0: never on a schedule), and always at the run's last step."""
-        return last or (self.interval > 0 and step % self.interval == 0)
+        """Every `interval` steps, once `interval_s` has passed since the last checkpoint, and always at the run's
+        last step."""
+        return (last or (self.interval > 0 and step % self.interval == 0)
+                or (bool(self.interval_s) and self.clock() - self.last_saved >= self.interval_s))
 
     def all(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -33,6 +44,14 @@ class Checkpoints:
     def latest(self) -> Path | None:
         done = self.all()
         return done[-1] if done else None
+
+    def incomplete(self) -> list[Path]:
+        """`step_<N>` folders without their state.json (copied by hand, or cut short by a file system without atomic
+        renames), oldest first: never resumed."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if p.name.startswith("step_") and not (p / STATE).is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
     def save(self, step: int, write_trainer: Callable[[str], None], state: dict[str, Any]) -> Path:
         """Write checkpoint `step`: the trainer's part by `write_trainer(folder)`, then `state` (+ step); renamed
@@ -46,13 +65,14 @@ class Checkpoints:
             json.dump({**state, "step": step}, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        shutil.rmtree(final, ignore_errors=True)
+        remove(final)  # the same step saved again (a stop's checkpoint after a scheduled one)
         os.rename(partial, final)
         fsync_path(str(self.directory))
         for old in self.all()[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in self.directory.glob(".step_*.partial"):  # left by a crash mid-write
-            shutil.rmtree(stale, ignore_errors=True)
+            remove(old)
+        for stale in [*self.directory.glob(".step_*.partial"), *self.directory.glob(".step_*.removing")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write or mid-delete
+        self.last_saved = self.clock()
         return final
 
     @staticmethod
@@ -62,3 +82,13 @@ class Checkpoints:
             raise FileNotFoundError(f"{checkpoint} is not a complete sluice checkpoint (no {STATE})")
         return json.loads(path.read_text())
 
+
+
+def remove(checkpoint: Path) -> None:
+    """Delete `checkpoint` (if there), renamed out of the `step_<N>` names first: never a half-deleted one to resume."""
+    aside = checkpoint.with_name(f".{checkpoint.name}.removing")
+    try:
+        os.rename(checkpoint, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)

@@ -99,11 +99,12 @@ async def run_loop(parts: LoopParts, *, num_steps: int, loss_cfg: LossConfig, pa
             with timer("train"):
                 train_metrics = await asyncio.to_thread(hooks.train_guard, lambda: train_phase(phases, trainer, batch))
             stream.trained(trainer.version)
-            if gate.should_sync():
+            # once a stop is asked the step goes straight to its checkpoint: a resume syncs the engines anyway
+            if gate.should_sync() and not hooks.stop():
                 with timer("sync"):
                     await stream.sync(lambda: hooks.sync_guard(lambda: sync_weights(fleet, phases, trainer.version,
                                                                                     pause_mode)), trainer.version)
-            evaluation = await hooks.evaluate(step)
+            evaluation = await hooks.evaluate(step) if not hooks.stop() else {}
             wall = time.perf_counter() - started
             record = {"step": step, **rollout_metrics(groups), **train_metrics, **staleness, **stream.metrics(wall),
                       **timer.metrics, **phases.metrics(), "time/step_s": wall,

@@ -3,6 +3,7 @@ had so far is checkpointed, so a resume issues the unfinished groups again."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any, Awaitable
 
 
@@ -30,5 +31,20 @@ async def save_cut(parts: Any, step: int) -> None:
     if parts.checkpoints is None:
         return
     state = {**await parts.stream.checkpoint_state(parts.fleet), "version": parts.trainer.version}
-    await asyncio.to_thread(parts.hooks.train_guard,
-                            lambda: parts.checkpoints.save(step, parts.trainer.save_checkpoint, state))
+    saved = await asyncio.to_thread(parts.hooks.train_guard,
+                                    lambda: parts.checkpoints.save(step, parts.trainer.save_checkpoint, state))
+    print(f"sluice: {cut_summary(state, saved)}", file=sys.stderr, flush=True)
+
+
+def cut_summary(state: dict, saved: Any) -> str:
+    """What a cut step's checkpoint kept and what it could not: the finished groups whole, the samples of the groups
+    still generating that their rollout function tracked (with their tokens so far); the other samples of those
+    groups are generated again from their prompts, and the step itself is trained after the resume."""
+    partial = state.get("partial", {})
+    samples = sum(len(v) for v in partial.values())
+    untracked = len(state["reissue"]) - len(partial)
+    lost = (f"; {untracked} of them tracked no sample (ctx.track) and are generated again from the prompt"
+            if untracked else "")
+    return (f"checkpoint {saved} (the last step trained): {len(state.get('finished', []))} finished groups kept whole, "
+            f"{len(state['reissue'])} still generating issued again on resume with {samples} samples' tokens so far"
+            f"{lost}; the cut step is trained after the resume")

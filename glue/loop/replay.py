@@ -126,7 +126,7 @@ class NoTrainer:
 class NoFleet:
     """Stands in for the fleet watch in a train_only run: no engines to watch, pause or bring to new weights."""
 
-    async def run(self, training: asyncio.Future) -> Any:
+    async def run(self, training: asyncio.Future, stopping: Callable[[], bool] = lambda: False) -> Any:
         return await training
 
     def guarded_sync(self, sync: Callable[[], Any]) -> Any:

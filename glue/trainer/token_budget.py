@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 ACTIVATION_SHARE = 0.5  # of the free device memory one micro-batch's activations may take (the rest: allocator slack, logprob chunks, NCCL)
-SMALLEST, LARGEST, STEP = 1024, 65536, 256  # the budget's bounds and rounding, in tokens
+SMALLEST, LARGEST, STEP = 16, 65536, 256  # the budget's bounds and rounding (to SMALLEST under STEP), in tokens
 
 
 def activation_bytes_per_token(config: Any, vocab_size: int, num_layers: int) -> int:
@@ -26,9 +26,12 @@ def activation_bytes_per_token(config: Any, vocab_size: int, num_layers: int) ->
 
 
 def budget_from_memory(free_bytes: int, bytes_per_token: int) -> int:
-    """The token budget `free_bytes` holds at ACTIVATION_SHARE, rounded down to STEP, within [SMALLEST, LARGEST]."""
+    """The token budget `free_bytes` holds at ACTIVATION_SHARE, rounded down to STEP (to SMALLEST under STEP), within
+    [SMALLEST, LARGEST]. A big model on a full GPU may get a few hundred tokens: a sample longer than the budget still
+    gets a row of its own, so whether the longest sample fits at all is launch.plan.memory_lines' check at start."""
     tokens = int(free_bytes * ACTIVATION_SHARE) // max(bytes_per_token, 1)
-    return max(SMALLEST, min(LARGEST, tokens // STEP * STEP))
+    step = STEP if tokens >= STEP else SMALLEST
+    return max(SMALLEST, min(LARGEST, tokens // step * step))
 
 
 def resolve_token_budget(setting: int | str | None, model: torch.nn.Module, vocab_size: int,

@@ -4,6 +4,8 @@ SGLang's KV pool; a trainer rank whose training state cannot fit `cluster.gpu_me
 that would fit."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,7 +37,7 @@ def memory_plan(cfg: SluiceConfig) -> dict[str, Any]:
     plan = {"gpu": f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb)" if limit else
             "none: a CPU run (the figures are host memory per process, not checked)",
             "trainer": [rank_line(r, layout, settings, limit) for r in ranks],
-            "activations": activation_line(cfg, hf_config, layout, settings,
+            "activations": activation_line(cfg, activations(cfg, hf_config, layout, settings),
                                            (limit or 0) - max(r.total for r in ranks))}
     buffers = ipc_buffers(cfg, params.total * settings.weight_bytes)
     if cfg.run.mode != "sft":
@@ -76,11 +78,29 @@ def rank_line(r: RankMemory, layout: Layout, s: Settings, limit: float | None) -
             f"{host}")
 
 
-def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settings, free: float) -> str:
-    """glue.trainer.token_budget's activation estimate over the largest stage's layers (doubled in fp32) times the
-    micro-batch's tokens; under megatron's full recompute only each layer's input is kept, plus one layer while it is
-    recomputed. `free`: what the training state leaves of the GPU, for `auto`'s budget."""
-    t = cfg.trainer
+@dataclass(frozen=True)
+class Activations:
+    """One trainer rank's activation estimate: `per_token` bytes as megatron keeps them (recompute and precision
+    counted), `plain` as the trainer sizes `auto` with (glue.trainer.token_budget), `how` in words, and how many
+    micro-batches are in flight at once (`in_flight`: PP under 1F1B) over how many ranks a sample's tokens are split
+    (`cp`)."""
+
+    per_token: int
+    plain: int
+    how: str
+    in_flight: int
+    cp: int
+
+    def of(self, tokens: int) -> int:
+        """Bytes of the micro-batches in flight, each of `tokens` tokens."""
+        return self.per_token * math.ceil(tokens / self.cp) * self.in_flight
+
+
+def activations(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settings, *, recompute: bool | None = None
+                ) -> Activations:
+    """glue.trainer.token_budget's activation estimate over the largest stage's layers (doubled in fp32); under
+    megatron's full recompute (`recompute`, default: the trainer's setting) only each layer's input is kept, plus one
+    layer while it is recomputed."""
     fields = family_of(hf_config).megatron_fields(hf_config)  # the expert width and top-k, as the trainer sets them
     config = SimpleNamespace(tensor_model_parallel_size=layout.tp, hidden_size=hf_config.hidden_size,
                              ffn_hidden_size=hf_config.intermediate_size, num_moe_experts=num_experts(hf_config),
@@ -88,21 +108,45 @@ def activation_line(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settin
                              moe_router_topk=fields.get("moe_router_topk"))
     layers, vocab = max(map(len, layout.stages(hf_config.num_hidden_layers))), hf_config.vocab_size
     plain = activation_bytes_per_token(config, vocab, layers)  # what the trainer sizes `auto` with
-    if t.megatron.get("recompute_granularity") == "full":
+    if recompute is None:
+        recompute = cfg.trainer.megatron.get("recompute_granularity") == "full"
+    if recompute:
         per_token = activation_bytes_per_token(config, vocab, 1) + layers * 2 * hf_config.hidden_size // layout.tp
         how = "--recompute-granularity full: each layer's input only, plus one layer while it is recomputed"
     else:
         per_token, how = plain, "no recompute: every layer's activations"
-    per_token *= 1 if s.bf16 else 2
     if layout.pp > 1:
         how += f"; the largest stage's {layers} layers, up to {layout.pp} micro-batches in flight (1F1B)"
+    return Activations(per_token=per_token * (1 if s.bf16 else 2), plain=plain, how=how, in_flight=layout.pp,
+                       cp=layout.cp)
+
+
+def activation_line(cfg: SluiceConfig, act: Activations, free: float) -> str:
+    """`plan.memory.activations`: per 1k tokens and for the configured micro-batch. `free`: what the training state
+    leaves of the GPU, for `auto`'s budget."""
     tokens, source = micro_batch_tokens(cfg)
+    per_1k = f"{format_bytes(act.per_token * 1000)} per 1k tokens"
     if tokens is None:
-        budget = budget_from_memory(int(max(free, 0)), plain)
-        return (f"about {format_bytes(per_token * 1000)} per 1k tokens of a micro-batch ({how}); {source}: about "
-                f"{budget:,} tokens in the {format_bytes(max(free, 0))} the training state leaves")
-    return (f"about {format_bytes(per_token * tokens * layout.pp)} for a micro-batch of {tokens:,} tokens ({source}; "
-            f"{format_bytes(per_token * 1000)} per 1k tokens, {how})")
+        budget, (longest, _) = budget_from_memory(int(max(free, 0)), act.plain), longest_sample(cfg)
+        own = f"; a longer sample (up to {longest:,} tokens) gets a row of its own" if longest > budget else ""
+        return (f"about {per_1k} of a micro-batch ({act.how}); {source}: about {budget:,} tokens in the "
+                f"{format_bytes(max(free, 0))} the training state leaves{own}")
+    return f"about {format_bytes(act.of(tokens))} for a micro-batch of {tokens:,} tokens ({source}; {per_1k}, {act.how})"
+
+
+def longest_sample(cfg: SluiceConfig) -> tuple[int, str]:
+    """The most tokens one sample can have under the config, and from which keys: sft.max_seq_len; slime's
+    prompt-plus-response budget; the task's prompt limit + rollout.sampling.max_new_tokens; or, with no prompt limit
+    known, the response alone (a lower bound)."""
+    if cfg.run.mode == "sft":
+        return cfg.sft.max_seq_len, f"sft.max_seq_len {cfg.sft.max_seq_len}"
+    if cfg.rollout.slime.max_context_len is not None:
+        return cfg.rollout.slime.max_context_len, f"rollout.slime.max_context_len {cfg.rollout.slime.max_context_len}"
+    prompt, response = cfg.rollout.task_args.get("max_prompt_tokens"), cfg.rollout.sampling.max_new_tokens
+    if prompt:
+        return prompt + response, (f"rollout.task_args.max_prompt_tokens {prompt} + rollout.sampling.max_new_tokens "
+                                   f"{response}")
+    return response, f"rollout.sampling.max_new_tokens {response}, the prompt not counted"
 
 
 def micro_batch_tokens(cfg: SluiceConfig) -> tuple[int | None, str]:
@@ -113,10 +157,7 @@ def micro_batch_tokens(cfg: SluiceConfig) -> tuple[int | None, str]:
         return None, "trainer.max_tokens_per_micro_batch auto: sized at start from the memory left"
     if isinstance(budget, int) and budget > 0:
         return budget, f"trainer.max_tokens_per_micro_batch={budget}"
-    prompt = cfg.rollout.task_args.get("max_prompt_tokens")
-    longest = cfg.rollout.sampling.max_new_tokens + (prompt or 0)
-    counted = ("rollout.task_args.max_prompt_tokens + rollout.sampling.max_new_tokens" if prompt else
-               "rollout.sampling.max_new_tokens, the prompt not counted")
+    longest, counted = longest_sample(cfg)
     return t.micro_batch_size * longest, (f"padded rows: trainer.micro_batch_size {t.micro_batch_size} x {longest} "
                                           f"tokens of {counted}")
 
@@ -168,6 +209,7 @@ def check_memory(cfg: SluiceConfig) -> str:
     limit = gpu_bytes(cfg) - (buffers.total if buffers else 0)  # a sync holds the trainer's state and a bucket copy
     if peak.total > limit:
         raise ConfigError(too_large(cfg, hf_config, params, layout, settings, peak, limit))
+    check_activations(cfg, hf_config, layout, settings, peak.total, limit)
     if cfg.run.mode != "sft" and cfg.cluster.engine_server == "sglang":
         weights, kv, how = engine_memory(cfg, params.total, buffers=buffers)
         if kv <= 0:
@@ -185,8 +227,49 @@ def check_memory(cfg: SluiceConfig) -> str:
                                   f"gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); raise {name}."
                                   "tensor_parallel_size or sglang.mem_fraction_static")
     copies = f" + ipc bucket buffers {format_bytes(buffers.total)}" if buffers else ""
-    return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state{copies} of "
-            f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb), activations on top (plan.memory)")
+    tokens, _ = checked_micro_batch(cfg)
+    act = activations(cfg, hf_config, layout, settings).of(tokens)
+    return (f"memory: a trainer rank holds {format_bytes(peak.total)} of training state{copies} + about "
+            f"{format_bytes(act)} of activations for a micro-batch of {tokens:,} tokens of "
+            f"{cfg.cluster.gpu_memory_gb:g} GB per GPU (cluster.gpu_memory_gb; plan.memory has the figures)")
+
+
+def checked_micro_batch(cfg: SluiceConfig) -> tuple[int, str]:
+    """The widest micro-batch the trainer can form, for the check against the GPU: the configured one, or the
+    longest sample where that is wider (a sample longer than the token budget gets a row of its own); under `auto`
+    the longest sample (the budget is sized from what is left, so only a sample wider than that can overflow)."""
+    longest, counted = longest_sample(cfg)
+    tokens, source = micro_batch_tokens(cfg)
+    if tokens is None or tokens < longest:
+        return longest, f"the longest sample: {counted}"
+    return tokens, source
+
+
+def check_activations(cfg: SluiceConfig, hf_config: Any, layout: Layout, s: Settings, state: int, limit: float) -> None:
+    """A GPU trainer rank holds its training state (`state` bytes, of `limit`) plus one micro-batch's activations
+    (checked_micro_batch), else a ConfigError with the figures and what would make it fit."""
+    tokens, source = checked_micro_batch(cfg)
+    act = activations(cfg, hf_config, layout, s)
+    need = act.of(tokens)
+    if state + need <= limit:
+        return
+    auto = cfg.trainer.max_tokens_per_micro_batch == "auto"
+    what = (f"trainer.max_tokens_per_micro_batch auto cannot fit the longest sample at all: {tokens:,} tokens "
+            f"({source.removeprefix('the longest sample: ')})" if auto else f"a micro-batch of {tokens:,} tokens ({source})")
+    fixes = []
+    if not cfg.trainer.megatron.get("recompute_granularity"):
+        recomputed = activations(cfg, hf_config, layout, s, recompute=True)
+        if state + recomputed.of(tokens) <= limit:
+            fixes.append(f"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 would fit (about "
+                         f"{format_bytes(recomputed.of(tokens))} of activations)")
+    if not auto:
+        fixes.append("a smaller trainer.max_tokens_per_micro_batch or trainer.micro_batch_size")
+    fixes.append("shorter samples, or a larger TP / PP (or --optimizer-cpu-offload) to leave more of the GPU")
+    raise ConfigError(f"{what} needs about {format_bytes(need)} of activations on a trainer rank ({layout.describe()}; "
+                      f"{format_bytes(act.per_token * 1000)} per 1k tokens, {act.how}), and its training state takes "
+                      f"{format_bytes(state)}: {format_bytes(state + need)}, more than the "
+                      f"{format_bytes(limit)} of cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}"
+                      f"{' less the ipc bucket buffers' if limit < gpu_bytes(cfg) else ''}; {'; or '.join(fixes)}")
 
 
 def too_large(cfg: SluiceConfig, hf_config: Any, params: Any, layout: Layout, settings: Settings, peak: RankMemory,

@@ -40,7 +40,7 @@ def find_checkpoint(cfg: SluiceConfig) -> Path | None:
         return Path(resume).resolve()
     if cfg.run.overwrite:
         return None
-    latest = Checkpoints(cfg.run_dir / "checkpoints").latest() if resume == "auto" else None
+    latest = newest_complete(Checkpoints(cfg.run_dir / "checkpoints")) if resume == "auto" else None
     if latest is not None and cfg.run.debug != "off":
         raise ConfigError(f"{cfg.run_dir} holds checkpoint {latest.name}, but a run.debug={cfg.run.debug} run does "
                           "not resume; start it under another run.name=..., or set run.overwrite=true")
@@ -49,6 +49,17 @@ def find_checkpoint(cfg: SluiceConfig) -> Path | None:
         return latest
     check_run_dir(cfg)
     return None
+
+
+def newest_complete(checkpoints: Checkpoints) -> Path | None:
+    """The newest complete checkpoint; a newer incomplete one (no state.json) is passed over with a line."""
+    latest = checkpoints.latest()
+    newest = -1 if latest is None else int(latest.name.split("_")[1])
+    for skipped in checkpoints.incomplete():
+        if int(skipped.name.split("_")[1]) > newest:
+            print(f"sluice: {skipped} is not a complete checkpoint (no state.json, which is written last): passed "
+                  f"over; resuming from {latest if latest is not None else 'the start'}", flush=True)
+    return latest
 
 
 def check_resume_kind(state: dict, checkpoint, mode: str) -> None:

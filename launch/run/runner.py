@@ -34,6 +34,7 @@ from launch.plan.run_plan import RunPlan, resolve
 from launch.run.cluster import describe_placement, start_cluster
 from launch.run.components import make_phases, start_components
 from launch.run.folder import export_final_policy, find_checkpoint, plot_run, prepare_model
+from launch.run.folder_lock import RunFolderLock
 from launch.run.preflight import preflight
 from launch.run.startup import StartupClock
 from launch.run.stopping import StopSignals, cancel_tasks
@@ -49,8 +50,14 @@ def run(cfg: SluiceConfig) -> Path:
     if cfg.run.mode == "sft":
         raise ConfigError("run.mode sft runs through `sluice` (launch.cli.start) or launch.run.sft.run_sft, not the RL runner")
     preflight(cfg, plan)
-    run_dir = cfg.run_dir
     check_replay(cfg)
+    with RunFolderLock(cfg.run_dir):  # one run per folder, for the run's whole life (launch.run.folder_lock)
+        return run_in_folder(cfg, plan)
+
+
+def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
+    """`run`, once the run holds its folder: the checkpoint to continue, start-up, the loop, the clean-up."""
+    run_dir = cfg.run_dir
     resume_from = find_checkpoint(cfg)
     clock = StartupClock()
     model_path = prepare_model(cfg, run_dir)
@@ -211,13 +218,14 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
         build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch)
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                              interval=cfg.run.save_interval) if debug != "rollout_only" else None
+                              interval=cfg.run.save_interval,
+                              interval_s=cfg.run.save_interval_s) if debug != "rollout_only" else None
     parts = LoopParts(stream=stream, trainer=trainer, fleet=watch, phases=colocation, logger=logger,
                       checkpoints=checkpoints, hooks=hooks)
     training = asyncio.ensure_future(run_loop(parts, num_steps=cfg.run.num_steps, loss_cfg=cfg.loss,
                                               pause_mode=cfg.sync.pause_mode, first_step=first_step))
     try:
-        return await watch.run(training)
+        return await watch.run(training, stopping=stop)
     finally:
         logger.close()
 

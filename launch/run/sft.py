@@ -20,6 +20,7 @@ from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths, start_cluster
 from launch.run.components import trainer_actor_options
 from launch.run.folder import export_final_policy, find_checkpoint, plot_run, prepare_model
+from launch.run.folder_lock import RunFolderLock
 from launch.run.preflight import preflight
 from launch.run.startup import StartupClock
 from launch.run.stopping import StopSignals
@@ -29,6 +30,12 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
     """Run the resolved SFT config `cfg` to completion (or a requested stop); returns the run directory."""
     preflight(cfg, plan)
     check_sft_files(cfg)
+    with RunFolderLock(cfg.run_dir):  # one run per folder, for the run's whole life (launch.run.folder_lock)
+        return run_sft_in_folder(cfg, plan)
+
+
+def run_sft_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
+    """`run_sft`, once the run holds its folder."""
     run_dir = cfg.run_dir
     resume_from = find_checkpoint(cfg)
     clock = StartupClock()
@@ -148,6 +155,7 @@ def train(cfg: SluiceConfig, samples: list, trainer, *, first_step: int, cursor:
         progress.set_postfix(loss=f"{record.get('train/loss', 0):.3f}")
 
     data = ConversationStream(samples, per_step=cfg.sft.conversations_per_step, seed=cfg.run.seed, cursor=cursor)
-    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, interval=cfg.run.save_interval)
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, interval=cfg.run.save_interval,
+                              interval_s=cfg.run.save_interval_s)
     return run_sft_loop(num_steps=cfg.run.num_steps, data=data, trainer=trainer, logger=logger,
                         checkpoints=checkpoints, first_step=first_step, stop=stop, on_step=on_step)

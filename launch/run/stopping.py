@@ -1,6 +1,7 @@
 """SIGINT and SIGTERM during a run. Once training runs, the first signal asks the loop to stop after the step in
 progress, waiting for it at most `grace_s` (run.stop_grace_s): a step still waiting on groups then is cut, its
-groups' samples so far checkpointed (nothing more is trained, every process is stopped, exit 0). A second signal,
+groups' samples so far checkpointed (nothing more is trained, every process is stopped, exit 0); a step still
+training or syncing then is not cut, and a line says its checkpoint follows it. A second signal,
 or any during start-up, stops at once (KeyboardInterrupt unwinds the run's ExitStack; exit 130). While the processes
 are being stopped, signals are only acknowledged: an interrupted clean-up would leave processes (or a thread blocked
 on them) behind."""
@@ -19,6 +20,7 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     POLL_S = 0.1  # how often grace_over looks at the clock (the handler runs between the loop's callbacks)
+    LATE_S = 1.0  # after the grace, how long a cut may take to start before the step is said to be still running
 
     def __init__(self, grace_s: float | None = None) -> None:
         self.grace_s = grace_s  # None: the step in progress is always waited for (SFT: its steps never wait on groups)
@@ -26,15 +28,20 @@ class StopSignals:
         self.requested_at: float | None = None  # time.monotonic() of that signal
         self.armed = False
         self.stopping = False
+        self.cut = False  # the grace ran out while the step waited on groups, and the wait was cut
+        self._asked, self._closed = threading.Event(), threading.Event()  # a stop was asked; the context was left
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if self.grace_s is not None:
+            threading.Thread(target=self._say_when_still_running, name="stop-grace", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closed.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -46,6 +53,7 @@ class StopSignals:
         while (self.requested_at is None or self.grace_s is None
                or time.monotonic() < self.requested_at + self.grace_s):
             await asyncio.sleep(self.POLL_S)
+        self.cut = True
         print(f"sluice: the step in progress did not finish within run.stop_grace_s={self.grace_s:g} s: cancelling "
               "the groups still generating; their samples so far go into the checkpoint", file=sys.stderr, flush=True)
 
@@ -61,6 +69,20 @@ class StopSignals:
                                                  "groups checkpointed")
         print(f"\nsluice: {name}: stopping after the step in progress{grace} (send it again to stop at once)",
               file=sys.stderr, flush=True)
+        self._asked.set()
+
+    def _say_when_still_running(self) -> None:
+        """Once a stop's grace is over with nothing cut, the step is training, syncing or checkpointing, which cannot be
+        cut without losing it; say so, since whoever sent the signal may be about to SIGKILL. (A thread of its own,
+        started with the handlers: a signal handler only sets an event.)"""
+        while not self._asked.wait(self.LATE_S):
+            if self._closed.is_set():
+                return
+        if self._closed.wait(self.grace_s + self.LATE_S) or self.cut or self.stopping:
+            return
+        print(f"sluice: run.stop_grace_s={self.grace_s:g} s has passed and the step in progress is training, syncing "
+              "weights or writing its checkpoint, which is not cut: the checkpoint follows it (a SIGKILL before then "
+              "loses the steps since the last checkpoint)", file=sys.stderr, flush=True)
 
 
 def cancel_tasks(loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> None:
