@@ -187,3 +187,32 @@ def test_the_stacked_gradient_lands_in_megatrons_reversed_evenly_spaced_buffers_
     assert buffer[:10].abs().sum() == 0, "the other parameter's gradient is untouched"
     apart = [torch.zeros(6, 4), torch.zeros(6, 4)]
     assert evenly_spaced(apart) is None  # two storages: one add each
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("moe")), family="qwen3_moe", seed=3)
+
+
+def test_a_train_step_with_grouped_experts_is_the_sequential_step_through_megatron_ddp(moe_model):
+    """The trainer's real step (megatron DDP's gradient buffers, the distributed optimizer): the same loss, gradient
+    norm, logprobs and updated weights, the stacked gradients having gone into DDP's buffers directly."""
+    from helpers.trainer import ADAM, assert_same_step, make_batch, run_trainer_ranks
+
+    batch = make_batch()
+    sequential = run_trainer_ranks(moe_model, 1, batch, **ADAM)
+    grouped = run_trainer_ranks(moe_model, 1, batch, **ADAM, megatron={"moe_grouped_gemm": True})
+    assert_same_step(sequential, grouped, "grouped experts")
+
+
+@pytest.mark.long  # two pairs of trainer ranks; the step at EP = 1 above and the layer at EP = 2 stay in CI
+def test_grouped_experts_over_two_expert_parallel_ranks_train_like_sequential_ones_on_one(moe_model):
+    from helpers.trainer import ADAM, assert_same_step, make_batch, run_trainer_ranks
+
+    batch = make_batch()
+    one = run_trainer_ranks(moe_model, 1, batch, **ADAM)
+    two = run_trainer_ranks(moe_model, 1, batch, **ADAM, data_parallel_size=2, expert_model_parallel_size=2,
+                            megatron={"moe_grouped_gemm": True})
+    assert_same_step(one, two, "grouped experts, EP=2 x DP=2")

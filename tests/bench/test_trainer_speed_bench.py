@@ -266,6 +266,7 @@ def test_trainer_speed(tmp_path):
     assert t2["local"] > 0, "the census must see megatron's [T, T] scores, or it sees nothing"
 
 
+@pytest.mark.timeout(2400)  # 18 trainer processes, SequentialMLP at 128 experts among them
 def test_trainer_speed_moe(tmp_path):
     """The `moe` row: launches per MoE layer per micro-batch, forward + backward (counted as `launches_per_layer`),
     and train tokens/s, of megatron's SequentialMLP and sluice's grouped experts (`--moe-grouped-gemm`) at 8, 32
