@@ -6,15 +6,13 @@ distributed-checkpoint shards, and the stacked weight gradient lands in megatron
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 
 import pytest
 import torch
 
 from helpers.forkserver import rank_context
-from helpers.trainer import results_of_ranks
-from helpers.trainer_process import _free_port
+from helpers.trainer import _free_port, join_gloo, results_of_ranks
 
 from glue.trainer.grouped_experts import (GROUPED_MM, PADDED_BMM, ExpertGroups, _StackedExperts, evenly_spaced,
                                           experts_kernel)
@@ -24,7 +22,6 @@ FAMILIES = ("qwen3_moe", "gpt_oss")
 LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 2), (2, 1, 1))
 CASES = [(family, layout) for layout in LAYOUTS for family in FAMILIES
          if not (family == "gpt_oss" and layout[2] > 1)]
-TOKENS = 24  # per rank: seq 12 x batch 2
 
 
 def _moe_layer(family: str, layout: tuple[int, int, int], grouped: bool, dtype: torch.dtype):
@@ -87,12 +84,7 @@ def _case(family: str, layout: tuple[int, int, int], dtype: torch.dtype, rank: i
 def _rank_main(rank: int, port: int, results) -> None:
     from megatron.core import parallel_state
 
-    from glue.trainer import cpu_compat
-
-    cpu_compat.apply()
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     out = {}
     for tp, ep, etp in LAYOUTS:
         parallel_state.destroy_model_parallel()
