@@ -153,6 +153,9 @@ def test_the_padded_product_gives_the_grouped_products_result_with_an_expert_of_
     assert _gap(groups.product(x, weight, PADDED_BMM), expected) <= 1e-6
     assert _gap(groups.product(x, weight, GROUPED_MM), expected) <= 1e-6
     assert groups.expert_of_row.tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3, 3]
+    none = ExpertGroups(torch.zeros(4, dtype=torch.int64), 0, x.device)  # an EP rank no token was routed to
+    for kernel in (GROUPED_MM, PADDED_BMM):
+        assert none.product(x[:0], weight, kernel).shape == (0, 8)
 
 
 def test_unaligned_widths_take_the_padded_product():
