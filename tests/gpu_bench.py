@@ -34,6 +34,9 @@ class BenchModel:
     target_mfu: float | None  # the train MFU the trainer should reach on an H100
     cap_s: float  # wall seconds this model may take, write and load included
     compile: bool = False  # trainer.compile (--compile): the layers' elementwise work under torch.compile
+    megatron: dict[str, Any] = dataclasses.field(default_factory=dict)  # trainer.megatron flags (--moe-grouped-gemm)
+    layer_spec: str = "auto"  # trainer.layer_spec: local pins sluice's own experts where TE imports
+    run_peer: bool = True  # False: the peer is measured once, beside another variant of the same model
 
 
 def _qwen(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -50,9 +53,36 @@ MODELS = {
     "qwen2_1.5b": BenchModel(hf=_qwen("qwen2", 1536, 28, 12, 2, 8960, 151936, tied=True), samples=32, seq_len=1024,
                              max_tokens="auto", peer_rows=4, target_mfu=0.35, cap_s=260),
 }
+
+
+def _qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
+               expert_ffn: int, vocab: int) -> dict[str, Any]:
+    return {**_qwen("qwen3_moe", hidden, layers, heads, kv_heads, 4 * expert_ffn, vocab, tied=False),
+            "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": expert_ffn, "norm_topk_prob": True}
+
+
+def moe_variants(name: str, spec: BenchModel) -> dict[str, BenchModel]:
+    """An MoE model's entries: megatron's SequentialMLP and sluice's grouped experts on the local spec, the peer
+    measured once, beside the grouped one."""
+    local = dataclasses.replace(spec, layer_spec="local")
+    return {f"{name}_sequential": dataclasses.replace(local, run_peer=False, target_mfu=None),
+            f"{name}_grouped": dataclasses.replace(local, megatron={"moe_grouped_gemm": True})}
+
+
+# Qwen3-30B-A3B's layer (hidden 2048, 32 / 4 heads of 128, 128 experts of 768, top 8) cut to 6 of its 48 layers:
+# 4.4 B parameters (0.6 B active), about 80 GB for the trainer's bf16 weights, fp32 main weights, gradients and
+# Adam moments, and as much for the fp32 peer
+MOE_MODEL = ("qwen3_moe_a3b_6l", BenchModel(hf=_qwen3_moe(2048, 6, 32, 4, 128, 128, 8, 768, 151936), samples=32,
+                                            seq_len=512, max_tokens=8192, peer_rows=4, target_mfu=0.15, cap_s=240))
+MODELS.update(moe_variants(*MOE_MODEL))
 CPU_MODEL = ("tiny_cpu", BenchModel(hf=_qwen("qwen3", 64, 2, 4, 2, 128, 512, tied=False), samples=8, seq_len=64,
                                     max_tokens=256, peer_rows=4, target_mfu=None, cap_s=240))
+# the MoE entries' code path on CPU: 8 experts of 32, top 2
+CPU_MOE_MODEL = ("tiny_cpu_moe", BenchModel(hf=_qwen3_moe(64, 2, 4, 2, 16, 8, 2, 32, 512), samples=8, seq_len=64,
+                                            max_tokens=256, peer_rows=4, target_mfu=None, cap_s=240))
 TARGET_VS_PEER = 1.0  # sluice's train tokens/s over the peer's
+TARGET_GROUPED_VS_SEQUENTIAL = 5.0  # an MoE model's train tokens/s with grouped experts over SequentialMLP's
 MODEL_FLAGS = {"a": "qwen3_265m", "b": "qwen2_1.5b"}  # --batch-a, --max-tokens-b, ...
 
 
@@ -75,11 +105,13 @@ def megatron_flops_per_token(*, layers: int, hidden: int, heads: int, kv_heads: 
 
 
 def flops_per_token(hf: dict[str, Any], seq_len: int) -> float:
-    """`megatron_flops_per_token` for a model's HF config fields."""
+    """`megatron_flops_per_token` for a model's HF config fields; for an MoE model by its active parameters: the
+    FFN of the top-k experts a token runs through (the router's h x experts product is not counted)."""
+    ffn = hf["moe_intermediate_size"] * hf["num_experts_per_tok"] if hf.get("num_experts") else hf["intermediate_size"]
     return megatron_flops_per_token(
         layers=hf["num_hidden_layers"], hidden=hf["hidden_size"], heads=hf["num_attention_heads"],
-        kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn=hf["intermediate_size"],
-        vocab=hf["vocab_size"], seq_len=seq_len)
+        kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn=ffn, vocab=hf["vocab_size"],
+        seq_len=seq_len)
 
 
 def peak_flops(device_name: str | None) -> float | None:
@@ -139,11 +171,26 @@ def bench(specs: dict[str, BenchModel], steps: int, budget_s: float, env: dict) 
     return results
 
 
+def compare_experts(models: dict[str, dict], on_cuda: bool) -> dict[str, dict]:
+    """For each MoE model run both ways (`moe_variants`): grouped over sequential train tokens/s, and whether it
+    meets the target (a GPU target: null on CPU, where the tiny model only runs the code path)."""
+    out = {}
+    for name in [n.removesuffix("_grouped") for n in models if n.endswith("_grouped")]:
+        rates = [models.get(f"{name}_{kind}", {}).get("train_tokens_per_s") for kind in ("grouped", "sequential")]
+        ratio = rates[0] / rates[1] if all(isinstance(r, float) for r in rates) else "skipped: a rate was not measured"
+        out[name] = {"grouped_vs_sequential": ratio, "target": TARGET_GROUPED_VS_SEQUENTIAL,
+                     "device": "cuda" if on_cuda else "cpu, tiny shape (the code path, not a speed figure)",
+                     "meets_target": (ratio >= TARGET_GROUPED_VS_SEQUENTIAL
+                                      if isinstance(ratio, float) and on_cuda else None)}
+    return out
+
+
 def describe(spec: BenchModel) -> dict[str, Any]:
     """What was run: the model's shape, the batch, and megatron's FLOPs per token for it."""
     train = flops_per_token(spec.hf, spec.seq_len)
     batch = {"samples": spec.samples, "tokens_per_sample": spec.seq_len, "prompt_tokens": spec.seq_len // 8,
-             "max_tokens_per_micro_batch": spec.max_tokens, "precision": "bf16", "trainer_compile": spec.compile}
+             "max_tokens_per_micro_batch": spec.max_tokens, "precision": "bf16", "trainer_compile": spec.compile,
+             "layer_spec": spec.layer_spec, "megatron": spec.megatron}
     return {"model": spec.hf, "batch": batch, "flops_per_token": {"train": train, "forward": train / 3}}
 
 
@@ -162,6 +209,7 @@ def summary(name: str, result: dict[str, Any]) -> str:
             f"forward {show('forward_tokens_per_s', ',.0f', ' tok/s')} MFU {show('forward_mfu', '.1%')}, "
             f"peer {show('peer_tokens_per_s', ',.0f', ' tok/s', peer)} x{show('vs_peer', '.2f')}, "
             f"{show('peak_bytes_per_parameter', '.1f', ' B/param')}, kernel {result['attention_kernel']}, "
+            f"experts {result['experts_kernel']}, "
             f"gap {show('logprob_gap_vs_reference', '.2e')}, meets target: {result['meets_target']}")
 
 
@@ -176,14 +224,15 @@ def chosen_models(args: argparse.Namespace) -> dict[str, BenchModel]:
         specs[name] = dataclasses.replace(MODELS[name], samples=samples, seq_len=seq_len,
                                           max_tokens=getattr(args, f"max_tokens_{flag}"),
                                           peer_rows=getattr(args, f"peer_rows_{flag}"), compile=args.compile)
-    return {name: spec for name, spec in specs.items() if name in args.models}
+    return {name: specs.get(name) or dataclasses.replace(MODELS[name], compile=args.compile)
+            for name in MODELS if name in args.models}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(REPO / "bench-results" / "gpu_bench.json"), help="where to write the JSON")
     parser.add_argument("--steps", type=int, default=3, help="timed train steps and forward calls per model")
-    parser.add_argument("--budget-s", type=float, default=420, help="wall seconds for all models together")
+    parser.add_argument("--budget-s", type=float, default=900, help="wall seconds for all models together")
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS), help="comma-separated names")
     parser.add_argument("--compile", action="store_true", help="trainer.compile for sluice's trainer (the layers' "
                         "elementwise work under torch.compile; the warm-up step pays the compile)")
@@ -205,19 +254,23 @@ def main() -> int:
     put_tree_on_path()
     if env["cuda_available"]:
         models = bench(chosen_models(args), args.steps, args.budget_s, env)
-    else:  # the same code on a tiny model; the GPU models are only described
-        name, spec = CPU_MODEL
-        spec = dataclasses.replace(spec, compile=args.compile)
-        models = bench({name: spec}, args.steps, args.budget_s, env)
+    else:  # the same code on tiny models, dense and MoE; the GPU models are only described
+        tiny = {CPU_MODEL[0]: CPU_MODEL[1], **moe_variants(*CPU_MOE_MODEL)}
+        models = bench({name: dataclasses.replace(spec, compile=args.compile) for name, spec in tiny.items()},
+                       args.steps, args.budget_s, env)
         models.update({name: {**describe(spec), **{key: NO_CUDA for key in FIGURES}, **score({}, spec, False)}
                        for name, spec in chosen_models(args).items()})
     result = {**env, "peak_bf16_flops": peak_flops(env["device"]), "models": models,
-              "seconds": time.perf_counter() - started}
+              "experts": compare_experts(models, env["cuda_available"]), "seconds": time.perf_counter() - started}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     for name, figures in models.items():
         print(summary(name, figures))
+    for name, comparison in result["experts"].items():
+        ratio = comparison["grouped_vs_sequential"]
+        print(f"gpu-bench {name}: grouped experts {f'{ratio:.2f}x' if isinstance(ratio, float) else f'[{ratio}]'} "
+              f"SequentialMLP's train tokens/s ({comparison['device']}), meets target: {comparison['meets_target']}")
     print(f"gpu-bench: wrote {out} in {result['seconds']:.0f} s")
     return 0
 

@@ -16,7 +16,7 @@ NO_CUDA = "skipped: no CUDA"
 OVER_BUDGET = "skipped: time budget"
 OUT_OF_MEMORY = "out of memory"
 TRAINER_FIGURES = ("train_tokens_per_s", "train_mfu", "forward_tokens_per_s", "forward_mfu", "peak_bytes",
-                   "peak_bytes_per_parameter", "attention_kernel", "logprob_gap_vs_reference")
+                   "peak_bytes_per_parameter", "attention_kernel", "experts_kernel", "logprob_gap_vs_reference")
 FIGURES = ("parameters", *TRAINER_FIGURES, "peer")  # each model's; a string where not measured says why
 
 
@@ -136,6 +136,19 @@ def attention_hooks() -> tuple[Callable | None, Callable | None]:
     return getattr(attention, "attention_kernel", None), getattr(attention, "reference_attention", None)
 
 
+def experts_kernel(model: Any) -> str:
+    """What the model's routed experts run on its parameters' device and dtype: the grouped product of sluice's
+    grouped experts, another experts module's class name, or "none (dense)"."""
+    experts = next((m for m in model.modules() if type(m).__name__ in ("GroupedExperts", "SequentialMLP",
+                                                                       "TEGroupedMLP")), None)
+    if experts is None:
+        return "none (dense)"
+    if type(experts).__name__ != "GroupedExperts":
+        return type(experts).__name__
+    weight = next(experts.parameters())
+    return f"GroupedExperts: {experts.kernel(weight.dtype, weight.device.type)}"
+
+
 def measure_trainer(worker: Any, batch: Any, phases: Phases, steps: int, flops: float, peak: float | str) -> None:
     """Train and forward tokens/s of the started `worker` (one warm-up call each, then `steps` timed), its peak
     memory, its attention kernel and the logprob gap of that kernel to the unfused reference."""
@@ -168,7 +181,8 @@ def measure_trainer(worker: Any, batch: Any, phases: Phases, steps: int, flops: 
     phases.report({"peak_bytes": peak_bytes or NO_CUDA,
                    "peak_bytes_per_parameter": peak_bytes / phases.figures["parameters"] if peak_bytes else NO_CUDA})
     kernel, reference = attention_hooks()
-    phases.report({"attention_kernel": kernel(worker.model, packed=True) if kernel else "unknown"})
+    phases.report({"attention_kernel": kernel(worker.model, packed=True) if kernel else "unknown",
+                   "experts_kernel": experts_kernel(worker.model)})
 
     def gap() -> dict:
         if reference is None or "logprobs" not in fast:
@@ -213,7 +227,8 @@ def measure_peer(model_dir: str, batch: Any, spec: BenchModel, steps: int, devic
     fitted, too_big = first_that_fits(halvings(spec.peer_rows, 1), warm_up)
     seconds = time_calls(step, steps, device)[0]
     return {"peer": {**rate_figures("peer", seconds, sum(batch.seq_lens), flops, peak), "micro_batch_rows": fitted,
-                     "out_of_memory_at_rows": too_big, "weights": "fp32, bf16 autocast", "attention": "sdpa"}}
+                     "out_of_memory_at_rows": too_big, "weights": "fp32, bf16 autocast", "attention": "sdpa",
+                     "experts": getattr(model.config, "_experts_implementation", None)}}
 
 
 def model_process(spec: BenchModel, model_dir: str, steps: int, deadline: float, flops: float, peak: float | str,
@@ -239,7 +254,8 @@ def model_process(spec: BenchModel, model_dir: str, steps: int, deadline: float,
         batch = make_batch(spec, spec.hf["vocab_size"])
         # rollout old logprobs: train_step is one forward + backward + optimizer step, the peer's work and the work
         # megatron's FLOP count describes (the default recomputes old logprobs first, an uncounted extra forward)
-        cfg = TrainerConfig(precision="bf16", max_tokens_per_micro_batch=spec.max_tokens, compile=spec.compile)
+        cfg = TrainerConfig(precision="bf16", max_tokens_per_micro_batch=spec.max_tokens, compile=spec.compile,
+                            layer_spec=spec.layer_spec, megatron=dict(spec.megatron))
         worker = TrainerWorker(model_path=model_dir, cfg=cfg, loss_cfg=LossConfig(old_logprobs_from="rollout"),
                                rank=0, world_size=1)
         started = phases.run(("parameters",), lambda: {"trainer": worker.initialize(*worker.rendezvous_address()),
@@ -252,7 +268,10 @@ def model_process(spec: BenchModel, model_dir: str, steps: int, deadline: float,
         del worker
         gc.collect()
         torch.cuda.empty_cache()
-        phases.run(("peer",), lambda: measure_peer(model_dir, batch, spec, steps, device, flops, peak))
+        if spec.run_peer:
+            phases.run(("peer",), lambda: measure_peer(model_dir, batch, spec, steps, device, flops, peak))
+        else:
+            phases.report({"peer": "skipped: measured once, beside the grouped experts"})
     except Exception as err:  # recorded in the JSON, then raised: the other model still runs
         out.put({"error": f"{type(err).__name__}: {err}"[:1000]})
         raise

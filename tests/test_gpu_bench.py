@@ -76,7 +76,8 @@ def test_make_gpu_bench_without_cuda_runs_a_tiny_model_through_the_trainer_and_t
     result = json.loads(out.read_text())
     assert result["cuda_available"] is False and result["torch"] == torch.__version__ and result["seconds"] > 0
     tiny, big = result["models"]["tiny_cpu"], result["models"]["qwen3_265m"]
-    assert set(result["models"]) == {"tiny_cpu", "qwen3_265m", "qwen2_1.5b"}
+    assert set(result["models"]) == {"tiny_cpu", "tiny_cpu_moe_sequential", "tiny_cpu_moe_grouped", "qwen3_265m",
+                                     "qwen2_1.5b", "qwen3_moe_a3b_6l_sequential", "qwen3_moe_a3b_6l_grouped"}
     assert tiny["parameters"] > 0 and tiny["train_tokens_per_s"] > 0 and tiny["forward_tokens_per_s"] > 0
     assert tiny["peer"]["peer_tokens_per_s"] > 0 and isinstance(tiny["attention_kernel"], str)
     gap = tiny["logprob_gap_vs_reference"]
@@ -85,7 +86,17 @@ def test_make_gpu_bench_without_cuda_runs_a_tiny_model_through_the_trainer_and_t
         assert tiny[key] == NO_CUDA, key
     assert tiny["peer"]["peer_mfu"] == NO_CUDA and tiny["meets_target"] is None
     assert tiny["batch"]["trainer_compile"] is False
-    for name in ("qwen3_265m", "qwen2_1.5b"):
+    sequential, grouped = result["models"]["tiny_cpu_moe_sequential"], result["models"]["tiny_cpu_moe_grouped"]
+    assert sequential["experts_kernel"] == "SequentialMLP" and tiny["experts_kernel"] == "none (dense)"
+    assert grouped["experts_kernel"] == "GroupedExperts: torch._grouped_mm"  # bf16 on CPU, 16-byte rows
+    assert grouped["batch"]["megatron"] == {"moe_grouped_gemm": True} and grouped["batch"]["layer_spec"] == "local"
+    assert sequential["train_tokens_per_s"] > 0 and grouped["peer"]["peer_tokens_per_s"] > 0
+    assert sequential["peer"].startswith("skipped: measured once")
+    experts = result["experts"]["tiny_cpu_moe"]
+    assert experts["device"].startswith("cpu, tiny shape") and experts["meets_target"] is None
+    assert experts["grouped_vs_sequential"] > 0
+    assert result["experts"]["qwen3_moe_a3b_6l"]["meets_target"] is None
+    for name in ("qwen3_265m", "qwen2_1.5b", "qwen3_moe_a3b_6l_sequential", "qwen3_moe_a3b_6l_grouped"):
         model = result["models"][name]
         assert {model[key] for key in FIGURES} == {NO_CUDA} and model["vs_peer"] == NO_CUDA, name
         assert model["meets_target"] is None
@@ -93,12 +104,22 @@ def test_make_gpu_bench_without_cuda_runs_a_tiny_model_through_the_trainer_and_t
     assert big["targets"] == {"train_mfu": 0.25, "vs_peer": 1.0}
     assert result["models"]["qwen2_1.5b"]["targets"]["train_mfu"] == 0.35
     lines = [line for line in done.stdout.splitlines() if line.startswith("gpu-bench ")]
-    assert [line.split(":")[0] for line in lines] == [f"gpu-bench {name}" for name in result["models"]]
+    assert [line.split(":")[0] for line in lines] == [f"gpu-bench {name}" for name in [*result["models"],
+                                                                                      *result["experts"]]]
+
+
+def test_the_moe_models_flops_count_the_top_k_experts_a_token_runs_through():
+    moe = gpu_bench.MODELS["qwen3_moe_a3b_6l_grouped"].hf
+    active = dict(moe, num_experts=0, intermediate_size=8 * 768)  # a dense model of the active width
+    assert gpu_bench.flops_per_token(moe, 512) == gpu_bench.flops_per_token(active, 512)
+    assert moe["hidden_size"] == 2048 and moe["num_experts"] == 128 and moe["num_experts_per_tok"] == 8
 
 
 def test_gpu_bench_compile_flag_turns_trainer_compile_on_for_every_model(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--compile", "--models", "qwen3_265m"])
     specs = gpu_bench.chosen_models(gpu_bench.parse_args())
     assert list(specs) == ["qwen3_265m"] and specs["qwen3_265m"].compile is True
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--compile", "--models", "qwen3_moe_a3b_6l_grouped"])
+    assert gpu_bench.chosen_models(gpu_bench.parse_args())["qwen3_moe_a3b_6l_grouped"].compile is True
     monkeypatch.setattr(sys, "argv", ["gpu_bench.py"])
     assert not any(spec.compile for spec in gpu_bench.chosen_models(gpu_bench.parse_args()).values())

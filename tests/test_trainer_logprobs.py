@@ -4,14 +4,13 @@ and today's megatron vocab-parallel cross entropy (gradients included, fp32 and 
 far less than the fp32 copy of the logits that today's functions make, counted in tensor bytes."""
 from __future__ import annotations
 
-import os
 import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.trainer import _free_port, results_of_ranks
+from helpers.trainer import _free_port, join_gloo, results_of_ranks
 from helpers.forkserver import rank_context
 
 TEMPERATURE = 0.7
@@ -139,12 +138,7 @@ def _cases(tp: int) -> dict:
 def _rank_main(rank: int, port: int, results) -> None:
     from megatron.core import parallel_state
 
-    from glue.trainer import cpu_compat
-
-    cpu_compat.apply()
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     out = {}
     for tp in (1, 2):  # at TP=1 the two ranks are data-parallel and rank 0 alone runs the cases
         parallel_state.destroy_model_parallel()

@@ -46,7 +46,9 @@ RUNS = {"plain": {}, "replay": {"routing_replay": True},
                                                                   "recompute_method": "uniform",
                                                                   "recompute_num_layers": 1}},
         # old logprobs from the version snapshots (here the live weights: every token is version 0)
-        "replay_snapshot": {"routing_replay": True, "old_logprobs": "snapshot"}}
+        "replay_snapshot": {"routing_replay": True, "old_logprobs": "snapshot"},
+        # sluice's grouped experts behind the same router: replay is the router's, the experts' kind changes nothing
+        "replay_grouped": {"routing_replay": True, "megatron": {"moe_grouped_gemm": True}}}
 
 
 def _scenario(model_dir: str) -> dict:
@@ -156,13 +158,16 @@ def test_without_replay_the_trainer_routes_differently_and_with_replay_the_logpr
     # the gap the engine/trainer disagreement causes, measured both ways on the same weights: replay shrinks it
     assert replayed["moe/logprob_gap_with_replay"] < 0.5 * replayed["moe/logprob_gap_without_replay"]
     assert replayed["train/train_rollout_logprob_abs_diff"] < 0.5 * plain["train/train_rollout_logprob_abs_diff"]
-    # recompute changes nothing in what is computed
+    # recompute changes nothing in what is computed, nor do grouped experts
     assert runs["replay_recompute"]["metrics"]["train/loss"] == pytest.approx(replayed["train/loss"], abs=1e-6)
+    grouped = runs["replay_grouped"]["metrics"]
+    for name in ("train/loss", "moe/routing_agreement", "moe/logprob_gap_with_replay"):
+        assert grouped[name] == pytest.approx(replayed[name], abs=1e-6), name
 
 
 def test_with_replay_every_token_goes_to_the_replayed_experts_in_forward_and_in_recompute(runs):
     assert all(action is None for action, *_ in runs["plain"]["dispatches"])
-    for name in ("replay", "replay_recompute"):
+    for name in ("replay", "replay_recompute", "replay_grouped"):
         dispatches = runs[name]["dispatches"]
         actions = {action for action, *_ in dispatches}
         assert all(same for action, same, *_ in dispatches if action == "replay_forward"), name

@@ -4,8 +4,6 @@ are refused by both in one line; those that run on Transformer Engine (glue.trai
 import. Where TE imports they reach megatron's configs unchanged."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import yaml
 
@@ -18,7 +16,7 @@ from launch.cli import main
 from launch.config import ConfigError, load_config
 from launch.plan.run_plan import resolve
 
-NO_TE = ("--moe-grouped-gemm, --moe-permute-fusion need transformer-engine, which does not import on this machine "
+NO_TE = ("--moe-permute-fusion, --moe-router-fusion need transformer-engine, which does not import on this machine "
          "(the trainer nodes share its venv): install transformer-engine[pytorch] there or drop them")
 MOE = ["model.tiny.family=qwen3_moe"]
 
@@ -74,8 +72,8 @@ def test_adam_and_switched_off_never_run_options_are_accepted(capsys):
 
 def test_a_plan_only_model_directory_plans_te_options_with_a_requires_line(capsys, te_absent, plan_only_moe):
     lines = checked_lines(capsys, [f"model.path={plan_only_moe}", "--moe-grouped-gemm", "--moe-permute-fusion"])
-    assert ("requires: transformer-engine on the trainer nodes, for --moe-grouped-gemm, --moe-permute-fusion (it "
-            "does not import here)") in lines
+    assert ("requires: transformer-engine on the trainer nodes, for --moe-permute-fusion (it does not import "
+            "here)") in lines
 
 
 def test_a_plan_for_a_ray_cluster_names_te_and_the_layer_spec_it_needs(capsys, te_absent):
@@ -87,7 +85,7 @@ def test_a_plan_for_a_ray_cluster_names_te_and_the_layer_spec_it_needs(capsys, t
 
 
 def test_a_plan_for_this_machine_without_te_is_refused_like_a_start(capsys, te_absent, tmp_path):
-    argv = [*MOE, "--moe-grouped-gemm", "--moe-permute-fusion", f"run.output_dir={tmp_path}"]
+    argv = [*MOE, "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion", f"run.output_dir={tmp_path}"]
     assert one_line_error(capsys, argv) == f"sluice: config error: {NO_TE}"
     assert main(["--config", DEMO, *argv]) == 2  # the real start: refused before it writes or starts anything
     captured = capsys.readouterr()
@@ -101,7 +99,8 @@ def test_where_te_imports_the_options_are_checked_here_and_reach_megatrons_confi
     from glue.trainer.megatron_fields import to_megatron
 
     lines = checked_lines(capsys, [*MOE, "--moe-grouped-gemm", "--moe-router-fusion"])
-    assert "transformer-engine: imports here, for --moe-grouped-gemm, --moe-router-fusion" in lines
+    assert "transformer-engine: imports here, for --moe-router-fusion" in lines
+    assert "experts: transformer-engine grouped experts (TEGroupedMLP), every trainer rank" in lines
     values = TrainerConfig(megatron={"moe_grouped_gemm": True, "moe_permute_fusion": True,
                                      "use_precision_aware_optimizer": True}).megatron_values()
     assert to_megatron(TransformerConfig, values)["moe_grouped_gemm"] is True
@@ -111,13 +110,12 @@ def test_where_te_imports_the_options_are_checked_here_and_reach_megatrons_confi
 
 def test_the_trainer_node_refuses_te_options_where_te_does_not_import(te_absent):
     with pytest.raises(ValueError) as refused:
-        te_spec.check_te_options({"moe_grouped_gemm": True, "moe_permute_fusion": True, "bucket_size": 1})
+        te_spec.check_te_options({"moe_router_fusion": True, "moe_permute_fusion": True, "bucket_size": 1})
     assert str(refused.value) == NO_TE
-    te_spec.check_te_options({"moe_grouped_gemm": False, "bucket_size": 1})  # nothing asks for TE
+    te_spec.check_te_options({"moe_grouped_gemm": True, "bucket_size": 1})  # sluice's grouped experts need no TE
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(layer_spec="local", megatron={"moe_grouped_gemm": True}), "builds megatron's legacy GroupedMLP"),
     (dict(use_distributed_optimizer=False, megatron={"use_precision_aware_optimizer": True}),
      "set trainer.use_distributed_optimizer: true or drop the flag"),
     (dict(bf16_rounding="dithered", megatron={"use_precision_aware_optimizer": True}),
@@ -129,11 +127,18 @@ def test_te_options_are_refused_with_what_they_cannot_run_beside(fields, message
         TrainerConfig(**fields)
 
 
-def test_the_local_spec_refuses_grouped_experts_it_would_build_as_the_legacy_grouped_mlp():
-    from glue.trainer.layer_spec import layer_spec
-
-    with pytest.raises(ValueError, match="--moe-grouped-gemm with trainer.layer_spec local"):
-        layer_spec(types.SimpleNamespace(moe_grouped_gemm=True), "local")
+def test_without_te_grouped_experts_are_sluices_and_dry_run_names_their_kernel(capsys, te_absent):
+    TrainerConfig(layer_spec="local", megatron={"moe_grouped_gemm": True})  # accepted: no TE needed
+    experts = [line for line in checked_lines(capsys, [*MOE, "--moe-grouped-gemm"]) if line.startswith("experts")]
+    assert experts == ["experts: sluice grouped experts on CPU: torch._grouped_mm, two per layer, fp32, every "
+                       "trainer rank"]
+    gpus = [line for line in checked_lines(capsys, [*MOE, "--moe-grouped-gemm", "cluster.gpus_per_node=4"])
+            if line.startswith("experts")]
+    assert gpus[0].startswith("experts: sluice grouped experts: one torch._grouped_mm for gate/up and one for down")
+    sequential = [line for line in checked_lines(capsys, MOE) if line.startswith("experts")]
+    assert sequential == ["experts: megatron SequentialMLP (each expert's products in a Python loop; "
+                          "--moe-grouped-gemm groups them), every trainer rank"]
+    assert not [line for line in checked_lines(capsys, []) if line.startswith("experts")]  # a dense model
 
 
 def test_megatron_help_marks_the_options_sluice_never_runs_and_those_needing_te():
@@ -141,7 +146,8 @@ def test_megatron_help_marks_the_options_sluice_never_runs_and_those_needing_te(
 
     text = " ".join(help_text("megatron").split())
     assert "-> trainer.megatron.overlap_grad_reduce; default False; not run by sluice]" in text
-    assert "-> trainer.megatron.moe_grouped_gemm; default False; needs transformer-engine on the trainer nodes]" in text
+    assert "-> trainer.megatron.moe_permute_fusion; default False; needs transformer-engine on the trainer nodes]" in text
+    assert "-> trainer.megatron.moe_grouped_gemm; default False]" in text
 
 
 def test_the_precision_aware_optimizer_needs_transformer_engine_except_under_cpu_offload():

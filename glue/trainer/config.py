@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from glue.trainer.te_spec import GROUPED_GEMM_LOCAL
-
 # The parallel sizes the glue itself reads (placement, world size); every other megatron-core field travels in
 # `megatron` untouched. The launcher routes `--tensor-model-parallel-size` etc. here by their megatron names.
 CONTEXT_PARALLEL_NEEDS = (
@@ -186,8 +184,6 @@ class TrainerConfig:
         """What the options that run on Transformer Engine (glue.trainer.te_spec.TE_OPTIONS) cannot be combined
         with, wherever TE imports."""
         m = self.megatron
-        if m.get("moe_grouped_gemm") and self.layer_spec == "local":
-            raise ValueError(GROUPED_GEMM_LOCAL)
         if m.get("use_precision_aware_optimizer") and not self.use_distributed_optimizer:
             raise ValueError("--use-precision-aware-optimizer runs in megatron's distributed optimizer only: set "
                              "trainer.use_distributed_optimizer: true or drop the flag")

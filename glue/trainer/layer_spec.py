@@ -5,13 +5,14 @@ unfused reference (megatron's attention and RoPE, torch's norm).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any
 
 from glue.trainer import rope
 from glue.trainer.norm import CompiledRMSNorm, ReferenceRMSNorm, RMSNorm
-from glue.trainer.te_spec import GROUPED_GEMM_LOCAL, resolve_layer_spec, te_available, te_layer_spec
+from glue.trainer.te_spec import resolve_layer_spec, te_available, te_layer_spec
 
 # megatron's unfused DotProductAttention sizes keys and values alike; multi-latent attention's differ
 MLA_REFERENCE = ("multi-latent attention (deepseek_v3) runs on sluice's core attention, not megatron's unfused "
@@ -29,11 +30,12 @@ SINKS_ELSEWHERE = ("attention sinks and sliding windows (gpt_oss) run on sluice'
 def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_norms: bool = False) -> Any:
     """Block submodules for GPTModel. `choice` (trainer.layer_spec) resolving to te: Transformer Engine's spec
     (glue.trainer.te_spec). Else the local one: MoE models get megatron's per-layer block spec (dense or MoE by
-    `moe_layer_freq`, SequentialMLP experts), dense ones the local layer spec on every layer; then every apex-less
+    `moe_layer_freq`; SequentialMLP experts, or with `moe_grouped_gemm` sluice's GroupedExperts
+    (glue.trainer.grouped_experts), the same parameters run as two grouped products), dense ones the local layer spec on every layer; then every apex-less
     megatron norm is replaced by sluice's `RMSNorm` (torch's function on the reference spec) and the core
     attention is the one `config.attention_backend` names
     (glue.trainer.attention). `compiled` (trainer.compile): the norms and the RoPE rotation of the fast spec run
-    under torch.compile. Grouped-GEMM experts (`moe_grouped_gemm`) are built by the TE spec only. Sinks and sliding
+    under torch.compile. Sinks and sliding
     windows (gpt-oss) take the local spec with sluice's core attention (auto resolves to it)."""
     from glue.trainer.attention import core_attention_class  # lazy: imports megatron-core
 
@@ -48,14 +50,15 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
     if resolve_layer_spec(choice) == "te" and not has_sinks_or_window:
         rope.install()
         return te_layer_spec(config)
-    if config.moe_grouped_gemm:
-        raise ValueError(GROUPED_GEMM_LOCAL)
-
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if config.num_moe_experts:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        # SequentialMLP's spec (megatron's own grouped choice without TE is its legacy GroupedMLP, one transposed
+        # tensor for every expert, which the converter does not read); swapped below for grouped experts
+        sequential = copy.copy(config)
+        sequential.moe_grouped_gemm = False
+        spec = get_gpt_decoder_block_spec(sequential, use_transformer_engine=False, normalization="RMSNorm")
     else:
         layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
                                          multi_latent_attention=config.multi_latent_attention)
@@ -76,6 +79,12 @@ def layer_spec(config: Any, choice: str = "auto", compiled: bool = False, post_n
     else:
         rope.install(compiled)
     swaps = {WrappedTorchNorm: norm, RMSNorm: norm, DotProductAttention: core_attention}
+    if config.moe_grouped_gemm:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from glue.trainer.grouped_experts import GroupedExperts  # lazy: imports megatron-core
+
+        swaps[SequentialMLP] = GroupedExperts
     if post_norms:  # the attention's and the MLP's output projections (every RowParallelLinear of a dense layer)
         from megatron.core.tensor_parallel import RowParallelLinear
 

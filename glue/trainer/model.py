@@ -123,8 +123,8 @@ def family_config_kwargs(hf_config: Any) -> dict[str, Any]:
     kwargs = family_of(hf_config).megatron_fields(hf_config)
     if num_experts(hf_config):
         # fp32 routing as HF routes, no auxiliary loss (RL trains on the reward alone), and a frozen expert bias: the
-        # engines keep routing by the checkpoint's. SequentialMLP unless --moe-grouped-gemm (TE's grouped experts);
-        # the all-to-all dispatcher needs CUDA streams.
+        # engines keep routing by the checkpoint's. SequentialMLP unless --moe-grouped-gemm (grouped experts: TE's on
+        # the te spec, sluice's on the local one); the all-to-all dispatcher needs CUDA streams.
         kwargs.update(moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                       moe_grouped_gemm=False,
                       moe_token_dispatcher_type="allgather" if cpu_compat.is_cpu_only() else "alltoall")

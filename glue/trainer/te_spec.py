@@ -10,16 +10,13 @@ from typing import Any
 TE_NEEDED = "trainer.layer_spec=te needs transformer_engine importable on the trainer nodes; use auto or local"
 LAYER_SPECS = ("auto", "local", "te")
 # megatron-core fields whose megatron code runs on Transformer Engine: set, each needs TE on every trainer node.
+# (--moe-grouped-gemm needs none: TE's grouped experts on the te spec, sluice's on the local one.)
 TE_OPTIONS = {
     "use_precision_aware_optimizer": "TE's FusedAdam holds the main weights and Adam moments (megatron's "
                                      "OptimizerConfig imports it)",
-    "moe_grouped_gemm": "TE's grouped-GEMM experts (TEGroupedMLP, built by the te layer spec)",
     "moe_permute_fusion": "TE's fused token permutation (megatron's fused_permute)",
     "moe_router_fusion": "TE's fused top-k routing (megatron's fused_topk_with_score_function)",
 }
-GROUPED_GEMM_LOCAL = ("--moe-grouped-gemm with trainer.layer_spec local: the local spec builds megatron's legacy "
-                      "GroupedMLP (every expert in one transposed tensor, which the HF converter does not read); use "
-                      "trainer.layer_spec auto or te (TE's grouped experts) or drop the flag")
 
 
 @functools.cache

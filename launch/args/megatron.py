@@ -121,8 +121,8 @@ NOT_RUN = {
                            "overlapped reduction is not wired into its schedules yet",
     "use_megatron_fsdp": "the trainer uses megatron's DistributedDataParallel with the distributed optimizer",
     "moe_use_legacy_grouped_gemm": "megatron's legacy GroupedMLP holds every expert in one transposed tensor, which "
-                                   "the HF converter does not read (--moe-grouped-gemm alone builds TE's grouped "
-                                   "experts, which it does)",
+                                   "the HF converter does not read (--moe-grouped-gemm alone builds grouped experts "
+                                   "whose names it reads: TE's on the te spec, sluice's on the local one)",
 }
 
 

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from glue.embedded_engine.tiny_model import tiny_config
 from glue.trainer import te_spec
 from glue.trainer.layer_spec import SINKS_ELSEWHERE
@@ -282,6 +284,34 @@ def describe_attention(trainer: Any, on_gpus: bool, hf_config: Any = None) -> st
     compiled = ("; trainer.compile: RMSNorms, RoPE, SwiGLU and residual adds under torch.compile"
                 if trainer.compile and kernel is not REFERENCE_ATTENTION else "")
     return f"attention ({backend}): {kernel}, every trainer rank{compiled}"
+
+
+SEQUENTIAL_EXPERTS = "megatron SequentialMLP (each expert's products in a Python loop; --moe-grouped-gemm groups them)"
+
+
+def describe_experts(trainer: Any, on_gpus: bool, hf_config: Any) -> str | None:
+    """The experts line of `--dry-run` for an MoE model (None for a dense one): what every trainer rank runs its
+    routed experts on, from trainer.layer_spec, `--moe-grouped-gemm`, whether the trainer nodes have GPUs and, on
+    CPU, the precision and widths (glue.trainer.grouped_experts.experts_kernel)."""
+    if not num_experts(hf_config):
+        return None
+    grouped = bool(trainer.megatron.get("moe_grouped_gemm"))
+    if trainer.layer_spec == "te" or resolve_layer_spec(trainer.layer_spec) == "te":
+        kind = "transformer-engine grouped experts (TEGroupedMLP)" if grouped else SEQUENTIAL_EXPERTS
+    elif not grouped:
+        kind = SEQUENTIAL_EXPERTS
+    elif on_gpus:
+        kind = ("sluice grouped experts: one torch._grouped_mm for gate/up and one for down per layer where the GPU "
+                "runs it for the dtype (bf16 on Hopper and newer), else a batched product over padded experts")
+    else:
+        from glue.trainer.grouped_experts import experts_kernel  # lazy: imports megatron-core
+
+        precision = resolve_precision(trainer, hf_config)
+        etp = trainer.expert_tensor_parallel_size or trainer.tensor_model_parallel_size
+        widths = (hf_config.hidden_size, getattr(hf_config, family_of(hf_config).expert_width) // etp)
+        kernel = experts_kernel("cpu", {"bf16": torch.bfloat16}.get(precision, torch.float32), widths)
+        kind = f"sluice grouped experts on CPU: {kernel}, two per layer, {precision}"
+    return f"experts: {kind}, every trainer rank"
 
 
 def check_weight_files(model_path: str, weights: list[Path]) -> None:

@@ -20,7 +20,7 @@ from glue.rollout.slime.adapter import load_slime_functions
 from launch.config import ConfigError, SluiceConfig
 from launch.plan.memory_lines import check_memory
 from launch.plan.model_check import (TOKENIZER_FILES, check_layer_spec, check_model, check_transformer_engine,
-                                     describe_attention, has_tokenizer, model_config, weight_files)
+                                     describe_attention, describe_experts, has_tokenizer, model_config, weight_files)
 from launch.plan.run_plan import RunPlan
 from launch.plan.weight_groups import check_weight_groups
 from launch.run.tasks import build_if_standalone, check_task_args, eval_task
@@ -36,7 +36,8 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
     elsewhere, trainer = plans_elsewhere(cfg, plan, here=here), cfg.trainer
     checks = [check_plugins(cfg), check_eval(cfg, plan.placement), check_model(cfg, plan_only=not here),
               check_layer_spec(trainer, elsewhere=elsewhere), check_transformer_engine(trainer, elsewhere=elsewhere),
-              describe_attention(trainer, cfg.cluster.uses_gpus, model_config(cfg)), check_memory(cfg),
+              describe_attention(trainer, cfg.cluster.uses_gpus, model_config(cfg)),
+              describe_experts(trainer, cfg.cluster.uses_gpus, model_config(cfg)), check_memory(cfg),
               check_data(cfg), check_weight_groups(cfg, plan), check_tokenizer(cfg, plan_only=not here), check_ports(cfg, plan),
               check_placement(cfg, plan, here=here), check_ref_load(cfg, elsewhere=elsewhere),
               *([check_teacher(cfg)] if cfg.teacher is not None else [])]

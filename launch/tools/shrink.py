@@ -32,7 +32,8 @@ GPU_ONLY_MEGATRON = {
     "use_cpu_initialization": "the recipe initialises on the GPU; the CPU trainer initialises on the host",
     "gradient_accumulation_fusion": "fused weight-gradient accumulation is a CUDA kernel",
     "moe_permute_fusion": "Transformer-Engine's fused token permute is a CUDA kernel",
-    "moe_grouped_gemm": "grouped GEMM experts are CUDA kernels; the CPU trainer runs SequentialMLP",
+    "moe_grouped_gemm": "the rehearsal runs the experts as SequentialMLP (the same parameters and results; sluice's "
+                        "grouped experts run on CPU too, checked by tests/test_grouped_experts.py)",
     "moe_token_dispatcher_type": "the all-to-all dispatcher needs CUDA streams; on CPU the trainer dispatches by "
                                  "allgather",
     "bf16": "the CPU trainer and embedded engines compute in float32",

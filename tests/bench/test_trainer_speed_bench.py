@@ -35,7 +35,11 @@ pytestmark = pytest.mark.bench
 OUT = REPO_ROOT / "bench-results" / "trainer_speed.json"
 ROW = 2048  # packed row width of the T^2 census
 MODEL = dict(family="qwen3", vocab_size=1024, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
-OPS_ROW, OPS_SAMPLES = 512, 4  # the op-count micro-batch: one packed row of four samples
+OPS_ROW, OPS_SAMPLES = 512, 4
+# the MoE row's model: routed experts of a quarter of intermediate_size (64), top 2, at each expert count
+MOE_MODEL = dict(family="qwen3_moe", vocab_size=1024, hidden_size=128, num_heads=4, num_kv_heads=2,
+                 intermediate_size=256, moe_top_k=2)
+MOE_EXPERTS = (8, 32, 128)  # the op-count micro-batch: one packed row of four samples
 
 
 # ops that only make a new view of a tensor's storage: counted in `dispatch_ops_per_layer`
@@ -46,6 +50,10 @@ VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "unsqueeze", "s
 NO_LAUNCH = VIEW_OPS | {"reshape", "chunk", "narrow", "view_as", "expand_as", "flatten", "unflatten", "to",
                         "contiguous", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
                         "resolve_conj", "resolve_neg", "lift_fresh_copy", "dropout"}
+
+# aten ops that are one kernel on a GPU and a loop of other aten ops in torch's CPU implementation: torch's grouped
+# matrix product runs one mm per group (and reads each group's end) on CPU, one grouped GEMM kernel on CUDA
+ONE_KERNEL = {"aten::_grouped_mm"}
 
 
 class OpCount(TorchDispatchMode):
@@ -67,13 +75,20 @@ def _is_compiled_kernel(name: str) -> bool:
 def profiled_counts(events) -> tuple[int, int]:
     """(ops, launches) of a torch.profiler trace: ops are the aten ops no other aten op called plus compiled
     kernels; launches are the events that do work themselves (a compiled kernel, or an aten op outside NO_LAUNCH
-    none of whose callees does work)."""
+    none of whose callees does work), an op of ONE_KERNEL being one launch whatever it calls on CPU."""
     def works(event) -> bool:
-        return _is_compiled_kernel(event.name) or (event.name.startswith("aten::")
-                                                   and event.name[6:] not in NO_LAUNCH)
+        return (_is_compiled_kernel(event.name) or (event.name.startswith("aten::")
+                                                    and event.name[6:] not in NO_LAUNCH)) and not in_one_kernel(event)
 
     def callee_works(event) -> bool:
-        return any(works(child) or callee_works(child) for child in event.cpu_children)
+        return event.name not in ONE_KERNEL and any(works(child) or callee_works(child)
+                                                    for child in event.cpu_children)
+
+    def in_one_kernel(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and parent.name not in ONE_KERNEL:
+            parent = parent.cpu_parent
+        return parent is not None
 
     def called_by_aten(event) -> bool:
         parent = event.cpu_parent
@@ -122,17 +137,19 @@ def _start(model_dir: str, **fields):
     return start_worker(model_dir, LossConfig(old_logprobs_from="rollout"), **fields)
 
 
-def _ops_scenario(model_dir: str, backend: str, compiled: bool = False, precision: str = "fp32") -> dict:
+def _ops_scenario(model_dir: str, backend: str, compiled: bool = False, precision: str = "fp32",
+                  megatron: dict | None = None) -> dict:
     """Op counts (profiled ops and launches, and without compile the dispatched ops) of one packed micro-batch's
-    forward + backward (logprobs summed) with `backend`, trainer.compile `compiled` and trainer.precision."""
+    forward + backward (logprobs summed) with `backend`, trainer.compile `compiled`, trainer.precision and further
+    megatron flags."""
     import torch._inductor.config
 
     from glue.trainer import model as trainer_model
     from helpers.trainer_process import stop_worker
 
     torch._inductor.config.cpp.enable_kernel_profile = True  # compiled CPU kernels appear in the profiler
-    worker = _start(model_dir, max_tokens_per_micro_batch=OPS_ROW, megatron={"attention_backend": backend},
-                    compile=compiled, precision=precision)
+    worker = _start(model_dir, max_tokens_per_micro_batch=OPS_ROW,
+                    megatron={"attention_backend": backend, **(megatron or {})}, compile=compiled, precision=precision)
     span = OPS_ROW // OPS_SAMPLES
     tokens = torch.randint(2, MODEL["vocab_size"], (1, OPS_ROW))
     seq_ids = torch.arange(OPS_SAMPLES).repeat_interleave(span)[None]
@@ -204,6 +221,15 @@ def _logprob_memory_scenario(tokens: int, vocab: int) -> dict:
             "logits_gradient_bytes": gradient}
 
 
+def write_report(fields: dict) -> None:
+    """`fields` into bench-results/trainer_speed.json, beside what the other trainer_speed test wrote there."""
+    report = json.loads(OUT.read_text()) if OUT.exists() else {}
+    report.update(fields)
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(fields, indent=2))
+
+
 def test_trainer_speed(tmp_path):
     from glue.embedded_engine.tiny_model import save_tiny_model
 
@@ -236,7 +262,34 @@ def test_trainer_speed(tmp_path):
         "packed_vs_padded": {k: round(v, 1) for k, v in throughput.items()},
         "targets": {"packed_t2_bytes": 0, "ops_after_over_before": 0.5, "logprob_ratio": 0.25},
     }
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_report(report)
     assert t2["local"] > 0, "the census must see megatron's [T, T] scores, or it sees nothing"
+
+
+@pytest.mark.timeout(2400)  # 18 trainer processes, SequentialMLP at 128 experts among them
+def test_trainer_speed_moe(tmp_path):
+    """The `moe` row: launches per MoE layer per micro-batch, forward + backward (counted as `launches_per_layer`),
+    and train tokens/s, of megatron's SequentialMLP and sluice's grouped experts (`--moe-grouped-gemm`) at 8, 32
+    and 128 experts (targets: grouped flat in the expert count within 10 %, <= 0.25 x sequential at 32)."""
+    from glue.embedded_engine.tiny_model import save_tiny_model
+
+    kinds = {"sequential": {}, "grouped": {"moe_grouped_gemm": True}}
+    launches, tokens_per_s = {}, {}
+    lengths = [64, 96, 128, 192, 256, 384, 512, 512, 80, 160, 320, 448]
+    for experts in MOE_EXPERTS:
+        dirs = {n: save_tiny_model(str(tmp_path / f"e{experts}-l{n}"), num_layers=n, num_experts=experts, **MOE_MODEL)
+                for n in (2, 4)}
+        counts = {kind: {n: run_in_trainer_process(_ops_scenario, dirs[n], "auto", False, "fp32", flags)["launches"]
+                         for n in (2, 4)} for kind, flags in kinds.items()}
+        launches[str(experts)] = {kind: (c[4] - c[2]) / 2 for kind, c in counts.items()}
+        tokens_per_s[str(experts)] = {kind: round(run_in_trainer_process(
+            _throughput_scenario, dirs[2], {"max_tokens_per_micro_batch": 2048, "megatron": flags}, lengths), 1)
+            for kind, flags in kinds.items()}
+    grouped = [launches[str(e)]["grouped"] for e in MOE_EXPERTS]
+    moe = {"launches_per_layer": launches, "tokens_per_s": tokens_per_s,
+           "grouped_spread": round(max(grouped) / min(grouped) - 1, 3),
+           "grouped_over_sequential_at_32": round(launches["32"]["grouped"] / launches["32"]["sequential"], 3),
+           "model": {**MOE_MODEL, "micro_batch": f"one packed row of {OPS_ROW} tokens, {OPS_SAMPLES} samples"},
+           "targets": {"grouped_spread": 0.1, "grouped_over_sequential_at_32": 0.25}}
+    write_report({"moe": moe})
+    assert launches["32"]["sequential"] > 32 * 3, "the loop launches at least three products per expert"

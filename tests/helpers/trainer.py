@@ -25,6 +25,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def join_gloo(rank: int, port: int, world_size: int = 2) -> None:
+    """This rank process into a gloo world on loopback `port`, one torch thread, megatron's CPU patches applied
+    (a rank main's first step; megatron's parallel state is the caller's)."""
+    import os
+
+    from glue.trainer import cpu_compat
+
+    cpu_compat.apply()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
 def hf_teacher_forced_logprobs(model_dir: str, tokens: torch.Tensor, with_entropy: bool = False):
     """log p(tokens[:, t+1] | tokens[:, :t+1]) from the HF model at position t, last column 0: [B, T]
     (and the entropy -sum p log p of the next-token distribution at each position, [B, T])."""
