@@ -245,8 +245,8 @@ def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side
     if fleet is None:  # run.debug train_only
         return NoFleet()
     r = cfg.rollout
-    limits = dict(max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
-                  health_timeout_s=r.health_check_timeout_s)
+    limits = dict(max_restarts=r.max_engine_restarts, max_router_restarts=r.max_router_restarts,
+                  health_interval_s=r.health_check_interval_s, health_timeout_s=r.health_check_timeout_s)
     turn = threading.Lock()  # train steps and a repair's weight gathering (trainer collectives) take turns
     repair = None if plan.placement == "colocated" or bridge is None else engine_repair(
         fleet, bridge, trainer_turn=turn, client=client, pause_mode=cfg.sync.pause_mode)
