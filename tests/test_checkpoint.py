@@ -158,6 +158,7 @@ def test_a_checkpoint_taken_at_tp2_resumes_at_tp1_with_its_adam_moments_and_cont
 
 
 def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(tmp_path):
+    """A crash mid-write (the driver killed) leaves a .partial folder, never the latest; the next save removes it."""
     from glue.loop.checkpoint import Checkpoints
 
     def trainer_part(folder):
@@ -166,15 +167,9 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(t
 
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2, interval=2)
     first = checkpoints.save(2, trainer_part, {"version": 2})
-
-    def crashes_half_way(folder):
-        open(f"{folder}/weights", "w").write("half")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        checkpoints.save(4, crashes_half_way, {"version": 4})
+    (tmp_path / "checkpoints" / ".step_00000004.partial").mkdir()  # what a driver killed mid-write leaves
+    (tmp_path / "checkpoints" / ".step_00000004.partial" / "weights").write_text("half")
     assert checkpoints.latest() == first and Checkpoints.read_state(first) == {"version": 2, "step": 2}
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == [".step_00000004.partial"]
     for step in (4, 6, 8):
         checkpoints.save(step, trainer_part, {"version": step})
     assert [p.name for p in checkpoints.all()] == ["step_00000006", "step_00000008"]  # keep=2, partial cleaned
@@ -182,6 +177,37 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(t
     assert [checkpoints.due(s, last=False) for s in (1, 2, 3, 4)] == [False, True, False, True]
     assert Checkpoints(tmp_path / "none", interval=0).due(3, last=True)
 
+
+
+def test_a_checkpoint_write_that_fails_is_said_the_previous_stays_the_latest_and_max_failures_in_a_row_stop_the_run(
+        tmp_path, capsys):
+    """Disk full, as a writer that fails half-way: the run is told in one line, the .partial folder goes, the
+    previous checkpoint stays the latest and the next save works; `max_failures` failures in a row raise."""
+    from glue.loop.checkpoint import CheckpointFailed, Checkpoints
+
+    def trainer_part(folder):
+        open(f"{folder}/weights", "w").write("w")
+
+    def disk_full(folder):
+        open(f"{folder}/weights", "w").write("half")
+        raise OSError(28, "No space left on device")
+
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2, interval=2, max_failures=2)
+    first = checkpoints.save(2, trainer_part, {"version": 2})
+    assert checkpoints.save(4, disk_full, {"version": 4}) is None
+    assert capsys.readouterr().out == (
+        "sluice: checkpoint step_00000004 could not be written (OSError: [Errno 28] No space left on device); "
+        f"{first} stays the latest; the run goes on (1 of at most 2 failures in a row, run.max_checkpoint_failures)\n")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    assert checkpoints.latest() == first and checkpoints.metrics() == {"fault/checkpoint_failures": 1.0}
+    second = checkpoints.save(6, trainer_part, {"version": 6})  # a success starts the count again
+    assert checkpoints.latest() == second and checkpoints.save(8, disk_full, {"version": 8}) is None
+    with pytest.raises(CheckpointFailed, match=r"^checkpoint step_00000010 could not be written \(OSError: \[Errno "
+                                               r"28\] No space left on device\); \S+step_00000006 stays the latest; 2 "
+                                               r"checkpoint writes in a row failed \(run.max_checkpoint_failures=2\)$"):
+        checkpoints.save(10, disk_full, {"version": 10})
+    assert checkpoints.metrics() == {"fault/checkpoint_failures": 3.0}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000006"]
 
 @pytest.mark.slow
 def test_a_two_stage_pipeline_checkpoint_resumes_exactly(model_dir, tmp_path):

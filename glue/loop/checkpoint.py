@@ -1,7 +1,9 @@
 """Checkpoints of a run: `<run>/checkpoints/step_<N>/` holds the trainer's part (glue.trainer.checkpointing: `dist/`,
 the weights as each rank's shards; `trainer/`: optimizer and RNG state per rank) and the driver's (`state.json`: step, policy version, the
 task's cursor and the groups to issue again). Each is written into a `.partial` folder and renamed once complete, so
-a crash mid-write leaves the previous checkpoint the latest; only the newest `keep` are kept."""
+a crash mid-write leaves the previous checkpoint the latest; only the newest `keep` are kept. A write that fails (disk
+full: an OSError, on the driver or a trainer rank) is said in one line and the run goes on from the previous one, until
+`max_failures` fail in a row (CheckpointFailed)."""
 from __future__ import annotations
 
 import json
@@ -15,9 +17,17 @@ from weight_sync.disk import fsync_path
 STATE = "state.json"
 
 
+class CheckpointFailed(RuntimeError):
+    """`run.max_checkpoint_failures` checkpoint writes in a row failed: the run stops; the message says which
+    checkpoint is the latest."""
+
+
 class Checkpoints:
-    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0):
+    def __init__(self, directory: str | Path, *, keep: int = 2, interval: int = 0, max_failures: int = 3):
         self.directory, self.keep, self.interval = Path(directory), keep, interval
+        self.max_failures = max_failures
+        self.failures = 0  # writes that failed in this run (fault/checkpoint_failures)
+        self._failures_in_a_row = 0
 
     def due(self, step: int, *, last: bool) -> bool:
         """Every `interval` steps (0: never on a schedule), and always at the run's last step."""
@@ -34,9 +44,38 @@ class Checkpoints:
         done = self.all()
         return done[-1] if done else None
 
-    def save(self, step: int, write_trainer: Callable[[str], None], state: dict[str, Any]) -> Path:
+    def save(self, step: int, write_trainer: Callable[[str], None], state: dict[str, Any]) -> Path | None:
         """Write checkpoint `step`: the trainer's part by `write_trainer(folder)`, then `state` (+ step); renamed
-        into place only when both are on disk."""
+        into place only when both are on disk. A write that fails with an OSError (a trainer rank's arrives as
+        Ray's error, which is one too) leaves no trace: its `.partial` folder is removed, one line says so, and
+        None is returned; the `max_failures`-th failure in a row raises CheckpointFailed."""
+        try:
+            final = self._write(step, write_trainer, state)
+        except OSError as err:
+            shutil.rmtree(self.directory / f".step_{step:08d}.partial", ignore_errors=True)
+            self._failed(step, err)
+            return None
+        self._failures_in_a_row = 0
+        return final
+
+    def metrics(self) -> dict[str, float]:
+        return {"fault/checkpoint_failures": float(self.failures)}
+
+    def _failed(self, step: int, err: OSError) -> None:
+        self.failures += 1
+        self._failures_in_a_row += 1
+        cause = getattr(err, "cause", None) or err  # a trainer rank's error, as Ray hands it on
+        latest = self.latest()
+        line = (f"checkpoint step_{step:08d} could not be written ({type(cause).__name__}: "
+                f"{(str(cause).strip().splitlines() or [''])[0]}); "
+                + (f"{latest} stays the latest" if latest else "there is no checkpoint yet"))
+        if self._failures_in_a_row >= self.max_failures:
+            raise CheckpointFailed(f"{line}; {self._failures_in_a_row} checkpoint writes in a row failed "
+                                   f"(run.max_checkpoint_failures={self.max_failures})") from err
+        print(f"sluice: {line}; the run goes on ({self._failures_in_a_row} of at most {self.max_failures} failures "
+              f"in a row, run.max_checkpoint_failures)", flush=True)
+
+    def _write(self, step: int, write_trainer: Callable[[str], None], state: dict[str, Any]) -> Path:
         final = self.directory / f"step_{step:08d}"
         partial = self.directory / f".step_{step:08d}.partial"
         shutil.rmtree(partial, ignore_errors=True)

@@ -201,17 +201,18 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
                              stale=f"{record['staleness/max']:.0f}")
 
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
+                              interval=cfg.run.save_interval,
+                              max_failures=cfg.run.max_checkpoint_failures) if debug != "rollout_only" else None
     hooks = LoopHooks(
         on_step=on_step, stop=stop, stop_grace_over=stop_grace_over,
         # rollout_only: nothing to move, the engines keep the weights they started with
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
         extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None)),
-                               **reward_model_metrics(manager)},
+                               **reward_model_metrics(manager), **(checkpoints.metrics() if checkpoints else {})},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
         build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch)
-    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                              interval=cfg.run.save_interval) if debug != "rollout_only" else None
     parts = LoopParts(stream=stream, trainer=trainer, fleet=watch, phases=colocation, logger=logger,
                       checkpoints=checkpoints, hooks=hooks)
     training = asyncio.ensure_future(run_loop(parts, num_steps=cfg.run.num_steps, loss_cfg=cfg.loss,
