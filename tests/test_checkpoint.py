@@ -230,3 +230,75 @@ def test_a_checkpoint_of_an_earlier_sluice_with_optimizer_shards_in_its_rank_fil
     worker = SimpleNamespace(rank=0, precision="fp32")
     with pytest.raises(ValueError, match="earlier sluice .* not in dist/"):
         load_rank(worker, str(tmp_path))
+
+
+class ConstantReward:
+    """Prompts [0, 1], [0, 2], ...; every sample's reward is 1.0."""
+
+    def prompts(self, seed):
+        n = 0
+        while True:
+            n += 1
+            yield {"prompt_tokens": [0, n]}
+
+    def reward(self, sample):
+        return 1.0
+
+
+async def two_token_group(ctx, prompt, num_samples):
+    from glue.rollout.manager import score
+    from glue.types import Sample
+
+    samples = []
+    for i in range(num_samples):
+        sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=i)
+        sample.append_response([5 + i, 6], [-0.5, -0.5], version=0)
+        await score(ctx, sample)
+        samples.append(sample)
+    return samples
+
+
+def test_the_loop_goes_on_past_a_checkpoint_that_could_not_be_written_and_counts_it(tmp_path):
+    """The loop with a checkpoint every step, a trainer whose write at step 2 fails with the disk full: steps 3 and
+    4 are trained and checkpointed, step 2 never appears, and the records count the failure."""
+    import asyncio
+    import json
+    import os
+
+    from glue.loop.buffer import RolloutBuffer
+    from glue.loop.checkpoint import Checkpoints
+    from glue.loop.colocation import Disaggregated
+    from glue.loop.controller import LoopHooks, LoopParts, run_loop
+    from glue.loop.staleness import StalenessGate
+    from glue.loop.stream import RolloutStream
+    from glue.metrics.logger import MetricsLogger
+    from glue.rollout.manager import RolloutManager
+    from helpers.fleet import ScriptedBridge, ScriptedFleet
+
+    class Trainer:
+        version = 0
+
+        def train_step(self, batch):
+            self.version += 1
+            return {}
+
+        def save_checkpoint(self, directory):
+            if self.version == 2:
+                raise OSError(28, "No space left on device")
+            with open(os.path.join(directory, "trainer.txt"), "w") as handle:
+                handle.write(f"v{self.version}")
+
+    manager = RolloutManager(function_path="test_checkpoint:two_token_group", task_path="test_checkpoint:ConstantReward",
+                             client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
+    stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
+                           buffer=RolloutBuffer(groups_per_step=2, stale_policy="keep"), max_groups=8)
+    checkpoints = Checkpoints(tmp_path / "ckpt", keep=5, interval=1)
+    engine = Trainer()  # the scripted bridge records the engine's version on it
+    parts = LoopParts(stream=stream, trainer=Trainer(), fleet=ScriptedFleet(), phases=Disaggregated(ScriptedBridge(engine)),
+                      logger=MetricsLogger(tmp_path / "metrics.jsonl"), checkpoints=checkpoints,
+                      hooks=LoopHooks(extra_metrics=checkpoints.metrics))
+    assert asyncio.run(run_loop(parts, num_steps=4, loss_cfg=LossConfig())) == 4
+    assert [p.name for p in checkpoints.all()] == ["step_00000001", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001", "step_00000003", "step_00000004"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["fault/checkpoint_failures"]) for r in records] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0)]

@@ -99,6 +99,8 @@ def run(cfg: SluiceConfig) -> Path:
     if latest is not None:  # the final policy as a plain HF checkpoint (AutoModelForCausalLM.from_pretrained)
         export_final_policy(latest, run_dir / "hf")
     final = f"; final policy in {run_dir / 'hf'}" if latest is not None else ""  # rollout_only: no trainer
+    if latest is not None and (saved := Checkpoints.read_state(latest)["step"]) != last_step:  # the last write failed
+        final = f"; the policy of step {saved}, the last checkpoint written, in {run_dir / 'hf'}"
     print(f"sluice: run finished; {summary}{final}", flush=True)
     return run_dir
 
