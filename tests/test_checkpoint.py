@@ -13,6 +13,7 @@ from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from helpers.trainer import hf_teacher_forced_logprobs, make_batch
 from helpers.forkserver import rank_context
+from helpers.managers import NumberedPrompts
 
 
 def _rank(rank, world, port, model_path, tp, pp, script, fields, results):
@@ -232,14 +233,8 @@ def test_a_checkpoint_of_an_earlier_sluice_with_optimizer_shards_in_its_rank_fil
         load_rank(worker, str(tmp_path))
 
 
-class ConstantReward:
+class ConstantReward(NumberedPrompts):
     """Prompts [0, 1], [0, 2], ...; every sample's reward is 1.0."""
-
-    def prompts(self, seed):
-        n = 0
-        while True:
-            n += 1
-            yield {"prompt_tokens": [0, n]}
 
     def reward(self, sample):
         return 1.0
