@@ -148,6 +148,7 @@ def train(cfg: SluiceConfig, samples: list, trainer, *, first_step: int, cursor:
         progress.set_postfix(loss=f"{record.get('train/loss', 0):.3f}")
 
     data = ConversationStream(samples, per_step=cfg.sft.conversations_per_step, seed=cfg.run.seed, cursor=cursor)
-    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, interval=cfg.run.save_interval)
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, interval=cfg.run.save_interval,
+                              max_failures=cfg.run.max_checkpoint_failures)
     return run_sft_loop(num_steps=cfg.run.num_steps, data=data, trainer=trainer, logger=logger,
                         checkpoints=checkpoints, first_step=first_step, stop=stop, on_step=on_step)
