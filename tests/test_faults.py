@@ -37,6 +37,17 @@ def running_requests(pid: int) -> int:
         return json.load(answer)["internal_states"][0]["num_running_reqs"]
 
 
+def finished_with_nothing_lost(proc, err: str, metrics: Path, steps: int) -> list[dict]:
+    """The run's records, once it is known to have exited 0 having logged steps 1..`steps` with no sample lost and no
+    group failed."""
+    assert proc.returncode == 0, err[-3000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert sum(r["rollout/lost_samples"] for r in records) == 0
+    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    return records
+
+
 def kill_when_busy(pid: int, timeout_s: float = 60) -> int:
     """SIGKILL engine `pid` at a moment it is decoding requests (so the router has some to send again); returns how
     many it held at the last look."""
@@ -63,11 +74,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_finishes_with_not
         held = kill_when_busy(engines[1])  # started second: engine 1, killed while it decodes requests
         assert held >= 1, "engine 1 never held a request within 60 s"
         out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
-    records = read_metrics(metrics)
-    assert [r["step"] for r in records] == list(range(1, 9))
-    assert sum(r["rollout/lost_samples"] for r in records) == 0
-    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    records = finished_with_nothing_lost(proc, err, metrics, steps=8)
     assert records[-1]["fault/engine_restarts"] >= 1
     assert records[-1]["fault/reissued_requests"] >= 1  # engine 1 died holding requests: the router sent them again
     restarts = [line for line in out.splitlines() if "serves again" in line]
@@ -118,11 +125,7 @@ def test_a_router_killed_mid_rollout_is_replaced_and_the_run_finishes_with_nothi
         assert len(routers) == 1, routers
         os.kill(routers[0], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
-    records = read_metrics(metrics)
-    assert [r["step"] for r in records] == list(range(1, 9))
-    assert sum(r["rollout/lost_samples"] for r in records) == 0
-    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    records = finished_with_nothing_lost(proc, err, metrics, steps=8)
     assert records[-1]["fault/router_restarts"] == 1.0
     restarts = [line for line in out.splitlines() if "a new router serves again" in line]
     assert restarts and re.match(r"sluice: a new router serves again on :\d+ with 2 engines", restarts[0])
