@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from glue.fleet.fleet import ProcessDied
+from glue.loop.checkpoint import CheckpointFailed
 from glue.loop.stream import RolloutFailed
 from glue.metrics.plots import write_plots
 from launch.args.command_line import Parser, parse_args
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderHeld as err:  # another live run writes the folder: nothing was started or touched
         print(f"sluice: error: {err}", file=sys.stderr)
         return 2
-    except (ClusterError, RolloutFailed) as err:
+    except (ClusterError, RolloutFailed, CheckpointFailed) as err:
         print(f"sluice: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

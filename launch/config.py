@@ -132,6 +132,7 @@ class RunConfig:
     save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
     save_interval_s: float | None = 1800.0  # also write one at the first step boundary this many seconds after the last (null or 0: by steps only): a kill (a pre-empted node, `ray job stop` past its grace) then loses at most this much training plus a step, whatever a step takes; 30 min of the whole cluster's time against the few minutes a large model's checkpoint takes
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
+    max_checkpoint_failures: int = 3  # a checkpoint write that fails (disk full) is said and the run goes on from the previous one; this many in a row stop the run
     stop_grace_s: float = 30.0  # the first Ctrl-C / SIGTERM waits at most this long for the step in progress, then cancels the groups still generating (their samples so far go into the checkpoint), writes the checkpoint and exits 0; a second signal stops at once
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # where step records go: jsonl (runs/<name>/metrics.jsonl, always), tensorboard (runs/<name>/tensorboard/), wandb (pip install wandb)
@@ -155,6 +156,8 @@ class RunConfig:
         if self.save_interval_s is not None and not self.save_interval_s >= 0:
             raise ValueError(f"run.save_interval_s must be >= 0 seconds (0 or null: checkpoints by steps only), got "
                              f"{self.save_interval_s}")
+        if self.max_checkpoint_failures < 1:
+            raise ValueError(f"run.max_checkpoint_failures must be >= 1, got {self.max_checkpoint_failures}")
         if not self.stop_grace_s >= 0:
             raise ValueError(f"run.stop_grace_s must be >= 0 (seconds a stop waits for the step in progress), got "
                              f"{self.stop_grace_s}")

@@ -13,6 +13,7 @@ from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from helpers.trainer import hf_teacher_forced_logprobs, make_batch
 from helpers.forkserver import rank_context
+from helpers.managers import NumberedPrompts
 
 
 def _rank(rank, world, port, model_path, tp, pp, script, fields, results):
@@ -158,6 +159,7 @@ def test_a_checkpoint_taken_at_tp2_resumes_at_tp1_with_its_adam_moments_and_cont
 
 
 def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(tmp_path):
+    """A crash mid-write (the driver killed) leaves a .partial folder, never the latest; the next save removes it."""
     from glue.loop.checkpoint import Checkpoints
 
     def trainer_part(folder):
@@ -166,15 +168,9 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(t
 
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2, interval=2)
     first = checkpoints.save(2, trainer_part, {"version": 2})
-
-    def crashes_half_way(folder):
-        open(f"{folder}/weights", "w").write("half")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        checkpoints.save(4, crashes_half_way, {"version": 4})
+    (tmp_path / "checkpoints" / ".step_00000004.partial").mkdir()  # what a driver killed mid-write leaves
+    (tmp_path / "checkpoints" / ".step_00000004.partial" / "weights").write_text("half")
     assert checkpoints.latest() == first and Checkpoints.read_state(first) == {"version": 2, "step": 2}
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == [".step_00000004.partial"]
     for step in (4, 6, 8):
         checkpoints.save(step, trainer_part, {"version": step})
     assert [p.name for p in checkpoints.all()] == ["step_00000006", "step_00000008"]  # keep=2, partial cleaned
@@ -182,6 +178,37 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_the_latest(t
     assert [checkpoints.due(s, last=False) for s in (1, 2, 3, 4)] == [False, True, False, True]
     assert Checkpoints(tmp_path / "none", interval=0).due(3, last=True)
 
+
+
+def test_a_checkpoint_write_that_fails_is_said_the_previous_stays_the_latest_and_max_failures_in_a_row_stop_the_run(
+        tmp_path, capsys):
+    """Disk full, as a writer that fails half-way: the run is told in one line, the .partial folder goes, the
+    previous checkpoint stays the latest and the next save works; `max_failures` failures in a row raise."""
+    from glue.loop.checkpoint import CheckpointFailed, Checkpoints
+
+    def trainer_part(folder):
+        open(f"{folder}/weights", "w").write("w")
+
+    def disk_full(folder):
+        open(f"{folder}/weights", "w").write("half")
+        raise OSError(28, "No space left on device")
+
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2, interval=2, max_failures=2)
+    first = checkpoints.save(2, trainer_part, {"version": 2})
+    assert checkpoints.save(4, disk_full, {"version": 4}) is None
+    assert capsys.readouterr().out == (
+        "sluice: checkpoint step_00000004 could not be written (OSError: [Errno 28] No space left on device); "
+        f"{first} stays the latest; the run goes on (1 of at most 2 failures in a row, run.max_checkpoint_failures)\n")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    assert checkpoints.latest() == first and checkpoints.metrics() == {"fault/checkpoint_failures": 1.0}
+    second = checkpoints.save(6, trainer_part, {"version": 6})  # a success starts the count again
+    assert checkpoints.latest() == second and checkpoints.save(8, disk_full, {"version": 8}) is None
+    with pytest.raises(CheckpointFailed, match=r"^checkpoint step_00000010 could not be written \(OSError: \[Errno "
+                                               r"28\] No space left on device\); \S+step_00000006 stays the latest; 2 "
+                                               r"checkpoint writes in a row failed \(run.max_checkpoint_failures=2\)$"):
+        checkpoints.save(10, disk_full, {"version": 10})
+    assert checkpoints.metrics() == {"fault/checkpoint_failures": 3.0}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000006"]
 
 @pytest.mark.slow
 def test_a_two_stage_pipeline_checkpoint_resumes_exactly(model_dir, tmp_path):
@@ -204,3 +231,69 @@ def test_a_checkpoint_of_an_earlier_sluice_with_optimizer_shards_in_its_rank_fil
     worker = SimpleNamespace(rank=0, precision="fp32")
     with pytest.raises(ValueError, match="earlier sluice .* not in dist/"):
         load_rank(worker, str(tmp_path))
+
+
+class ConstantReward(NumberedPrompts):
+    """Prompts [0, 1], [0, 2], ...; every sample's reward is 1.0."""
+
+    def reward(self, sample):
+        return 1.0
+
+
+async def two_token_group(ctx, prompt, num_samples):
+    from glue.rollout.manager import score
+    from glue.types import Sample
+
+    samples = []
+    for i in range(num_samples):
+        sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=i)
+        sample.append_response([5 + i, 6], [-0.5, -0.5], version=0)
+        await score(ctx, sample)
+        samples.append(sample)
+    return samples
+
+
+def test_the_loop_goes_on_past_a_checkpoint_that_could_not_be_written_and_counts_it(tmp_path):
+    """The loop with a checkpoint every step, a trainer whose write at step 2 fails with the disk full: steps 3 and
+    4 are trained and checkpointed, step 2 never appears, and the records count the failure."""
+    import asyncio
+    import json
+    import os
+
+    from glue.loop.buffer import RolloutBuffer
+    from glue.loop.checkpoint import Checkpoints
+    from glue.loop.colocation import Disaggregated
+    from glue.loop.controller import LoopHooks, LoopParts, run_loop
+    from glue.loop.staleness import StalenessGate
+    from glue.loop.stream import RolloutStream
+    from glue.metrics.logger import MetricsLogger
+    from glue.rollout.manager import RolloutManager
+    from helpers.fleet import ScriptedBridge, ScriptedFleet
+
+    class Trainer:
+        version = 0
+
+        def train_step(self, batch):
+            self.version += 1
+            return {}
+
+        def save_checkpoint(self, directory):
+            if self.version == 2:
+                raise OSError(28, "No space left on device")
+            with open(os.path.join(directory, "trainer.txt"), "w") as handle:
+                handle.write(f"v{self.version}")
+
+    manager = RolloutManager(function_path="test_checkpoint:two_token_group", task_path="test_checkpoint:ConstantReward",
+                             client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
+    stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
+                           buffer=RolloutBuffer(groups_per_step=2, stale_policy="keep"), max_groups=8)
+    checkpoints = Checkpoints(tmp_path / "ckpt", keep=5, interval=1)
+    engine = Trainer()  # the scripted bridge records the engine's version on it
+    parts = LoopParts(stream=stream, trainer=Trainer(), fleet=ScriptedFleet(), phases=Disaggregated(ScriptedBridge(engine)),
+                      logger=MetricsLogger(tmp_path / "metrics.jsonl"), checkpoints=checkpoints,
+                      hooks=LoopHooks(extra_metrics=checkpoints.metrics))
+    assert asyncio.run(run_loop(parts, num_steps=4, loss_cfg=LossConfig())) == 4
+    assert [p.name for p in checkpoints.all()] == ["step_00000001", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001", "step_00000003", "step_00000004"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["fault/checkpoint_failures"]) for r in records] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0)]

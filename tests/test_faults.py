@@ -16,9 +16,13 @@ from conftest import descendants, is_alive, sluice_run
 from glue.metrics.logger import read_metrics
 
 
+def pids_running(driver: int, module: bytes) -> list[int]:
+    """The run's processes whose command line names `module`, by pid."""
+    return sorted(p for p in descendants(driver) if module in (Path("/proc") / str(p) / "cmdline").read_bytes())
+
+
 def engine_pids(driver: int) -> list[int]:
-    return sorted(p for p in descendants(driver)
-                  if b"glue.embedded_engine" in (Path("/proc") / str(p) / "cmdline").read_bytes())
+    return pids_running(driver, b"glue.embedded_engine")
 
 
 def running_requests(pid: int) -> int:
@@ -31,6 +35,17 @@ def running_requests(pid: int) -> int:
                                      headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
     with urllib.request.urlopen(request, timeout=5) as answer:
         return json.load(answer)["internal_states"][0]["num_running_reqs"]
+
+
+def finished_with_nothing_lost(proc, err: str, metrics: Path, steps: int) -> list[dict]:
+    """The run's records, once it is known to have exited 0 having logged steps 1..`steps` with no sample lost and no
+    group failed."""
+    assert proc.returncode == 0, err[-3000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert sum(r["rollout/lost_samples"] for r in records) == 0
+    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    return records
 
 
 def kill_when_busy(pid: int, timeout_s: float = 60) -> int:
@@ -59,11 +74,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_finishes_with_not
         held = kill_when_busy(engines[1])  # started second: engine 1, killed while it decodes requests
         assert held >= 1, "engine 1 never held a request within 60 s"
         out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
-    records = read_metrics(metrics)
-    assert [r["step"] for r in records] == list(range(1, 9))
-    assert sum(r["rollout/lost_samples"] for r in records) == 0
-    assert sum(r["rollout/failed_groups"] for r in records) == 0
+    records = finished_with_nothing_lost(proc, err, metrics, steps=8)
     assert records[-1]["fault/engine_restarts"] >= 1
     assert records[-1]["fault/reissued_requests"] >= 1  # engine 1 died holding requests: the router sent them again
     restarts = [line for line in out.splitlines() if "serves again" in line]
@@ -100,3 +111,22 @@ def test_an_engine_killed_with_no_restarts_left_ends_the_run_with_one_line_namin
     while time.monotonic() < deadline and any(is_alive(p) for p in seen):
         time.sleep(0.5)
     assert not [p for p in seen if is_alive(p)], "processes left running after an engine died"
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a whole run; tests/test_fleet_watch.py keeps the router's restart in CI
+def test_a_router_killed_mid_rollout_is_replaced_and_the_run_finishes_with_nothing_lost(tmp_path):
+    metrics = tmp_path / "f" / "metrics.jsonl"
+    command = [sys.executable, "-m", "launch", "--config", "examples/configs/demo_async.yaml", f"run.output_dir={tmp_path}",
+               "run.name=f", "run.num_steps=8", "rollout.prompts_per_step=4", "rollout.sampling.max_new_tokens=64"]
+    with sluice_run(command, lambda: metrics.exists() and len(read_metrics(metrics)) >= 2,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, seen):
+        routers = pids_running(proc.pid, b"sglang::router")  # the title the router gives its process
+        assert len(routers) == 1, routers
+        os.kill(routers[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    records = finished_with_nothing_lost(proc, err, metrics, steps=8)
+    assert records[-1]["fault/router_restarts"] == 1.0
+    restarts = [line for line in out.splitlines() if "a new router serves again" in line]
+    assert restarts and re.match(r"sluice: a new router serves again on :\d+ with 2 engines", restarts[0])
+    print(restarts[0], f"reissued requests: {records[-1]['fault/reissued_requests']:.0f}")

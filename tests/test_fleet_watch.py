@@ -285,6 +285,12 @@ def test_the_watch_never_counts_a_health_probe_against_an_engine_sluice_paused()
         def dead_engines(self):
             return []
 
+        def router_exit(self):
+            return None
+
+        def router_answers(self, timeout_s):
+            return True
+
     repaired: list[int] = []
     watch = FleetWatch(Fleet(), repair=repaired.append, client=EngineClient("http://router", [engine.url]),
                        poll_s=0.05, health_interval_s=0.05, health_timeout_s=5.0, health_failures=2)
@@ -358,3 +364,74 @@ def test_a_repair_gathers_weights_only_between_train_steps_and_pauses_generation
     repair(1)
     trainer.join()
     assert calls == ["remove http://b", "step ends", "pause abort", "add http://c", "continue"]
+
+
+def router_pid(fleet: RolloutFleet) -> int:
+    return fleet.pids[-1]  # the router is started after the engines
+
+
+def run_router_fault(fleet: RolloutFleet, inject, **limits) -> tuple[FleetWatch, EngineClient, list]:
+    """Keep 8 requests in flight through the router, `inject(pid)` a fault into it after 1 s, and watch until the
+    new router has served for 1 s; returns the watch, the client and the answers."""
+    client = EngineClient(fleet.router_url, fleet.serving_urls)
+    watch = FleetWatch(fleet, repair=None, client=client, poll_s=0.2, **limits)
+    answers: list = []
+
+    async def scenario() -> None:
+        def served_a_while_after_the_restart() -> bool:
+            return bool(watch.router_recovery_s) and time.monotonic() > served_from[0] + 1.0
+
+        served_from: list[float] = []
+        training = asyncio.ensure_future(generate_until(client, served_a_while_after_the_restart, answers))
+        await asyncio.sleep(1.0)
+        inject(router_pid(fleet))
+        watching = asyncio.ensure_future(watch.run(training))
+        while not watch.router_recovery_s and not watching.done():
+            await asyncio.sleep(0.05)
+        served_from.append(time.monotonic())
+        await watching
+        await client.close()
+
+    asyncio.run(scenario())
+    return watch, client, answers
+
+
+@pytest.mark.slow
+def test_a_killed_router_is_replaced_on_its_port_with_every_engine_and_its_requests_are_sent_again(fleet):
+    """With rollout.max_router_restarts=1: the second death ends the run with one line naming the router."""
+    url, old_pid = fleet.router_url, router_pid(fleet)
+    watch, client, answers = run_router_fault(fleet, lambda pid: os.kill(pid, signal.SIGKILL), max_router_restarts=1)
+    assert watch.router_restarts == 1 and fleet.router_url == url  # the same port
+    assert router_pid(fleet) != old_pid and not is_alive(old_pid)
+    assert fleet.registered_workers() == {u: True for u in fleet.engine_urls}
+    assert answers and all(n >= 1 for n in answers)  # no request failed: generate_until would have raised
+    assert client.connect_retries >= 1  # the requests the router held when it died were sent again
+    metrics = watch.metrics()
+    assert metrics["fault/router_restarts"] == 1.0 and metrics["fault/reissued_requests"] >= client.connect_retries
+    print(f"{len(answers)} answers, router restart took {watch.router_recovery_s[0]:.1f} s, "
+          f"{client.connect_retries} requests sent again")
+
+    async def second_death() -> None:
+        os.kill(router_pid(fleet), signal.SIGKILL)
+        await watch.run(asyncio.ensure_future(asyncio.sleep(30)))
+
+    with pytest.raises(ProcessDied, match=r"^router \(http://\S+\) exited with code -9; its log: \S+router\.log "
+                                          r"\(rollout\.max_router_restarts=1 restarts used up\)$"):
+        asyncio.run(second_death())
+
+
+@pytest.mark.slow
+def test_a_stopped_router_fails_its_health_checks_and_is_killed_and_replaced(fleet):
+    old_pid = router_pid(fleet)
+    try:
+        watch, client, answers = run_router_fault(fleet, lambda pid: os.kill(pid, signal.SIGSTOP),
+                                                  health_interval_s=0.5, health_timeout_s=1.0, health_failures=2)
+    finally:
+        if is_alive(old_pid):
+            os.kill(old_pid, signal.SIGCONT)
+    assert watch.router_restarts == 1 and not is_alive(old_pid), "the stopped router was not killed"
+    assert fleet.registered_workers() == {u: True for u in fleet.engine_urls}
+    assert answers and all(n >= 1 for n in answers) and client.connect_retries >= 1
+    print(f"{len(answers)} answers, router restart took {watch.router_recovery_s[0]:.1f} s, "
+          f"{client.connect_retries} requests sent again")
+

@@ -102,3 +102,61 @@ def test_a_member_waiting_in_a_broadcast_leaves_it_when_the_abort_key_is_set(unu
 @pytest.fixture
 def unused_port() -> int:
     return free_port()
+
+
+class FlakySource:
+    """A LocalWeightSource whose next `failures` bucket sends fail the way a broken weight group does on the
+    trainer's side (gloo's error); everything else is the real source's."""
+
+    def __init__(self, source, failures: int = 0):
+        self.source, self.failures = source, failures
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def send_weight_bucket(self, channel: str, index: int):
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("[gloo] Connection closed by peer")
+        return self.source.send_weight_bucket(channel, index)
+
+
+def test_a_failed_transfer_is_sent_again_on_groups_built_anew_up_to_sync_max_retries(engine_processes, tiny_model_dir,
+                                                                                      capsys):
+    """An embedded engine, a real broadcast bridge whose source fails a bucket's broadcast once: the engine
+    waiting in it leaves at the bridge's abort key, the bridge builds the group again and the sync goes through. A
+    fault that outlasts `max_retries` is raised after them, and the next sync still works."""
+    from transformers import AutoModelForCausalLM
+
+    from glue.loop.config import SyncConfig
+    from weight_sync.bridge import make_bridge
+    from weight_sync.engine_calls import weight_version
+    from weight_sync.sender import LocalWeightSource
+
+    urls = [engine_processes.start(tiny_model_dir, "--num-threads", "1")]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    source = FlakySource(LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()}))
+    bridge = make_bridge(SyncConfig(transport="broadcast", max_retries=2, timeout_s=30.0), source=source,
+                         engine_urls=urls)
+    try:
+        bridge.sync(1)
+        group = bridge.transport.groups[tuple(urls)]
+        source.failures = 1
+        started = time.perf_counter()
+        bridge.sync(2)
+        took = time.perf_counter() - started
+        assert [weight_version(u, 10) for u in urls] == ["2"] and bridge.sync_retries == 1
+        assert bridge.transport.groups[tuple(urls)] != group  # a new group
+        retried = [line for line in capsys.readouterr().err.splitlines() if "goes again" in line]
+        assert retried == ["sluice: the weight sync to version 2 failed ([gloo] Connection closed by peer); every "
+                           "engine answers, so the weight groups are built anew and it goes again (1 of at most 2 "
+                           "retries, sync.max_retries)"]
+        source.failures = 3  # one more than the retries
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            bridge.sync(3)
+        assert bridge.sync_retries == 3 and bridge.last_sync["retries"] == 1.0  # the last sync that went through
+        bridge.sync(4)
+        assert [weight_version(u, 10) for u in urls] == ["4"]
+        print(f"the retried sync took {took:.1f} s")
+    finally:
+        bridge.close()

@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, pipeline_bucket_bytes, plan_buckets, spec_bytes
 from weight_sync.config import BridgeConfig
-from weight_sync.engine_calls import (WeightSyncError, admin_key, begin_update_session, end_update_session,
-                                     engine_capabilities, post_json, run_together)
+from weight_sync.engine_calls import (WeightSyncError, admin_key, answers_health, begin_update_session,
+                                     end_update_session, engine_capabilities, post_json, run_together)
 from weight_sync.ipc_transport import IpcOrDisk, IpcTransport
 from weight_sync.parallel import ParallelBroadcastTransport, parallel_sources
 from weight_sync.transports import BroadcastTransport, DiskTransport, Transport, WeightSource, free_port
@@ -21,6 +21,7 @@ VERIFY_MODES = ("auto", "checksum", "full", "off")
 SOURCE_MODES = (None, "one", "parallel")
 BUCKET_CHECKSUMS = "bucket_checksums"  # the embedded engine's capability that verify checksum / full rest on
 DELTA_SYNC = "delta_sync"  # the embedded engine's capability to apply delta buckets (weight_sync.delta)
+HEALTH_TIMEOUT_S = 5.0  # after a failed sync, an engine that does not answer GET /health within this is faulty
 
 
 class WeightBridge:
@@ -31,12 +32,15 @@ class WeightBridge:
     and sends them through a group per source (`weight_sync.parallel`; the source must offer `weight_source_plan`),
     "one" through one group from one rank, None: parallel when the source reports more than one. `delta` (broadcast
     only): after a confirmed sync to the whole fleet, each bucket goes as its changes since then where that is
-    smaller (`weight_sync.delta`); the source must offer `prepare_weight_bucket`."""
+    smaller (`weight_sync.delta`); the source must offer `prepare_weight_bucket`. `max_retries`: a sync that fails
+    while every engine still answers GET /health is sent again this many times, each on weight groups built anew
+    (`sync_retries` counts them); a fault of an engine (one that answers nothing) is raised at once, for the fleet
+    watch to repair."""
 
     def __init__(self, source: WeightSource, engine_urls: Sequence[str], *, make_transport: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "checksum", timeout_s: float = 300.0,
                  api_key: str | None = None, admin_api_key: str | None = None, pipeline: bool = True,
-                 sources: str | None = None, delta: bool = False):
+                 sources: str | None = None, delta: bool = False, max_retries: int = 2):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if sources not in SOURCE_MODES:
@@ -51,6 +55,7 @@ class WeightBridge:
         self.version: int | None = None  # the last version every engine verifiably holds
         self.last_sync: dict[str, float] = {}
         self.left_behind = 0  # engines that could not leave a weight group (hung or gone), over the run
+        self.max_retries, self.sync_retries = max_retries, 0  # syncs sent again after a failure, over the run
         self.api_key, self.admin_key = api_key, admin_key(api_key, admin_api_key)
         self.requested_verify = verify
         self.delta = delta
@@ -128,9 +133,28 @@ class WeightBridge:
         copy into bucket buffers), wire_s (broadcasts, start to end), source_checksum_s and copy_in_s (the slowest
         engine's copy into its model plus its checksums). Pipelined, these overlap: together they exceed
         transfer_s by the time the pipeline saved."""
-        self._transfer_and_verify(self.engine_urls, str(version))
+        for attempt in range(self.max_retries + 1):
+            try:
+                self._transfer_and_verify(self.engine_urls, str(version))
+                break
+            except Exception as err:
+                if attempt == self.max_retries or not all(run_together(
+                        [lambda url=url: answers_health(url, HEALTH_TIMEOUT_S, self.api_key) for url in self.engine_urls],
+                        2 * HEALTH_TIMEOUT_S)):
+                    raise
+                self.sync_retries += 1
+                print(f"sluice: the weight sync to version {version} failed ({(str(err).strip().splitlines() or [''])[0]}"
+                      f"); every engine answers, so the weight groups are built anew and it goes again ({attempt + 1} of "
+                      f"at most {self.max_retries} retries, sync.max_retries)", file=sys.stderr, flush=True)
+                self._rebuild_channels()
         self.version = version
         return self.last_sync
+
+    def _rebuild_channels(self) -> None:
+        """Close the channel to the fleet (a group a failed transfer broke is already gone) and open a fresh one."""
+        self._disconnect(self.engine_urls)
+        self.delta_ready = False
+        self.transport.connect(self.engine_urls)
 
     def add_engine(self, url: str) -> None:
         """Bring a new engine to the fleet's version on a channel of its own, then add it to every later sync
@@ -243,7 +267,7 @@ class WeightBridge:
         phases = {"pack_s": 0.0, "wire_s": 0.0, "source_checksum_s": 0.0, "copy_in_s": 0.0, **transfer.timings}
         self.last_sync = {"stage_s": t1 - t0, "transfer_s": t2 - t1, "verify_s": t3 - t2, "total_s": t3 - t0,
                           "bytes": nbytes, "buckets": float(len(self.layouts)), "gb_per_s": nbytes / (t3 - t0) / 1e9,
-                          "left_behind": float(self.left_behind),
+                          "left_behind": float(self.left_behind), "retries": float(self.sync_retries),
                           **phases, **self._byte_figures(transfer, nbytes)}
 
     def _byte_figures(self, transfer: Any, nbytes: float) -> dict[str, float]:
@@ -278,7 +302,8 @@ def make_bridge(cfg: BridgeConfig, *, source: WeightSource, engine_urls: Sequenc
     make = TRANSPORT_MAKERS[transport](cfg, options, engine_tp_size, disk_dir)
     bridge = WeightBridge(source, engine_urls, make_transport=make, bucket_bytes=cfg.bucket_bytes, verify=cfg.verify,
                           timeout_s=cfg.timeout_s, api_key=api_key, admin_api_key=admin_api_key, pipeline=pipeline,
-                          sources=cfg.sources if transport == "broadcast" else "one", delta=cfg.delta)
+                          sources=cfg.sources if transport == "broadcast" else "one", delta=cfg.delta,
+                          max_retries=cfg.max_retries)
     bridge.connect()
     return bridge
 

@@ -23,6 +23,7 @@ class BridgeConfig:
     master_address: str | None = None  # address trainer rank 0 hosts the weight group on; null: its node's address as Ray reports it (set it on machines with several networks)
     disk_dir: str | None = None  # where the disk transport writes checkpoints; null: a temporary directory
     timeout_s: float = 300.0  # a sync that takes longer fails the run
+    max_retries: int = 2  # a sync that fails while every engine answers is sent again this many times, on weight groups built anew (fault/sync_retries); an engine that answers nothing is replaced instead
 
     def __post_init__(self) -> None:
         if self.transport not in (None, "broadcast", "ipc", "disk"):
@@ -41,6 +42,8 @@ class BridgeConfig:
                              "in memory and disk is the reference path; set sync.delta: false")
         if self.verify not in ("auto", "checksum", "full", "off"):
             raise ValueError(f"sync.verify must be 'auto', 'checksum', 'full' or 'off', got {self.verify!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"sync.max_retries must be >= 0, got {self.max_retries}")
         if self.bucket_bytes < 1:
             raise ValueError(f"sync.bucket_bytes must be >= 1 (default 512 MiB = 536870912), got {self.bucket_bytes}")
 

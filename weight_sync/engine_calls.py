@@ -106,6 +106,18 @@ def end_update_session(url: str, timeout_s: float, key: str | None = None) -> No
     call_update(url, "/end_weight_update", {}, timeout_s, key)
 
 
+def answers_health(url: str, timeout_s: float, key: str | None = None) -> bool:
+    """Whether the engine answers GET /health at all within `timeout_s` (any HTTP status is an answer: a paused
+    SGLang server answers 503); False for one that is gone or hangs."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=bearer(key)), timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
 def weight_version(url: str, timeout_s: float, key: str | None = None) -> str | None:
     """The engine's version, from `/model_info` (SGLang 0.5.23 reports `weight_version` there; an api-key route)."""
     reported = post_json(f"{url}/model_info", None, timeout_s, key).get("weight_version")

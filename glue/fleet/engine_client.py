@@ -60,8 +60,9 @@ def weight_version_to_int(version: Any) -> int:
 
 
 class EngineClient:
-    """`generate` through the router; control calls to each engine. Connection errors on generate, and the
-    router's 502 / 503 / 504 (no engine could take the request, e.g. the only one died and is being restarted), are
+    """`generate` through the router; control calls to each engine. Connection errors on generate (an answer cut
+    off counts: the router died while sending it), and the router's 502 / 503 / 504 (no engine could take the
+    request, e.g. the only one died and is being restarted), are
     retried `max_connect_retries` times with a growing pause (counted in `connect_retries`); other HTTP errors are
     not. `engine_urls` is held, not copied: the fleet replaces a restarted engine's url in that list.
 
@@ -182,7 +183,7 @@ class EngineClient:
                     if resp.status // 100 != 2:
                         raise EngineHTTPError(url, resp.status, body)
                     return self._checked_versions(json.loads(body), pauses_before)
-            except (aiohttp.ClientConnectionError, ConnectionError, EngineHTTPError) as err:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError, EngineHTTPError) as err:
                 if isinstance(err, EngineHTTPError) and err.status not in RETRIED_STATUSES:
                     raise
                 if attempt >= self.max_connect_retries:

@@ -115,6 +115,9 @@ class RolloutFleet:
         self.seed = seed
         self._launches: dict[int, int] = {}
         self._metrics_port: int | None = None  # the router's Prometheus exporter
+        self.router_restarts = 0  # routers replaced by restart_router
+        self._router_retries_seen = 0  # the running router's smg_worker_retries_total when last read
+        self._retries_of_old_routers = 0  # the same, summed over the routers replaced
 
     @property
     def pids(self) -> list[int]:
@@ -217,14 +220,17 @@ class RolloutFleet:
                 )
             time.sleep(0.2)
 
-    def _start_router(self) -> None:
+    def _start_router(self, worker_urls: Sequence[str] | None = None) -> None:
+        """Start the router on the fleet's port with `worker_urls` (default: every engine); a restart keeps the
+        port of its metrics exporter too."""
         self.router_url = f"http://{self.host}:{self._router_port}"
         cmd = [*self.router_command, "--host", self.host, "--port", str(self._router_port),
-               "--policy", self.router_policy, "--worker-urls", *self.engine_urls, *self.router_args]
+               "--policy", self.router_policy, "--worker-urls",
+               *(self.engine_urls if worker_urls is None else worker_urls), *self.router_args]
         if "--prometheus-port" in self.router_args:
             self._metrics_port = int(self.router_args[self.router_args.index("--prometheus-port") + 1])
         else:  # the router's metrics exporter has a fixed default port: two routers on one machine would collide
-            self._metrics_port = free_ports(1, self.host)[0]
+            self._metrics_port = self._metrics_port or free_ports(1, self.host)[0]
             cmd += ["--prometheus-port", str(self._metrics_port)]
         self._router = ManagedProcess(f"{self._prefix}router ({self.router_url})", cmd, self.log_dir / "router.log")
         self.started_pids.append(self._router.proc.pid)
@@ -236,15 +242,17 @@ class RolloutFleet:
             return {}
         return {w["url"].rstrip("/"): bool(w.get("is_healthy")) for w in json.loads(body).get("workers", [])}
 
-    def _wait_router_ready(self) -> None:
+    def _wait_router_ready(self, urls: Sequence[str] | None = None) -> None:
+        """Wait until the router lists engines `urls` (default: every engine) as healthy."""
+        urls = self.engine_urls if urls is None else urls
         deadline = time.monotonic() + self.router_startup_timeout_s
         while True:
             self._router.check_alive()
             workers = self.registered_workers()
-            if all(workers.get(url) for url in self.engine_urls):
+            if all(workers.get(url) for url in urls):
                 return
             if time.monotonic() > deadline:
-                missing = [u for u in self.engine_urls if not workers.get(u)]
+                missing = [u for u in urls if not workers.get(u)]
                 raise TimeoutError(
                     f"router at {self.router_url} had not registered healthy workers {missing} within "
                     f"{self.router_startup_timeout_s:g} s (its /workers shows {workers}); last lines of "
@@ -321,13 +329,38 @@ class RolloutFleet:
         return [i for i, m in enumerate(self._engines) if m.exit_code() is not None]
 
     def router_retries(self) -> int:
-        """Requests the router sent again to another engine after one failed (its `smg_worker_retries_total`):
-        how generation survives an engine that dies mid-request. 0 if its metrics cannot be read."""
+        """Requests the routers sent again to another engine after one failed (`smg_worker_retries_total`): how
+        generation survives an engine that dies mid-request. A router that was replaced counts with what it had
+        when last read; one whose metrics cannot be read counts as last read."""
         status, text = _http_get(f"http://127.0.0.1:{self._metrics_port}/metrics")  # the router runs here
-        if status != 200:
-            return 0
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("smg_worker_retries_total")))
+        if status == 200:
+            self._router_retries_seen = int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                                if line.startswith("smg_worker_retries_total")))
+        return self._retries_of_old_routers + self._router_retries_seen
+
+    def router_exit(self) -> str | None:
+        """The `exited()` line of the router, or None while it runs."""
+        return self._exit_line(self._router) if self._router.exit_code() is not None else None
+
+    def router_answers(self, timeout_s: float) -> bool:
+        """Whether the router answers GET /health with 200 within `timeout_s` (a stopped one answers nothing)."""
+        return _http_get(f"{self.router_url}/health", timeout=timeout_s, key=self.api_key)[0] == 200
+
+    def restart_router(self) -> list[str]:
+        """The router died or hangs: SIGKILL what is left of it (by pid), start a new one on the same port with
+        every engine that serves (`serving_urls`, less any that exited) and wait until it routes to them; returns
+        their urls. An engine being replaced meanwhile registers itself with the new router (`_route_to`)."""
+        if self._router is None:
+            raise RuntimeError("RolloutFleet.restart_router needs a started fleet; call start() first")
+        self._router.kill()
+        self._retries_of_old_routers += self._router_retries_seen
+        self._router_retries_seen = 0
+        dead = {self.engine_urls[i] for i in self.dead_engines()}
+        live = [url for url in self.serving_urls if url not in dead]
+        self._start_router(live)
+        self.router_restarts += 1
+        self._wait_router_ready(live)
+        return live
 
     def exited(self) -> list[str]:
         """One line per started process (engine or router) that is no longer running: its name, exit code, log."""

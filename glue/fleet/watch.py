@@ -17,9 +17,16 @@ answers nothing at all, not even GET /health, is replaced like one that died.
 A repair gathers the trainer's weights only between train steps and checkpoints (`trainer_turn`, `guarded_train`), and
 a new engine gets the version the fleet holds (`engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
 for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
-unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count. The router or a trainer rank dying, an engine past `max_restarts`, or any engine fault
-when there is nothing to restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one
-line naming what died and its log.
+unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count.
+
+The router is watched too: one that exited, or failed `health_failures` checks of GET /health in a row (a stopped
+one answers nothing), is SIGKILLed by pid and a new one started on the same port with every engine that serves
+(`RolloutFleet.restart_router`), up to `max_router_restarts` times. The requests it held are lost with it; the client
+sends each again (its retries of a connection error, in `fault/reissued_requests`), and the new router takes them.
+
+A trainer rank dying, the router or an engine past its restarts, or any engine fault when there is nothing to
+restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one line naming what died and
+its log.
 
 The fleets beside the policy's (a teacher's, a judge's) are watched by a FleetWatch each, of this same class, passed
 to the policy's watch as `beside`: its `run` watches them all. Their engines never take weights from the trainer, so
@@ -51,7 +58,8 @@ class FleetWatch:
     def __init__(self, fleet: Any, *, repair: Callable[[int], None] | None, client: Any = None,
                  max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
                  health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES,
-                 trainer_turn: threading.Lock | None = None, beside: Sequence["FleetWatch"] = ()):
+                 trainer_turn: threading.Lock | None = None, beside: Sequence["FleetWatch"] = (),
+                 max_router_restarts: int = 3):
         self.fleet, self.repair, self.client = fleet, repair, client
         self.beside = list(beside)
         self._prefix = f"{fleet.name} " if fleet.name else ""  # "teacher engine 0", "teacher router"
@@ -62,6 +70,9 @@ class FleetWatch:
         self.lock = threading.Lock()  # held by a weight sync and by a repair: never both at once
         self.restarts = 0
         self.recovery_s: list[float] = []  # seconds from detection to the new engine serving, per restart
+        self.max_router_restarts, self.router_restarts = max_router_restarts, 0
+        self.router_recovery_s: list[float] = []  # seconds from detection to the new router serving, per restart
+        self._router_failed_checks = 0
         self._failed_checks: dict[int, int] = {}
         # engines a failed sync found answering nothing; rebound, never changed in place (two threads read it)
         self._unanswering: frozenset[int] = frozenset()
@@ -176,6 +187,7 @@ class FleetWatch:
         reissued = self.fleet.router_retries() + (self.client.connect_retries if self.client is not None else 0)
         name = self._prefix.replace(" ", "_")
         return {f"fault/{name}engine_restarts": float(self.restarts), f"fault/{name}reissued_requests": float(reissued),
+                f"fault/{name}router_restarts": float(self.router_restarts),
                 **{k: v for w in self.beside for k, v in w.metrics().items()}}
 
     # ---- the watch
@@ -186,13 +198,17 @@ class FleetWatch:
             self._ended.set()
 
     async def _watch_until_fault(self) -> None:
-        next_check = time.monotonic() + self.health_interval_s
+        next_check = next_router_check = time.monotonic() + self.health_interval_s
         while True:
             await asyncio.sleep(self.poll_s)
-            router_gone = [line for line in await asyncio.to_thread(self.fleet.exited)
-                           if line.startswith(f"{self._prefix}router")]
-            if router_gone:
-                raise ProcessDied(router_gone[0])
+            if router_gone := await asyncio.to_thread(self.fleet.router_exit):
+                await self._restart_router(router_gone)
+            elif time.monotonic() >= next_router_check:
+                if await asyncio.to_thread(self._router_hangs):
+                    await self._restart_router(f"{self._prefix}router ({self.fleet.router_url}) failed "
+                                               f"{self.health_failures} health checks in a row (GET /health, "
+                                               f"{self.health_timeout_s:g} s each)")
+                next_router_check = time.monotonic() + self.health_interval_s
             for index in await asyncio.to_thread(self.fleet.dead_engines):
                 await self._replace(index, self.fleet.engine_exit(index))
             for index in sorted(self._unanswering):
@@ -246,6 +262,31 @@ class FleetWatch:
         weights = "its weights" if self._prefix else "the current weights"  # a fleet beside never changes them
         print(f"sluice: {self._prefix}engine {index} serves again at {self.fleet.engine_urls[index]} with {weights}, "
               f"{self.recovery_s[-1]:.1f} s after the fault was seen", flush=True)
+
+    def _router_hangs(self) -> bool:
+        """One health check of the router; True once `health_failures` in a row failed. Its /health says only that
+        the router itself serves, so a paused fleet does not fail it."""
+        ok = self.fleet.router_answers(self.health_timeout_s)
+        self._router_failed_checks = 0 if ok else self._router_failed_checks + 1
+        return self._router_failed_checks >= self.health_failures
+
+    async def _restart_router(self, why: str) -> None:
+        """A new router on the same port with every serving engine (`RolloutFleet.restart_router`), or ProcessDied
+        once `max_router_restarts` are used up."""
+        if self.router_restarts >= self.max_router_restarts:
+            raise ProcessDied(f"{why} (rollout.max_router_restarts={self.max_router_restarts} restarts used up)")
+        self.router_restarts += 1
+        self._router_failed_checks = 0
+        print(f"sluice: {why}; starting a new router on its port ({self.router_restarts} of at most "
+              f"{self.max_router_restarts} restarts)", flush=True)
+        started = time.monotonic()
+        try:
+            live = await asyncio.to_thread(self.fleet.restart_router)
+        except Exception as err:
+            raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+        self.router_recovery_s.append(time.monotonic() - started)
+        print(f"sluice: a new {self._prefix}router serves again on :{self.fleet.router_url.rsplit(':', 1)[1]} with "
+              f"{len(live)} engines, {self.router_recovery_s[-1]:.1f} s after the fault was seen", flush=True)
 
     def _beyond_repair(self, why: str) -> str:
         """`why`, and why no restart follows when restarts were possible but are used up."""

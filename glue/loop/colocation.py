@@ -27,9 +27,12 @@ class OffloadableTrainer(Protocol):
 
 def sync_metrics(bridge: Any) -> dict[str, float]:
     """The last sync's figures as `sync/*` record keys: bytes, buckets, GB/s, seconds in total and split into
-    stage / pack / wire / copy-in / verify (weight_sync.bridge.WeightBridge.last_sync)."""
-    last = getattr(bridge, "last_sync", None) or {}
-    return {f"sync/{key}": float(value) for key, value in last.items() if isinstance(value, (int, float))}
+    stage / pack / wire / copy-in / verify (weight_sync.bridge.WeightBridge.last_sync); the syncs sent again after a
+    failure, over the run, as `fault/sync_retries`."""
+    last = dict(getattr(bridge, "last_sync", None) or {})
+    retries = {"fault/sync_retries": float(last.pop("retries"))} if "retries" in last else {}
+    return {**{f"sync/{key}": float(value) for key, value in last.items() if isinstance(value, (int, float))},
+            **retries}
 
 
 class Disaggregated:

@@ -88,8 +88,9 @@ class RolloutConfig:
     error_masking: bool = False  # multi-turn: a failed turn (malformed tool call, tool error, environment exception) is not trained on, the turns after it are (rollout/masked_error_turns)
     max_failed_frac: float = 0.5  # the run stops when more than this share of a step's groups fail (raise or time out)
     max_engine_restarts: int = 3  # engines that die or hang are restarted this many times per run, then the run stops
-    health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate)
-    health_check_timeout_s: float = 60.0  # an engine that fails 3 checks in a row, each waiting this long, is restarted
+    max_router_restarts: int = 3  # a router that dies or hangs is replaced on its port this many times per run, then the run stops
+    health_check_interval_s: float = 10.0  # how often each engine is asked to generate a token (GET /health_generate) and the router for GET /health
+    health_check_timeout_s: float = 60.0  # an engine (or the router) that fails 3 checks in a row, each waiting this long, is restarted
     dynamic_sampling: bool = False  # DAPO: a group whose rewards are all equal (no advantage) is dropped when it finishes and another prompt drawn in its place
     return_routed_experts: bool = False  # MoE routing replay (R3): the single-turn and multi-turn rollouts ask engines for the experts every token was routed to (sent to engines directly: sgl-router drops the field; the OpenAI-agent path refuses the key) and samples carry them to the train batch; SGLang engines also need sglang.enable_return_routed_experts: true
     slime: SlimeRolloutConfig = field(default_factory=SlimeRolloutConfig)  # slime's rollout functions, run unchanged
@@ -103,8 +104,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_concurrent_groups must be >= 1 or null, got {self.max_concurrent_groups}")
         if self.buffer_order not in ("fifo", "newest_first"):
             raise ValueError(f"rollout.buffer_order must be 'fifo' or 'newest_first', got {self.buffer_order!r}")
-        if self.max_engine_restarts < 0:
-            raise ValueError(f"rollout.max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        for name in ("max_engine_restarts", "max_router_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rollout.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("health_check_interval_s", "health_check_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")

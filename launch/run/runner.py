@@ -106,6 +106,8 @@ def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
     if latest is not None:  # the final policy as a plain HF checkpoint (AutoModelForCausalLM.from_pretrained)
         export_final_policy(latest, run_dir / "hf")
     final = f"; final policy in {run_dir / 'hf'}" if latest is not None else ""  # rollout_only: no trainer
+    if latest is not None and (saved := Checkpoints.read_state(latest)["step"]) != last_step:  # the last write failed
+        final = f"; the policy of step {saved}, the last checkpoint written, in {run_dir / 'hf'}"
     print(f"sluice: run finished; {summary}{final}", flush=True)
     return run_dir
 
@@ -208,18 +210,18 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
                              stale=f"{record['staleness/max']:.0f}")
 
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
+                              interval=cfg.run.save_interval, interval_s=cfg.run.save_interval_s,
+                              max_failures=cfg.run.max_checkpoint_failures) if debug != "rollout_only" else None
     hooks = LoopHooks(
         on_step=on_step, stop=stop, stop_grace_over=stop_grace_over,
         # rollout_only: nothing to move, the engines keep the weights they started with
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
         extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None)),
-                               **reward_model_metrics(manager)},
+                               **reward_model_metrics(manager), **(checkpoints.metrics() if checkpoints else {})},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
         build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch)
-    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints,
-                              interval=cfg.run.save_interval,
-                              interval_s=cfg.run.save_interval_s) if debug != "rollout_only" else None
     parts = LoopParts(stream=stream, trainer=trainer, fleet=watch, phases=colocation, logger=logger,
                       checkpoints=checkpoints, hooks=hooks)
     training = asyncio.ensure_future(run_loop(parts, num_steps=cfg.run.num_steps, loss_cfg=cfg.loss,
@@ -253,8 +255,8 @@ def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side
     if fleet is None:  # run.debug train_only
         return NoFleet()
     r = cfg.rollout
-    limits = dict(max_restarts=r.max_engine_restarts, health_interval_s=r.health_check_interval_s,
-                  health_timeout_s=r.health_check_timeout_s)
+    limits = dict(max_restarts=r.max_engine_restarts, max_router_restarts=r.max_router_restarts,
+                  health_interval_s=r.health_check_interval_s, health_timeout_s=r.health_check_timeout_s)
     turn = threading.Lock()  # train steps and a repair's weight gathering (trainer collectives) take turns
     repair = None if plan.placement == "colocated" or bridge is None else engine_repair(
         fleet, bridge, trainer_turn=turn, client=client, pause_mode=cfg.sync.pause_mode)

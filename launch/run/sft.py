@@ -156,6 +156,6 @@ def train(cfg: SluiceConfig, samples: list, trainer, *, first_step: int, cursor:
 
     data = ConversationStream(samples, per_step=cfg.sft.conversations_per_step, seed=cfg.run.seed, cursor=cursor)
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, interval=cfg.run.save_interval,
-                              interval_s=cfg.run.save_interval_s)
+                              interval_s=cfg.run.save_interval_s, max_failures=cfg.run.max_checkpoint_failures)
     return run_sft_loop(num_steps=cfg.run.num_steps, data=data, trainer=trainer, logger=logger,
                         checkpoints=checkpoints, first_step=first_step, stop=stop, on_step=on_step)

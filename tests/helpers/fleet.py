@@ -28,7 +28,8 @@ class ScriptedBridge:
 class StandInFleet:
     """`count` engines behind one loopback HTTP server, as `<server>/e<i>`: each answers SGLang's
     `GET /health_generate` with 200 at once, except the `hung` ones, which answer only after `hang_s`. Exposes the
-    fleet surface the watch reads (`name`, `engine_urls`, `api_key`, `exited`, `dead_engines`)."""
+    fleet surface the watch reads (`name`, `engine_urls`, `api_key`, `exited`, `dead_engines`, and a router that
+    never fails: `router_exit`, `router_answers`)."""
 
     name, api_key = "", None
 
@@ -61,6 +62,12 @@ class StandInFleet:
 
     def dead_engines(self):
         return []
+
+    def router_exit(self):
+        return None
+
+    def router_answers(self, timeout_s):
+        return True
 
     def close(self) -> None:
         self.stop_event.set()
