@@ -132,6 +132,7 @@ class RunConfig:
     save_interval: int = 50  # write a checkpoint every this many steps (0: only at the end and on a requested stop)
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
     stop_grace_s: float = 30.0  # the first Ctrl-C / SIGTERM waits at most this long for the step in progress, then cancels the groups still generating (their samples so far go into the checkpoint), writes the checkpoint and exits 0; a second signal stops at once
+    max_restarts: int = 3  # a trainer rank that dies (its process or its Ray actor) has the trainer group restarted from the newest checkpoint in the run this many times per run, then the run stops with one line
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # where step records go: jsonl (runs/<name>/metrics.jsonl, always), tensorboard (runs/<name>/tensorboard/), wandb (pip install wandb)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, when run.loggers has wandb
@@ -154,6 +155,8 @@ class RunConfig:
         if not self.stop_grace_s >= 0:
             raise ValueError(f"run.stop_grace_s must be >= 0 (seconds a stop waits for the step in progress), got "
                              f"{self.stop_grace_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"run.max_restarts must be >= 0 (trainer group restarts per run), got {self.max_restarts}")
         if self.debug == "train_only" and not self.replay_from:
             raise ValueError("run.debug=train_only needs run.replay_from: the folder of a run that had "
                              "run.save_rollouts: true (or run.debug: rollout_only)")
