@@ -33,6 +33,11 @@ class Trainer:
         self.version = 0
 
 
+class TrainerThatCannotStart(Trainer):
+    def restart(self):
+        raise RuntimeError("no bundle left\nsecond line")
+
+
 class Recorder:
     """Bridge, fleet and colocation in one: each call is written down in order."""
 
@@ -126,5 +131,10 @@ def test_restarts_past_run_max_restarts_or_in_colocated_placement_end_the_run_wi
     with pytest.raises(ProcessDied, match=re.escape("(colocated placement: the trainer group is not restarted")):
         colocated.restart(colocated.died())
     assert calls == []  # nothing was touched
+    broken = restarts(tmp_path, [], steps=(2,))
+    broken.trainer = TrainerThatCannotStart([], {1: "it was killed"})
+    with pytest.raises(ProcessDied) as failed:
+        broken.restart(broken.died())
+    assert str(failed.value) == "trainer rank 1 (node 10.0.0.2) died: it was killed; its restart failed: no bundle left"
     with pytest.raises(ValueError, match="run.max_restarts must be >= 0"):
         RunConfig(max_restarts=-1)

@@ -61,6 +61,12 @@ class TrainerRestarts:
                   "the initial model (step 0: no checkpoint yet)")
         print(f"sluice: {death}; restarting the trainer group from {origin} (restart {self.restarts} of "
               f"{self.max_restarts})", flush=True)
+        try:
+            return self._restart_from(checkpoint)
+        except Exception as err:
+            raise ProcessDied(f"{death}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+
+    def _restart_from(self, checkpoint: Path | None) -> dict:
         self.fleet.pause_generation("abort")  # the loop's groups are cancelled: their requests are handed back now
         self.trainer.restart()
         self.bridge.reconnect()
