@@ -138,3 +138,31 @@ def test_restarts_past_run_max_restarts_or_in_colocated_placement_end_the_run_wi
     assert str(failed.value) == "trainer rank 1 (node 10.0.0.2) died: it was killed; its restart failed: no bundle left"
     with pytest.raises(ValueError, match="run.max_restarts must be >= 0"):
         RunConfig(max_restarts=-1)
+
+
+@pytest.mark.long  # 8-22 s, Ray's start; a failed restart's one line stays in CI (the test above)
+def test_trainer_ranks_whose_bundles_never_come_back_fail_the_start_within_its_deadline_naming_them(tmp_path):
+    """A restart after a node is gone waits for the lost ranks' bundles; that wait is bounded, so the run ends with
+    one line instead of hanging (a real local Ray; the ranks ask for a resource no node has)."""
+    import os
+    import time
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.group import TrainerGroup
+    from loss import LossConfig
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError) as failed:
+            TrainerGroup(str(tmp_path), TrainerConfig(), LossConfig(),
+                         actor_options=[{"num_cpus": 0.5, "resources": {"a_node_that_is_gone": 1}}],
+                         placement_timeout_s=2)
+        assert time.monotonic() - started < 30  # the 2 s wait, and the actors' submission on a busy machine
+        assert str(failed.value) == ("trainer ranks [0] did not start on their placement-group bundles within 2 s "
+                                     "(is their node gone?)")
+    finally:
+        ray.shutdown()

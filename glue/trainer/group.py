@@ -18,15 +18,19 @@ class TrainerGroup:
     weight-source calls."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig,
-                 actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1):
+                 actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1,
+                 placement_timeout_s: float = 300.0):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
         launch.run.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
-        versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1)."""
+        versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1).
+        `placement_timeout_s`: how long the ranks' processes may take to start on their bundles (a bundle whose node
+        is gone may never come back) before the start fails, naming the ranks that have none."""
         if actor_options is not None and len(actor_options) != cfg.world_size:
             raise ValueError(f"TrainerGroup: {len(actor_options)} actor_options for {cfg.world_size} ranks")
         self.cfg = cfg
         self._start = dict(model_path=model_path, loss_cfg=loss_cfg, actor_options=actor_options,
                            keep_versions=keep_versions)  # what `restart` starts the ranks with again
+        self.placement_timeout_s = placement_timeout_s
         self._start_ranks(**self._start)
 
     def _start_ranks(self, model_path: str, loss_cfg: LossConfig | SftLossConfig,
@@ -44,6 +48,7 @@ class TrainerGroup:
                     keep_versions=keep_versions)
             for rank in range(cfg.world_size)
         ]
+        self._wait_for_placement()
         try:
             address, port = ray.get(self._actors[0].rendezvous_address.remote())
             lines = ray.get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
@@ -52,6 +57,19 @@ class TrainerGroup:
         except BaseException:
             self.shutdown()  # do not leave half-started actors holding CPUs
             raise
+
+    def _wait_for_placement(self) -> None:
+        import ray
+
+        probes = [actor.__ray_ready__.remote() for actor in self._actors]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=self.placement_timeout_s)
+        if len(ready) < len(probes):
+            missing = [rank for rank, probe in enumerate(probes) if probe not in ready]
+            actors, self._actors = self._actors, []
+            for actor in actors:  # not shut down: the ones still waiting for a bundle would never answer
+                ray.kill(actor)
+            raise RuntimeError(f"trainer ranks {missing} did not start on their placement-group bundles within "
+                               f"{self.placement_timeout_s:g} s (is their node gone?)")
 
     def restart(self) -> None:
         """Kill every rank (by handle: the survivors may be stuck in a collective with a dead one) and start them
