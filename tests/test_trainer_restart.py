@@ -166,3 +166,23 @@ def test_trainer_ranks_whose_bundles_never_come_back_fail_the_start_within_its_d
                                      "(is their node gone?)")
     finally:
         ray.shutdown()
+
+
+def test_a_broadcast_whose_source_died_is_not_aborted_through_its_store_and_prints_no_stack_trace(capfd):
+    """A trainer rank killed mid-sync takes the weight group's store (its rank 0 hosts it) with it: the transfer's
+    abort has nobody left to tell, and torch would print a C++ stack trace for the store it cannot reach."""
+    import socket
+
+    from weight_sync.transports import BroadcastTransport
+
+    with socket.socket() as sock:  # a port nothing listens on: the dead source's store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    transport = BroadcastTransport(None, [], backend="gloo", master_address=None, with_checksum=False, timeout_s=5)
+    try:
+        transport._addresses["sluice_weights_1_0"] = ("127.0.0.1", port)
+        transport._abort("sluice_weights_1_0")
+    finally:
+        transport.close()
+    out, err = capfd.readouterr()
+    assert "frame #" not in out + err and "TCPStore" not in out + err
