@@ -60,7 +60,9 @@ class Recorder:
         pass
 
 
-def restarts(tmp_path, calls, *, dead=None, steps=(), restored=None, **options):
+def restarts(tmp_path, calls, *, dead=None, steps=(), **options):
+    """A TrainerRestarts over doubles that write each call into `calls`; rank 1 is dead unless `dead` says which
+    are; checkpoints written at `steps`."""
     checkpoints = Checkpoints(tmp_path / "checkpoints")
     for step in steps:
         checkpoints.save(step, lambda folder: None, {"version": step, "groups_drawn": 4 * step})
