@@ -134,6 +134,7 @@ class RunConfig:
     keep_checkpoints: int = 2  # the newest this many checkpoints are kept
     max_checkpoint_failures: int = 3  # a checkpoint write that fails (disk full) is said and the run goes on from the previous one; this many in a row stop the run
     stop_grace_s: float = 30.0  # the first Ctrl-C / SIGTERM waits at most this long for the step in progress, then cancels the groups still generating (their samples so far go into the checkpoint), writes the checkpoint and exits 0; a second signal stops at once
+    max_restarts: int = 3  # a trainer rank that dies (its process or its Ray actor) has the trainer group restarted from the newest checkpoint in the run this many times per run, then the run stops with one line
     deterministic: bool = False  # same config + seed = same run, interrupted and resumed or not: seeded, batch-invariant sampling (engines' --enable-deterministic-inference), fixed group order, rollouts that never span a weight sync (slower)
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # where step records go: jsonl (runs/<name>/metrics.jsonl, always), tensorboard (runs/<name>/tensorboard/), wandb (pip install wandb)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, when run.loggers has wandb
@@ -161,6 +162,8 @@ class RunConfig:
         if not self.stop_grace_s >= 0:
             raise ValueError(f"run.stop_grace_s must be >= 0 (seconds a stop waits for the step in progress), got "
                              f"{self.stop_grace_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"run.max_restarts must be >= 0 (trainer group restarts per run), got {self.max_restarts}")
         if self.debug == "train_only" and not self.replay_from:
             raise ValueError("run.debug=train_only needs run.replay_from: the folder of a run that had "
                              "run.save_rollouts: true (or run.debug: rollout_only)")

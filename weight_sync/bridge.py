@@ -240,6 +240,14 @@ class WeightBridge:
             self.transport.close()
             self.transport = None
 
+    def reconnect(self) -> None:
+        """The source was started again (a trainer restart): its side of every channel went with its processes.
+        The engines leave theirs (`close`) and channels are opened afresh from the new source; the next sync goes
+        whole (a new source holds no delta baselines)."""
+        self.close()
+        self.delta_ready = False
+        self.connect()
+
     def _transfer_and_verify(self, urls: list[str], version: str) -> None:
         assert self.transport is not None, "WeightBridge used before connect()"
         t0 = time.perf_counter()

@@ -236,6 +236,10 @@ class BroadcastTransport(_Base):
         import torch.distributed as dist
 
         host, port = self._addresses[name]
+        try:  # a plain connect first: torch prints a C++ stack trace for a store it cannot reach
+            socket.create_connection((host, port), timeout=5).close()
+        except OSError:
+            return  # the store went with its host, the source (a trainer rank that died): no member waits on it
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10),
                               wait_for_workers=False)
         store.set(abort_key(name), "1")

@@ -93,6 +93,8 @@ class FleetWatch:
         from ray.exceptions import RayActorError
 
         watches = [self, *self.beside]
+        for watch in watches:  # a run after a trainer restart watches again
+            watch._ended.clear()
         watchdogs = [asyncio.ensure_future(w._watch()) for w in watches]
         try:
             watching = {training, *watchdogs}

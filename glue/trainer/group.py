@@ -18,15 +18,27 @@ class TrainerGroup:
     weight-source calls."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig,
-                 actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1):
+                 actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1,
+                 placement_timeout_s: float = 300.0):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
         launch.run.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
-        versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1)."""
-        import ray
-
+        versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1).
+        `placement_timeout_s`: how long the ranks' processes may take to start on their bundles (a bundle whose node
+        is gone may never come back) before the start fails, naming the ranks that have none."""
         if actor_options is not None and len(actor_options) != cfg.world_size:
             raise ValueError(f"TrainerGroup: {len(actor_options)} actor_options for {cfg.world_size} ranks")
-        self.cfg, self.version = cfg, 0
+        self.cfg = cfg
+        self._start = dict(model_path=model_path, loss_cfg=loss_cfg, actor_options=actor_options,
+                           keep_versions=keep_versions)  # what `restart` starts the ranks with again
+        self.placement_timeout_s = placement_timeout_s
+        self._start_ranks(**self._start)
+
+    def _start_ranks(self, model_path: str, loss_cfg: LossConfig | SftLossConfig,
+                     actor_options: Sequence[dict[str, Any]] | None, keep_versions: int) -> None:
+        import ray
+
+        cfg = self.cfg
+        self.version = 0
         self._members: dict[int, tuple[int, ...]] = {}  # parallel source rank -> the ranks producing its tensors
         self._channel_members: dict[str, tuple[int, tuple[int, ...]]] = {}  # a parallel channel -> (source, members)
         actor_cls = ray.remote(TrainerWorker)
@@ -36,6 +48,7 @@ class TrainerGroup:
                     keep_versions=keep_versions)
             for rank in range(cfg.world_size)
         ]
+        self._wait_for_placement()
         try:
             address, port = ray.get(self._actors[0].rendezvous_address.remote())
             lines = ray.get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
@@ -44,6 +57,47 @@ class TrainerGroup:
         except BaseException:
             self.shutdown()  # do not leave half-started actors holding CPUs
             raise
+
+    def _wait_for_placement(self) -> None:
+        import ray
+
+        probes = [actor.__ray_ready__.remote() for actor in self._actors]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=self.placement_timeout_s)
+        if len(ready) < len(probes):
+            missing = [rank for rank, probe in enumerate(probes) if probe not in ready]
+            actors, self._actors = self._actors, []
+            for actor in actors:  # not shut down: the ones still waiting for a bundle would never answer
+                ray.kill(actor)
+            raise RuntimeError(f"trainer ranks {missing} did not start on their placement-group bundles within "
+                               f"{self.placement_timeout_s:g} s (is their node gone?)")
+
+    def restart(self) -> None:
+        """Kill every rank (by handle: the survivors may be stuck in a collective with a dead one) and start them
+        again with the options they had, so each takes its own placement-group bundle back; the new ranks hold the
+        initial model at version 0 and no weight channel (`load_checkpoint` brings them to a checkpoint)."""
+        import ray
+
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            ray.kill(actor)
+        self._start_ranks(**self._start)
+
+    def dead_ranks(self, timeout_s: float = 10.0) -> dict[int, str]:
+        """The ranks whose actor is gone, each with Ray's reason in one line (`death_line`). A rank busy in a call
+        (or stuck in a collective with a dead peer) is alive: it is not waited for beyond `timeout_s`."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        probes = {rank: actor.__ray_ready__.remote() for rank, actor in enumerate(self._actors)}
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout_s)
+        dead = {}
+        for rank, probe in probes.items():
+            if probe in ready:
+                try:
+                    ray.get(probe)
+                except RayActorError as err:
+                    dead[rank] = death_line(str(err))
+        return dead
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every rank at once (collectives need all of them) and wait for all answers. A batch is
@@ -166,3 +220,13 @@ class TrainerGroup:
         ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=30)
         for actor in actors:
             ray.kill(actor)
+
+
+def death_line(error: str) -> str:
+    """Ray's word on a dead actor in one line: why it is dead and its pid (`The actor is dead because its worker
+    process has died. Worker exit type: ... (pid 3263)`), without Ray's list of common causes; its first line when
+    the text has another shape."""
+    lines = [line.strip() for line in error.strip().splitlines()] or ["the actor is gone"]
+    reason = next((line for line in lines if line.startswith("The actor is dead because")), lines[0])
+    pid = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("pid:")), None)
+    return reason.split(" Some common causes")[0] + (f" (pid {pid})" if pid else "")

@@ -39,6 +39,7 @@ from launch.run.preflight import preflight
 from launch.run.startup import StartupClock
 from launch.run.stopping import StopSignals, cancel_tasks
 from launch.run.tasks import eval_task, task_args_for, task_metrics
+from launch.run.trainer_restart import TrainerRestarts
 from launch.run.user_code import record_code
 
 
@@ -82,10 +83,12 @@ def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
         watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client, side_fleets=side_fleets)
         evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path,
                                    slime=getattr(manager, "slime", None))
-        training = loop.create_task(run_training(cfg, manager=manager, trainer=trainer, client=client,
-                                                 colocation=colocation, run_dir=run_dir, progress=progress, stop=stop,
-                                                 stop_grace_over=stop.grace_over,
-                                                 resume_state=resume_state, watch=watch, evaluator=evaluator))
+        restarts = trainer_restarts(cfg, plan, placement, trainer=trainer, bridge=bridge, watch=watch,
+                                    colocation=colocation, started_from=resume_from)
+        training = loop.create_task(train_with_restarts(cfg, restarts=restarts, manager=manager, trainer=trainer,
+                                                        client=client, colocation=colocation, run_dir=run_dir,
+                                                        progress=progress, stop=stop, stop_grace_over=stop.grace_over,
+                                                        resume_state=resume_state, watch=watch, evaluator=evaluator))
         stop.armed = True
         try:
             last_step = loop.run_until_complete(training)
@@ -170,9 +173,40 @@ def restore(cfg: SluiceConfig, checkpoint: Path | None, *, trainer, client, colo
     return state
 
 
+def trainer_restarts(cfg: SluiceConfig, plan: RunPlan, placement, *, trainer, bridge, watch, colocation,
+                     started_from: Path | None) -> TrainerRestarts | None:
+    """What repairs a trainer rank that dies (launch.run.trainer_restart), or None where there is none to repair
+    (a run.debug run: no trainer, or no engines to resync)."""
+    if cfg.run.debug != "off":
+        return None
+    return TrainerRestarts(
+        trainer=trainer, bridge=bridge, fleet=watch, colocation=colocation,
+        nodes=[placement.node_ip[rank.bundle] for rank in plan.trainer],
+        restore=lambda checkpoint: restore(cfg, checkpoint, trainer=trainer, client=watch, colocation=colocation),
+        checkpoints=Checkpoints(cfg.run_dir / "checkpoints"), started_from=started_from,
+        max_restarts=cfg.run.max_restarts, pause_mode=cfg.sync.pause_mode, colocated=plan.placement == "colocated")
+
+
+async def train_with_restarts(cfg: SluiceConfig, *, restarts: TrainerRestarts | None, resume_state: dict | None,
+                              progress, stop=lambda: False, **parts) -> int:
+    """`run_training`; when it fails because a trainer rank died, the trainer group is restarted from the newest
+    checkpoint and training goes on from that checkpoint's state, as a resumed run would (`restarts`; None: the
+    failure ends the run)."""
+    while True:
+        try:
+            return await run_training(cfg, resume_state=resume_state, progress=progress, stop=stop,
+                                      restarts=restarts, **parts)
+        except Exception:
+            death = None if restarts is None or stop() else await asyncio.to_thread(restarts.died)
+            if death is None:
+                raise
+            resume_state = await asyncio.to_thread(restarts.restart, death)
+            progress.reset()
+
+
 async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocation, run_dir: Path, progress, watch,
                        stop=lambda: False, stop_grace_over=never, resume_state: dict | None = None,
-                       evaluator=None) -> int:
+                       evaluator=None, restarts: TrainerRestarts | None = None) -> int:
     """The loop with its staleness gate, buffer and rollout stream built from the config."""
     groups_per_step = cfg.rollout.prompts_per_step
     gate = StalenessGate(groups_per_step=groups_per_step, max_staleness=cfg.sync.max_staleness,
@@ -206,6 +240,9 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
                              resume_step=resume_step, wandb=to_dict(cfg.run.wandb))
 
     def on_step(record: dict) -> None:
+        if "fault/trainer_recovery_s" in record:
+            progress.write(f"sluice: step {record['step']} completed {record['fault/trainer_recovery_s']:.1f} s after "
+                           "the trainer rank's death was seen", file=sys.stdout)
         progress.update(1)
         progress.set_postfix(reward=f"{record['rollout/reward_mean']:.3f}", loss=f"{record.get('train/loss', 0):.3f}",
                              stale=f"{record['staleness/max']:.0f}")
@@ -218,7 +255,8 @@ async def run_training(cfg: SluiceConfig, *, manager, trainer, client, colocatio
         # rollout_only: nothing to move, the engines keep the weights they started with
         sync_guard=watch.guarded_sync if debug != "rollout_only" else lambda sync: None,
         train_guard=watch.guarded_train,
-        extra_metrics=lambda: {**watch.metrics(), **task_metrics(getattr(manager, "task", None)),
+        extra_metrics=lambda: {**watch.metrics(), **(restarts.metrics() if restarts is not None else {}),
+                               **task_metrics(getattr(manager, "task", None)),
                                **reward_model_metrics(manager), **(checkpoints.metrics() if checkpoints else {})},
         evaluate=evaluator.evaluate if evaluator is not None else no_evaluation,
         build_batch=distillation_batch_builder(cfg.teacher) if cfg.teacher is not None else build_train_batch)

@@ -1,0 +1,87 @@
+"""A trainer rank that dies mid-run (its process, or its Ray actor) is repaired in the run, as a resume in the same
+process: generation paused, every rank of the trainer group killed and started again on its own placement-group
+bundle, the newest checkpoint loaded into it and the engines brought to that checkpoint's weights (the resume path,
+`launch.run.runner.restore`), and the loop rebuilt from the checkpoint's driver state (cursor, finished groups,
+groups in flight with their partial samples) exactly as a resumed run rebuilds it. Engines, router and Ray stay up.
+`run.max_restarts` bounds it; past that, or in colocated placement, the run ends with one line."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from glue.fleet.fleet import ProcessDied
+from glue.loop.checkpoint import Checkpoints
+from glue.loop.controller import sync_weights
+
+# The driver state of a restart from the initial model (no checkpoint yet): step 0, nothing drawn, nothing waiting.
+INITIAL_STATE = {"step": 0, "version": 0, "groups_drawn": 0, "finished": [], "reissue": [], "admitted": {},
+                 "partial": {}}
+
+
+class TrainerRestarts:
+    """`died()` says whether a trainer rank is gone; `restart(death)` repairs the trainer group and returns the driver
+    state the loop goes on from. `trainer`: the group (`restart`, `dead_ranks`, `version`); `bridge`: the weight bridge
+    (`reconnect`); `fleet`: what pauses and continues generation (the fleet watch); `nodes[rank]`: where each rank
+    runs; `restore(checkpoint)`: loads a checkpoint into the trainer, brings the engines to it, cuts the metrics
+    record back to its step and returns its driver state (None: the initial model, the record cleared);
+    `checkpoints`: the run's; `started_from`: the checkpoint the run resumed from, used while the run has written
+    none of its own."""
+
+    def __init__(self, *, trainer: Any, bridge: Any, fleet: Any, colocation: Any, nodes: Sequence[str],
+                 restore: Callable[[Path | None], dict | None], checkpoints: Checkpoints,
+                 started_from: Path | None = None, max_restarts: int = 3, pause_mode: str = "retract",
+                 colocated: bool = False):
+        self.trainer, self.bridge, self.fleet, self.colocation = trainer, bridge, fleet, colocation
+        self.nodes, self.restore, self.checkpoints, self.started_from = list(nodes), restore, checkpoints, started_from
+        self.max_restarts, self.pause_mode, self.colocated = max_restarts, pause_mode, colocated
+        self.restarts = 0
+        self.recovery_s: list[float] = []  # seconds from each death seen to the next completed step
+        self._seen_at: float | None = None  # when the death the next completed step is timed from was seen
+
+    def died(self) -> str | None:
+        """`trainer rank R (node N) died: <Ray's first line>` for the first rank that is gone, or None."""
+        dead = self.trainer.dead_ranks()
+        if not dead:
+            return None
+        rank = min(dead)
+        return f"trainer rank {rank} (node {self.nodes[rank]}) died: {dead[rank]}"
+
+    def restart(self, death: str) -> dict:
+        """Blocking (run it in a worker thread). Raises ProcessDied with `death` when no restart is left, or in
+        colocated placement (the new ranks would have to take the devices back from the engines mid-step)."""
+        self._seen_at = time.monotonic()
+        if self.colocated:
+            raise ProcessDied(f"{death} (colocated placement: the trainer group is not restarted in the run)")
+        if self.restarts >= self.max_restarts:
+            raise ProcessDied(f"{death} (run.max_restarts={self.max_restarts} restarts used up)")
+        self.restarts += 1
+        checkpoint = self.checkpoints.latest() or self.started_from
+        origin = (f"checkpoint step {Checkpoints.read_state(checkpoint)['step']}" if checkpoint is not None else
+                  "the initial model (step 0: no checkpoint yet)")
+        print(f"sluice: {death}; restarting the trainer group from {origin} (restart {self.restarts} of "
+              f"{self.max_restarts})", flush=True)
+        try:
+            return self._restart_from(checkpoint)
+        except Exception as err:
+            raise ProcessDied(f"{death}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+
+    def _restart_from(self, checkpoint: Path | None) -> dict:
+        self.fleet.pause_generation("abort")  # the loop's groups are cancelled: their requests are handed back now
+        self.trainer.restart()
+        self.bridge.reconnect()
+        state = self.restore(checkpoint)
+        if state is None:  # the new ranks hold the initial model: the engines go back to it too
+            sync_weights(self.fleet, self.colocation, self.trainer.version, self.pause_mode)
+            state = dict(INITIAL_STATE)
+        return state
+
+    def metrics(self) -> dict[str, float]:
+        """For each step's record: restarts so far, and on the first step completed after a restart the seconds
+        since its death was seen (`fault/trainer_recovery_s`)."""
+        out = {"fault/trainer_restarts": float(self.restarts)}
+        if self._seen_at is not None:
+            self.recovery_s.append(time.monotonic() - self._seen_at)
+            self._seen_at = None
+            out["fault/trainer_recovery_s"] = self.recovery_s[-1]
+        return out
