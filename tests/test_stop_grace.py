@@ -202,11 +202,17 @@ class RouterGoesFleet:
     def __init__(self):
         self.gone = False
 
+    def router_exit(self):
+        return "router (http://127.0.0.1:1) exited with code 0; its log: runs/x/logs/router.log" if self.gone else None
+
     def exited(self):
-        return ["router (http://127.0.0.1:1) exited with code 0; its log: runs/x/logs/router.log"] if self.gone else []
+        return [self.router_exit()] if self.gone else []
 
     def dead_engines(self):
         return []
+
+    def restart_router(self):
+        raise AssertionError("a router that exits after the stop was asked is not restarted")
 
 
 def test_a_process_that_exits_after_a_stop_was_asked_does_not_end_the_run_before_its_checkpoint(capsys):

@@ -81,6 +81,7 @@ class FleetWatch:
         self._pauses = 0  # pause_generation calls so far: a health probe that a pause overtook says nothing
         self._lock_holds = 0  # syncs and repairs so far: a sweep that one overlapped says nothing either
         self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
+        self._stopping: Callable[[], bool] = lambda: False  # a stop was asked (run's `stopping`): nothing is repaired
         self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
 
     # ---- what the loop calls
@@ -95,6 +96,7 @@ class FleetWatch:
         watches = [self, *self.beside]
         for watch in watches:  # a run after a trainer restart watches again
             watch._ended.clear()
+            watch._stopping = stopping
         watchdogs = [asyncio.ensure_future(w._watch()) for w in watches]
         try:
             watching = {training, *watchdogs}
@@ -247,6 +249,8 @@ class FleetWatch:
         return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
 
     async def _replace(self, index: int, why: str) -> None:
+        if self._stopping():  # the stop's signal may have reached it too: the run goes to its checkpoint, not a repair
+            raise ProcessDied(why)
         if self.repair is None or self.restarts >= self.max_restarts:
             raise ProcessDied(self._beyond_repair(why))
         self.restarts += 1
@@ -275,6 +279,8 @@ class FleetWatch:
     async def _restart_router(self, why: str) -> None:
         """A new router on the same port with every serving engine (`RolloutFleet.restart_router`), or ProcessDied
         once `max_router_restarts` are used up."""
+        if self._stopping():
+            raise ProcessDied(why)
         if self.router_restarts >= self.max_router_restarts:
             raise ProcessDied(f"{why} (rollout.max_router_restarts={self.max_router_restarts} restarts used up)")
         self.router_restarts += 1
