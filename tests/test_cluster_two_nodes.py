@@ -5,6 +5,7 @@ line with what is free. Starting the two nodes takes 10-45 s, so these are `long
 the same behaviours in `make test` on a private Ray."""
 import contextlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -22,18 +23,26 @@ HEAD_IP, WORKER_IP = "127.0.0.4", "127.0.0.5"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A head (1 CPU) and a worker node (1 CPU) joined to it: 2 CPUs free, but never 2 on one node."""
+def cluster_nodes():
+    """A head (1 CPU) and a worker node (1 CPU) joined to it: 2 CPUs free, but never 2 on one node. Yields (the
+    head's address, head, worker)."""
     port = free_port()
     head = RayNode(num_cpus=1, port=port, node_ip=HEAD_IP)
     worker = None
     try:
         head.up()
         worker = RayNode(num_cpus=1, head=f"{HEAD_IP}:{port}", node_ip=WORKER_IP).up()
-        yield f"{HEAD_IP}:{port}"
+        yield f"{HEAD_IP}:{port}", head, worker
     finally:
-        # the worker first: one whose head is gone waits a minute or more for it
-        assert (worker.stop() if worker else []) == [] and head.stop() == [], "a Ray process outlived SIGTERM"
+        # the worker first: one whose head is gone waits a minute or more for it; a Ray process still there after
+        # SIGTERM is SIGKILLed by pid
+        left = (worker.stop() if worker else []) + head.stop()
+        assert not left, f"Ray processes outlived SIGTERM: {left}"
+
+
+@pytest.fixture
+def cluster(cluster_nodes):
+    return cluster_nodes[0]
 
 
 @pytest.mark.long  # the two nodes start in 10-45 s; the dry run's RAY_ADDRESS test stays in CI
@@ -76,3 +85,36 @@ def test_a_placement_group_no_node_has_room_for_fails_after_its_timeout_with_one
                       "`ray status`), or set cluster.placement_timeout_s=0 to wait until it fits"], err
     assert "Traceback" not in err
     assert took < 30, took
+
+
+@pytest.mark.long  # last: it kills the worker node (the fixture then stops what is left of it by pid)
+def test_a_trainer_rank_on_a_node_that_dies_is_named_with_that_node_and_stopping_the_rest_raises_nothing(
+        cluster_nodes, tiny_model_dir, tmp_path):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from glue.fleet.fleet import ProcessDied
+    from glue.trainer.config import TrainerConfig
+    from glue.trainer.group import TrainerGroup
+    from launch.run.cluster import start_ray
+    from loss import LossConfig
+
+    address, _, worker = cluster_nodes
+    with contextlib.ExitStack() as stack:
+        start_ray(address=address, num_cpus=0, node_ip=HEAD_IP, stack=stack)
+        node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == WORKER_IP)
+        on_worker = {"num_cpus": 1, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+        group = TrainerGroup(tiny_model_dir, TrainerConfig(), LossConfig(), actor_options=[on_worker],
+                             log_dir=tmp_path)
+        stack.callback(group.shutdown)
+        assert group.nodes == [WORKER_IP]
+        assert "sluice: trainer rank 0 of 1, pid" in (tmp_path / "trainer_0.log").read_text()  # a shared folder
+        worker.die()  # the node is gone: raylet, workers, the trainer rank, all at once
+        with pytest.raises(ProcessDied) as died:
+            group.hf_weight_specs()
+        # Ray cannot reach it (ActorUnavailableError) or has seen the node die (ActorDiedError), by timing
+        assert re.match(rf"trainer rank 0 on node {re.escape(WORKER_IP)} (stopped answering|died) \(", str(died.value)), \
+            str(died.value)
+        assert str(died.value).endswith(f"; its log: {tmp_path / 'trainer_0.log'}"), str(died.value)
+        print(died.value)
+        group.close_weight_channel("disk")  # the shutdown path on a dead node's rank raises nothing

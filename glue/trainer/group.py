@@ -77,19 +77,23 @@ class TrainerGroup:
 
     def death_line(self, err: Any) -> str:
         """E.g. `trainer rank 1 on node 10.0.0.2 died (The actor died unexpectedly ...); its log: runs/x/logs/
-        trainer_1.log`, from Ray's RayActorError `err`."""
+        trainer_1.log`, from Ray's RayActorError `err` (`stopped answering` when Ray cannot reach it: its node may be
+        gone)."""
+        from ray.exceptions import ActorUnavailableError
+
         dead = err.actor_id.hex() if isinstance(err.actor_id, bytes) else err.actor_id
         ranks = [rank for rank, actor in enumerate(self._actors) if actor._actor_id.hex() == dead]
         why = (str(err).strip().splitlines() or ["no reason given"])[0]
+        what = "stopped answering" if isinstance(err, ActorUnavailableError) else "died"
         if not ranks:
-            return f"a trainer rank died ({why})"
+            return f"a trainer rank {what} ({why})"
         rank = ranks[0]
         node = self.nodes[rank] if self.nodes else None
         log = self.logs[rank]
         if log is None or not log.exists():
             log = f"the Ray worker logs of {node or 'its node'} ({RAY_WORKER_LOGS})"
         node = f" on node {node}" if node else ""
-        return f"trainer rank {rank}{node} died ({why}); its log: {log}"
+        return f"trainer rank {rank}{node} {what} ({why}); its log: {log}"
 
     def output_line(self) -> str:
         """Where the ranks' output is, e.g. `output in runs/x/logs/trainer_<rank>.log`, naming the ranks whose node

@@ -41,15 +41,11 @@ class RayNode:
             time.sleep(0.3)
         return self
 
-    def raylet_pid(self) -> int:
-        """The raylet of this node (the process that stands for the node in its cluster)."""
+    def die(self) -> None:
+        """The node dies as a machine would: every process of it (`ray start`, raylet, its workers and actors)
+        SIGKILLed at once, by pid."""
         for pid in session_pids(self.proc.pid):
-            try:
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
-                    return pid
-            except OSError:
-                continue
-        raise LookupError("no raylet in this node's session")
+            os.kill(pid, signal.SIGKILL)
 
     def stop(self, timeout_s: float = 30) -> list[int]:
         """SIGTERM to `ray start --block` (it stops its Ray processes), then SIGKILL to any pid of its session still
