@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
+from helpers.cli import run_error
 from launch.config import load_config
 from launch.plan.run_plan import resolve
 
@@ -33,23 +33,16 @@ def test_ray_address_in_the_environment_is_the_cluster_a_run_plans_for(monkeypat
 
 
 def test_an_address_where_no_ray_head_answers_fails_in_seconds_with_one_line_naming_it(tmp_path, capsys):
-    started = time.monotonic()
-    code = main(["--config", DEMO, "run.ray_address=127.0.0.3:1", f"run.output_dir={tmp_path}"])
-    took = time.monotonic() - started
-    err = capsys.readouterr().err
-    assert code == 1, err
-    errors = [line for line in err.splitlines() if line.startswith("sluice:")]
-    assert errors == ["sluice: error: no Ray cluster answers at 127.0.0.3:1 (run.ray_address=127.0.0.3:1): Connection "
-                      "refused; check the address and port (`ray start --head --port`, 6379 by default) and that the "
-                      "head is up (`ray status --address ...` on a node of the cluster)"], err
-    assert "Traceback" not in err
+    error, took = run_error(capsys, ["run.ray_address=127.0.0.3:1", f"run.output_dir={tmp_path}"])
+    assert error == ("sluice: error: no Ray cluster answers at 127.0.0.3:1 (run.ray_address=127.0.0.3:1): Connection "
+                     "refused; check the address and port (`ray start --head --port`, 6379 by default) and that the "
+                     "head is up (`ray status --address ...` on a node of the cluster)")
     assert took < 30, took
 
 
 def test_a_dashboard_address_in_ray_address_is_refused_naming_the_port_to_give(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # what `ray job submit` is pointed at
-    assert main(["--config", DEMO, f"run.output_dir={tmp_path}"]) == 1
-    assert capsys.readouterr().err.splitlines()[-1] == (
+    assert run_error(capsys, [f"run.output_dir={tmp_path}"])[0] == (
         "sluice: error: RAY_ADDRESS=http://127.0.0.1:8265 is a Ray dashboard address (what `ray job submit` talks "
         "to); sluice attaches to the head's GCS port: give host:port of `ray start --head --port` (6379 by default), "
         "or auto on a node of the cluster")
@@ -103,3 +96,17 @@ def test_with_placement_timeout_0_a_run_waits_for_room_saying_what_it_waits_for_
     assert re.fullmatch(r"sluice: waited \d+ s for the placement group: it needs 1 CPU in 1 bundles \(STRICT_PACK: "
                         r"all on one node\); free now: 0 CPU, 0 GPU; waiting until it fits "
                         r"\(cluster.placement_timeout_s=0\)", said[0]), said
+
+
+def test_an_attached_run_hands_its_pythonpath_to_the_cluster_unless_the_submitted_job_sets_one(monkeypatch):
+    from launch.run.cluster import job_runtime_env
+
+    monkeypatch.setenv("PYTHONPATH", "/shared/my_tasks")
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert job_runtime_env() == {"env_vars": {"PYTHONPATH": "/shared/my_tasks"}}
+    # inside `ray job submit --runtime-env-json '{"env_vars": {"PYTHONPATH": ...}}'` Ray would refuse a second one
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
+                       '{"runtime_env": {"env_vars": {"PYTHONPATH": "/shared/my_tasks"}}, "metadata": {}}')
+    assert job_runtime_env() is None
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"pip": ["x"]}, "metadata": {}}')
+    assert job_runtime_env() == {"env_vars": {"PYTHONPATH": "/shared/my_tasks"}}

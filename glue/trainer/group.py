@@ -135,15 +135,11 @@ class TrainerGroup:
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(HF name, dtype name, shape) of every weight the weight bridge sends, in bucket order."""
-        import ray
-
         return self._get([self._actors[0].hf_weight_specs.remote()])[0]
 
     def weight_channel_address(self, rank: int = 0) -> tuple[str, int]:
         """A source rank's node address and a port free there: where its weight group is hosted (across nodes the
         driver knows neither)."""
-        import ray
-
         return tuple(self._get([self._actors[rank].rendezvous_address.remote()])[0])
 
     def weight_source_plan(self) -> list[tuple[int, list[str]]]:
@@ -169,8 +165,6 @@ class TrainerGroup:
         """The ranks producing bucket `index` (those holding its shards, and the channel's source) gather it; the
         source sends it and answers with its checksum (and handle or path). A parallel source's channel calls only
         its own members, so the sources' buckets travel side by side."""
-        import ray
-
         if channel not in self._channel_members:
             answers = self._all("send_weight_bucket", channel, index)
             served = {rank: answer["handles"] for rank, answer in enumerate(answers) if "handles" in answer}
@@ -182,8 +176,6 @@ class TrainerGroup:
     def prepare_weight_bucket(self, channel: str, index: int, delta: bool) -> dict[str, Any]:
         """Delta sync: the ranks producing bucket `index` gather it and its source chooses whether it goes whole or
         as a delta, answering with the request fields the engines need; `send_weight_bucket` then sends it."""
-        import ray
-
         if channel not in self._channel_members:
             return self._all("prepare_weight_bucket", channel, index, delta)[0]
         source, members = self._channel_members[channel]
