@@ -46,7 +46,7 @@ def cluster(cluster_nodes):
 
 @pytest.mark.long  # the two nodes start in 10-45 s; the dry run's RAY_ADDRESS test stays in CI
 def test_with_ray_address_set_a_run_attaches_to_that_cluster_and_says_so_with_its_absolute_folder(
-        cluster, monkeypatch, tmp_path, capsys):
+        cluster, monkeypatch, tmp_path):
     import ray
 
     from launch.run.cluster import start_cluster
@@ -56,14 +56,14 @@ def test_with_ray_address_set_a_run_attaches_to_that_cluster_and_says_so_with_it
     cfg, plan = resolve(load_config(DEMO, ["run.output_dir=runs", "rollout.num_engines=1", "cluster.cpus_per_bundle=0.5",
                                            "trainer.num_cpus_per_worker=0.5", f"cluster.node_ip={HEAD_IP}"]))
     with contextlib.ExitStack() as stack:
-        placement = start_cluster(cfg, plan, stack)
+        said = []
+        placement = start_cluster(cfg, plan, stack, lambda phase, detail: said.append((phase, detail)))
         assert ray.get_runtime_context().gcs_address == cluster  # the cluster's own GCS, none started here
         assert sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]) == [HEAD_IP, WORKER_IP]
         assert not [p for p in live_children(os.getpid()) if "gcs_server" in p or "raylet" in p]
         assert len(placement.node_ip) == 2 and len(set(placement.node_ip)) == 1  # one node of that cluster
-    out = capsys.readouterr().out
-    assert f"sluice: attached to the Ray cluster at {cluster} (RAY_ADDRESS={cluster}); run folder " \
-           f"{tmp_path.resolve()}/runs/demo\n" in out
+    assert said == [("ray", f"attached to the Ray cluster at {cluster} (RAY_ADDRESS={cluster}); run folder "
+                            f"{tmp_path.resolve()}/runs/demo")]
 
 
 @pytest.mark.long  # shares the two nodes above; the private-Ray placement tests stay in CI

@@ -260,14 +260,14 @@ def _missing_paths(paths: dict[str, str]) -> list[tuple[str, str]]:
     return [(what, path) for what, path in paths.items() if not os.path.exists(path)]
 
 
-def start_cluster(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack):
-    """Start or attach to Ray (saying which, and the run folder's absolute path: under `ray job submit` a relative
-    run.output_dir is inside the job's working directory) and reserve the plan's placement group (a
-    launch.run.cluster.Placement)."""
+def start_cluster(cfg: SluiceConfig, plan: RunPlan, stack: contextlib.ExitStack, clock=lambda phase, detail: None):
+    """Start or attach to Ray, saying which on the `ray` start-up line with the run folder's absolute path (under `ray
+    job submit` a relative run.output_dir is inside the job's working directory), and reserve the plan's placement
+    group (a launch.run.cluster.Placement)."""
     address = cfg.run.cluster_address
     how = start_ray(address=address, num_cpus=cfg.run.ray_num_cpus, node_ip=cfg.cluster.node_ip, stack=stack,
                     source=cfg.run.cluster_address_source)
-    print(f"sluice: {how}; run folder {cfg.run_dir.resolve()}", flush=True)
+    clock("ray", f"{how}; run folder {cfg.run_dir.resolve()}")
     if address is not None and cfg.cluster.num_nodes > 1:
         nodes = wait_for_nodes(cfg.cluster.num_nodes, cfg.cluster.node_wait_s)
         print(f"sluice: {len(nodes)}/{cfg.cluster.num_nodes} nodes joined: {', '.join(nodes)}", flush=True)

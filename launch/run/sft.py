@@ -39,8 +39,8 @@ def run_sft(cfg: SluiceConfig, plan: RunPlan) -> Path:
                   f"{summary['trained_tokens']} of them assistant tokens (trained), "
                   f"{summary['cut_frac']:.0%} cut at sft.max_seq_len={cfg.sft.max_seq_len}")
     with contextlib.ExitStack() as stack:
-        placement = start_cluster(cfg, plan, stack)
-        clock("ray", f"placement: {len(plan.trainer)} trainer bundles")
+        placement = start_cluster(cfg, plan, stack, clock)
+        clock("placement", f"{len(plan.trainer)} trainer bundles")
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         trainer = start_sft_trainer(cfg, plan, placement, model_path, stack, clock)
         first_step, cursor = restore_sft(cfg, resume_from, trainer)
