@@ -8,14 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import free_port
 from glue.metrics.logger import read_metrics
-from helpers.processes import session_pids
+from helpers.processes import end_session
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch/scripts/multi_node.sh"
@@ -73,13 +72,7 @@ class Role:
 
     def wait_session_empty(self, timeout_s: float) -> list[int]:
         """Pids of this session still alive after `timeout_s` (SIGKILLed by pid, so nothing outlives the test)."""
-        deadline = time.monotonic() + timeout_s
-        while session_pids(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(1)
-        left = session_pids(self.proc.pid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        return left
+        return end_session(self.proc.pid, timeout_s, poll_s=1)
 
 
 @pytest.fixture

@@ -183,13 +183,13 @@ def wait_for_placement(group: Any, bundles: list[dict[str, float]], strategy: st
     started = time.monotonic()
     ready = group.ready()
     while True:
-        waited = time.monotonic() - started
-        step = report_s if not timeout_s else min(report_s, max(0.0, timeout_s - waited))
+        left = timeout_s - (time.monotonic() - started) if timeout_s else report_s
+        step = min(report_s, max(0.0, left))
         if ray.wait([ready], timeout=step)[0]:
             return
         waited = time.monotonic() - started
         needs = f"{group_needs(bundles)} in {len(bundles)} bundles ({strategy}: {STRATEGY_MEANS[strategy]})"
-        if timeout_s and waited >= timeout_s:
+        if step < report_s or (timeout_s and waited >= timeout_s):  # this wait ran to the deadline
             raise ClusterError(f"the cluster did not grant the placement group within cluster.placement_timeout_s="
                                f"{timeout_s:g} s: it needs {needs}; free now: {free_resources()}; free some, add "
                                "nodes (check cluster.num_nodes / gpus_per_node against `ray status`), or set "

@@ -3,6 +3,7 @@ stopped by its pid and then every pid left in that session (never `ray stop`, wh
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers.processes import session_pids
+from helpers.processes import end_session, session_pids
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -36,8 +37,9 @@ class RayNode:
         deadline = time.monotonic() + timeout_s
         while "Ray runtime started" not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                said = self.log.read_text()[-3000:]
                 self.stop()
-                raise RuntimeError(f"ray start did not come up:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"ray start did not come up:\n{said}")
             time.sleep(0.3)
         return self
 
@@ -49,14 +51,10 @@ class RayNode:
 
     def stop(self, timeout_s: float = 30) -> list[int]:
         """SIGTERM to `ray start --block` (it stops its Ray processes), then SIGKILL to any pid of its session still
-        alive after `timeout_s`; returns those."""
+        alive after `timeout_s`, and its folder removed; returns those pids."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while session_pids(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = session_pids(self.proc.pid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = end_session(self.proc.pid, timeout_s)
         self.proc.wait()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # its Ray session folder and the log of `ray start`
         return left
