@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import difflib
 import importlib.util
+import os
 import sys
 import types
 import typing
@@ -125,7 +126,7 @@ class RunConfig:
     num_steps: int = 30  # training steps (one rollout batch each)
     seed: int = 0  # seeds the rollout side: prompt order and per-request sampling seeds
     mode: Literal["sync", "async", "sft"] = "sync"  # sync: every rollout comes from the latest weights; async: rollout runs on while the trainer trains; sft: supervised fine-tuning on the `sft:` section's chat data, no engines (docs/sft.md)
-    ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null starts a local one
+    ray_address: str | None = None  # attach to an existing Ray cluster ("auto" or host:port); null: the one RAY_ADDRESS names (set in a `ray job submit` job, docs/cluster.md), else a private local one
     ray_num_cpus: int = 8  # logical CPUs for a local Ray cluster (more than the real ones so no actor starves)
     overwrite: bool = False  # a folder holding a previous run is refused unless true (replaced once start-up succeeded)
     resume: str = "auto"  # auto: continue from the run folder's latest checkpoint if any; never; or a checkpoint path
@@ -175,6 +176,18 @@ class RunConfig:
                              "set run.resume: never")
 
     @property
+    def cluster_address(self) -> str | None:
+        """The Ray cluster the run attaches to: run.ray_address, else RAY_ADDRESS (which `ray job submit` sets for
+        its job, so a submitted run joins the cluster it was submitted to); None: the run starts a private one."""
+        from_env = os.environ.get("RAY_ADDRESS", "")
+        return self.ray_address or (from_env if from_env not in ("", "local") else None)
+
+    @property
+    def cluster_address_source(self) -> str:
+        """Which setting names `cluster_address`: run.ray_address or RAY_ADDRESS."""
+        return "run.ray_address" if self.ray_address else "RAY_ADDRESS"
+
+    @property
     def saves_rollouts(self) -> bool:
         """Each step's groups are written to the run folder: asked for, or what a rollout_only run is for."""
         return self.save_rollouts or self.debug == "rollout_only"
@@ -195,6 +208,7 @@ class ClusterConfig:
     cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
     node_ip: str | None = None  # the driver node's address in Ray (`ray start --node-ip-address`); null: Ray's pick
     node_wait_s: float = 600  # attached to a cluster: how long to wait for cluster.num_nodes nodes to join
+    placement_timeout_s: float = 120  # how long to wait for the cluster to grant the placement group before failing with its free resources; 0: wait until it fits, saying every minute what for
     gpu_memory_gb: float = 80  # memory of one GPU in GB (10^9 bytes): --dry-run's memory plan, and a trainer rank whose training state exceeds it is refused
 
     def __post_init__(self) -> None:
@@ -210,6 +224,9 @@ class ClusterConfig:
             raise ValueError(f"cluster.cpus_per_bundle must be > 0, got {self.cpus_per_bundle}")
         if not self.node_wait_s >= 0:
             raise ValueError(f"cluster.node_wait_s must be >= 0, got {self.node_wait_s}")
+        if not self.placement_timeout_s >= 0:
+            raise ValueError(f"cluster.placement_timeout_s must be >= 0 (0: wait until the cluster has room), got "
+                             f"{self.placement_timeout_s}")
         if not self.gpu_memory_gb > 0:
             raise ValueError(f"cluster.gpu_memory_gb must be > 0 (one GPU's memory in GB), got {self.gpu_memory_gb}")
 

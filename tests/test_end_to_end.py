@@ -64,10 +64,13 @@ def test_a_short_sync_run_keeps_engines_and_trainer_on_the_same_policy(tmp_path,
     assert f"weight group hosted by trainer rank 0 at {ray.util.get_node_ip_address()}:" in captured.out
     # start-up said what it waited for: one line per phase with its seconds, then the total
     lines = [line for line in captured.out.splitlines() if line.startswith("sluice: ")]
-    assert [line.split()[1] for line in lines[:6]] == ["model", "ray", "engines", "router", "trainer", "weights"]
-    assert all(float(line.split()[2]) >= 0 and line.split()[3] == "s" for line in lines[:6]), lines
-    assert lines[6].startswith("sluice: started in "), lines
-    assert "2 megatron-core ranks (TP 1 x PP 2 x EP 1 x DP 1)" in lines[4], lines
+    assert [line.split()[1] for line in lines[:7]] == ["model", "ray", "placement", "engines", "router", "trainer",
+                                                        "weights"]
+    assert all(float(line.split()[2]) >= 0 and line.split()[3] == "s" for line in lines[:7]), lines
+    assert lines[7].startswith("sluice: started in "), lines
+    assert "started a private local Ray" in lines[1], lines
+    assert "2 megatron-core ranks (TP 1 x PP 2 x EP 1 x DP 1)" in lines[5], lines
+    assert f"output in {run_dir.resolve()}/logs/trainer_<rank>.log" in lines[5], lines
     assert "Writing model shards" not in captured.out + captured.err
 
 

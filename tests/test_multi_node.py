@@ -8,14 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import free_port
 from glue.metrics.logger import read_metrics
-from helpers.processes import session_pids
+from helpers.processes import end_session
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch/scripts/multi_node.sh"
@@ -73,13 +72,7 @@ class Role:
 
     def wait_session_empty(self, timeout_s: float) -> list[int]:
         """Pids of this session still alive after `timeout_s` (SIGKILLed by pid, so nothing outlives the test)."""
-        deadline = time.monotonic() + timeout_s
-        while session_pids(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(1)
-        left = session_pids(self.proc.pid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        return left
+        return end_session(self.proc.pid, timeout_s, poll_s=1)
 
 
 @pytest.fixture
@@ -101,7 +94,7 @@ def test_a_run_spans_a_head_and_a_worker_node_through_the_script_and_stops_by_pi
     assert head.proc.wait(timeout=420) == 0, head.output()[-4000:]
     out = head.output()
     assert f"sluice: 2/2 nodes joined: {WORKER_IP}, {HEAD_IP}" in out
-    placed = re.search(r"sluice: ray +[\d.]+ s +placement: (.*)", out).group(1)
+    placed = re.search(r"sluice: placement +[\d.]+ s +(.*)", out).group(1)
     nodes = dict(part.split(": ", 1) for part in placed.split("; "))
     assert set(nodes) == {HEAD_IP, WORKER_IP}, placed  # CPU bundles spread over both nodes
     assert "trainer rank 0" in nodes[WORKER_IP], placed  # the driver's node sorts first; the trainer takes the last
@@ -128,7 +121,7 @@ def test_an_engine_over_two_nodes_puts_a_node_rank_on_each_and_the_run_syncs_it(
                 NODE_WAIT_S="120", SLUICE=str(sluice_then_stop(tmp_path, worker)))
     roles.append(head)
     assert head.proc.wait(timeout=420) == 0, head.output()[-4000:]
-    placed = re.search(r"sluice: ray +[\d.]+ s +placement: (.*)", head.output()).group(1)
+    placed = re.search(r"sluice: placement +[\d.]+ s +(.*)", head.output()).group(1)
     nodes = dict(part.split(": ", 1) for part in placed.split("; "))
     where = {item: ip for ip, items in nodes.items() for item in items.split(", ")}
     assert where["engine 0"] != where["engine 0 node rank 1"], placed  # a node rank on each node

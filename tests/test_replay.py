@@ -48,7 +48,7 @@ def saved_run(tmp_path_factory) -> Path:
     """A deterministic 2-step run that saves its rollouts, with overlong shaping and truncation masking."""
     out = tmp_path_factory.mktemp("replay")
     done = sluice(out, "saved", "run.save_rollouts=true", *SHAPED)
-    assert started(done) == ["model", "ray", "engines", "router", "trainer", "weights"]
+    assert started(done) == ["model", "ray", "placement", "engines", "router", "trainer", "weights"]
     return out / "saved"
 
 
@@ -56,8 +56,9 @@ def saved_run(tmp_path_factory) -> Path:
 @pytest.mark.long  # a whole run replayed and compared step by step (~70 s); the saved steps' contents stay in CI
 def test_a_train_only_replay_of_a_deterministic_run_reproduces_its_training_with_no_engines(saved_run, tmp_path):
     done = sluice(tmp_path, "replay", "run.debug=train_only", f"run.replay_from={saved_run}", *SHAPED)
-    assert started(done) == ["model", "ray", "trainer"]  # no engines, no router, no weight bridge
-    assert not (tmp_path / "replay/logs").exists()  # engines and router write their logs there
+    assert started(done) == ["model", "ray", "placement", "trainer"]  # no engines, no router, no weight bridge
+    # engines and the router write their logs there, the trainer rank its own only
+    assert sorted(p.name for p in (tmp_path / "replay/logs").iterdir()) == ["trainer_0.log"]
     expected, got = read_metrics(saved_run / "metrics.jsonl"), read_metrics(tmp_path / "replay/metrics.jsonl")
     assert got[0]["train/loss"] == expected[0]["train/loss"]  # exactly: same batch, same initial weights
     assert [learning_record(r) for r in got] == [learning_record(r) for r in expected]
@@ -94,7 +95,7 @@ def test_the_saved_rewards_carry_the_overlong_punishment_and_truncated_samples_c
 @pytest.mark.long  # 26 s; the saved steps' contents stay in CI through test_saved_steps_come_back_whole_...
 def test_a_rollout_only_run_generates_and_saves_its_steps_with_no_trainer(saved_run, tmp_path):
     done = sluice(tmp_path, "gen", "run.debug=rollout_only")
-    assert started(done) == ["model", "ray", "engines", "router"]  # no trainer, no weight bridge
+    assert started(done) == ["model", "ray", "placement", "engines", "router"]  # no trainer, no weight bridge
     records = read_metrics(tmp_path / "gen/metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert not [k for r in records for k in r if k.startswith("train/")]

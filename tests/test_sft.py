@@ -137,7 +137,7 @@ def sft_run(tmp_path_factory) -> Path:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     phases = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("sluice: ")
               and len(line.split()) > 3 and line.split()[3] == "s"]
-    assert phases == ["model", "data", "ray", "trainer"]  # no engines, no router, no weight bridge
+    assert phases == ["model", "data", "ray", "placement", "trainer"]  # no engines, no router, no weight bridge
     return out / "sft"
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from glue.fleet.fleet import ProcessDied
 from glue.loop.checkpoint import Checkpoints
-from glue.trainer.group import death_line
+from glue.trainer.group import ray_death_reason
 from launch.config import RunConfig
 from launch.run.trainer_restart import INITIAL_STATE, TrainerRestarts
 
@@ -78,13 +78,13 @@ def restarts(tmp_path, calls, *, dead=None, steps=(), **options):
 
 
 def test_a_dead_rank_is_named_with_its_node_and_rays_reason_in_one_line(tmp_path):
-    assert death_line(RAY_SAYS) == ("The actor is dead because its worker process has died. Worker exit type: "
+    assert ray_death_reason(RAY_SAYS) == ("The actor is dead because its worker process has died. Worker exit type: "
                                     "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
                                     "error code 2. End of file. (pid 3263)")
-    assert death_line("some other shape\nsecond line") == "some other shape"
+    assert ray_death_reason("some other shape\nsecond line") == "some other shape"
     assert restarts(tmp_path, [], dead={}).died() is None
     r = restarts(tmp_path, [], dead={1: "gone", 0: "gone too"})
-    assert r.died() == "trainer rank 0 (node 10.0.0.1) died: gone too"  # the lowest rank speaks for the group
+    assert r.died() == "trainer rank 0 on node 10.0.0.1 died (gone too)"  # the lowest rank speaks for the group
 
 
 def test_the_group_restarts_from_the_newest_checkpoint_with_generation_paused_then_goes_on_from_its_state(
@@ -98,7 +98,7 @@ def test_the_group_restarts_from_the_newest_checkpoint_with_generation_paused_th
     assert calls == ["pause abort", "trainer.restart", "bridge.reconnect", "restore step_00000004"]
     assert state["step"] == 4 and state["groups_drawn"] == 16
     line = capsys.readouterr().out.strip()
-    assert line == ("sluice: trainer rank 1 (node 10.0.0.2) died: it was killed; restarting the trainer group from "
+    assert line == ("sluice: trainer rank 1 on node 10.0.0.2 died (it was killed); restarting the trainer group from "
                     "checkpoint step 4 (restart 1 of 3)")
     first, second = r.metrics(), r.metrics()
     assert first["fault/trainer_restarts"] == 1.0 and 0 <= first["fault/trainer_recovery_s"] < 5
@@ -126,7 +126,7 @@ def test_restarts_past_run_max_restarts_or_in_colocated_placement_end_the_run_wi
     r.restart(r.died())
     with pytest.raises(ProcessDied) as ended:
         r.restart(r.died())
-    assert str(ended.value) == ("trainer rank 1 (node 10.0.0.2) died: it was killed (run.max_restarts=1 restarts "
+    assert str(ended.value) == ("trainer rank 1 on node 10.0.0.2 died (it was killed) (run.max_restarts=1 restarts "
                                 "used up)")
     calls = []
     colocated = restarts(tmp_path, calls, colocated=True)
@@ -137,7 +137,7 @@ def test_restarts_past_run_max_restarts_or_in_colocated_placement_end_the_run_wi
     broken.trainer = TrainerThatCannotStart([], {1: "it was killed"})
     with pytest.raises(ProcessDied) as failed:
         broken.restart(broken.died())
-    assert str(failed.value) == "trainer rank 1 (node 10.0.0.2) died: it was killed; its restart failed: no bundle left"
+    assert str(failed.value) == "trainer rank 1 on node 10.0.0.2 died (it was killed); its restart failed: no bundle left"
     with pytest.raises(ValueError, match="run.max_restarts must be >= 0"):
         RunConfig(max_restarts=-1)
 

@@ -118,6 +118,8 @@ class FleetWatch:
                         watchdog.result()  # a watch only ends by raising: the fault it could not repair
             try:
                 return training.result()
+            except ProcessDied:  # a trainer rank's death, named with its node and log by the TrainerGroup
+                raise
             except RayActorError as err:
                 raise ProcessDied(f"a trainer rank died: {str(err).strip().splitlines()[0]}") from err
             except Exception as err:

@@ -3,11 +3,15 @@ torch.distributed group, behind blocking methods the controller and the weight b
 done."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from glue.fleet.fleet import ProcessDied
 from glue.trainer.config import TrainerConfig
 from glue.trainer.worker import TrainerWorker
 from glue.types import TrainBatch
+
+RAY_WORKER_LOGS = "/tmp/ray/session_latest/logs/worker-*"  # where Ray puts an actor's output on its node
 
 if TYPE_CHECKING:  # the driver side stays free of the loss package's torch math
     from loss import LossConfig, SftLossConfig
@@ -19,39 +23,45 @@ class TrainerGroup:
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig,
                  actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1,
-                 placement_timeout_s: float = 300.0):
+                 placement_timeout_s: float = 300.0, log_dir: Path | None = None):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
         launch.run.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
         versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1).
         `placement_timeout_s`: how long the ranks' processes may take to start on their bundles (a bundle whose node
-        is gone may never come back) before the start fails, naming the ranks that have none."""
+        is gone may never come back) before the start fails, naming the ranks that have none. `log_dir`: an existing
+        folder where rank r writes its output, `trainer_<r>.log`, if its node sees the folder (a shared file system);
+        a rank that cannot stays in its node's Ray logs, and `output_line` says so."""
         if actor_options is not None and len(actor_options) != cfg.world_size:
             raise ValueError(f"TrainerGroup: {len(actor_options)} actor_options for {cfg.world_size} ranks")
         self.cfg = cfg
         self._start = dict(model_path=model_path, loss_cfg=loss_cfg, actor_options=actor_options,
-                           keep_versions=keep_versions)  # what `restart` starts the ranks with again
+                           keep_versions=keep_versions, log_dir=log_dir)  # what `restart` starts the ranks with again
         self.placement_timeout_s = placement_timeout_s
         self._start_ranks(**self._start)
 
     def _start_ranks(self, model_path: str, loss_cfg: LossConfig | SftLossConfig,
-                     actor_options: Sequence[dict[str, Any]] | None, keep_versions: int) -> None:
+                     actor_options: Sequence[dict[str, Any]] | None, keep_versions: int, log_dir: Path | None) -> None:
         import ray
 
         cfg = self.cfg
         self.version = 0
         self._members: dict[int, tuple[int, ...]] = {}  # parallel source rank -> the ranks producing its tensors
         self._channel_members: dict[str, tuple[int, tuple[int, ...]]] = {}  # a parallel channel -> (source, members)
+        self.nodes: list[str] = []  # each rank's node once it started, for the line that says one died
+        self.logs = [None if log_dir is None else log_dir / f"trainer_{rank}.log" for rank in range(cfg.world_size)]
         actor_cls = ray.remote(TrainerWorker)
         self._actors = [
             actor_cls.options(**(actor_options[rank] if actor_options else {"num_cpus": cfg.num_cpus_per_worker}))
             .remote(model_path=model_path, cfg=cfg, loss_cfg=loss_cfg, rank=rank, world_size=cfg.world_size,
-                    keep_versions=keep_versions)
-            for rank in range(cfg.world_size)
+                    keep_versions=keep_versions, log_path=None if log is None else str(log))
+            for rank, log in enumerate(self.logs)
         ]
         self._wait_for_placement()
         try:
-            address, port = ray.get(self._actors[0].rendezvous_address.remote())
-            lines = ray.get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
+            places = self._get([a.rendezvous_address.remote() for a in self._actors])
+            self.nodes = [host for host, _ in places]
+            address, port = places[0]
+            lines = self._get([a.initialize.remote(address, cfg.master_port or port) for a in self._actors])
             self.startup_line = lines[0]  # the actors' own output does not reach the driver (log_to_driver=False)
             print(self.startup_line, flush=True)
         except BaseException:
@@ -83,7 +93,7 @@ class TrainerGroup:
         self._start_ranks(**self._start)
 
     def dead_ranks(self, timeout_s: float = 10.0) -> dict[int, str]:
-        """The ranks whose actor is gone, each with Ray's reason in one line (`death_line`). A rank busy in a call
+        """The ranks whose actor is gone, each with Ray's reason in one line (`ray_death_reason`). A rank busy in a call
         (or stuck in a collective with a dead peer) is alive: it is not waited for beyond `timeout_s`."""
         import ray
         from ray.exceptions import RayActorError
@@ -96,7 +106,7 @@ class TrainerGroup:
                 try:
                     ray.get(probe)
                 except RayActorError as err:
-                    dead[rank] = death_line(str(err))
+                    dead[rank] = ray_death_reason(str(err))
         return dead
 
     def _all(self, method: str, *args: Any) -> list[Any]:
@@ -106,7 +116,47 @@ class TrainerGroup:
         import ray
 
         shared = [ray.put(arg) if isinstance(arg, TrainBatch) else arg for arg in args]
-        return ray.get([getattr(a, method).remote(*shared) for a in self._actors])
+        return self._get([getattr(a, method).remote(*shared) for a in self._actors])
+
+    def _get(self, refs: list[Any]) -> list[Any]:
+        """ray.get, but a dead rank raises ProcessDied naming the rank, its node and its log."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(refs)
+        except RayActorError as err:
+            raise ProcessDied(self.death_line(err)) from err
+
+    def death_line(self, err: Any) -> str:
+        """E.g. `trainer rank 1 on node 10.0.0.2 died (The actor died unexpectedly ...); its log: runs/x/logs/
+        trainer_1.log`, from Ray's RayActorError `err` (`stopped answering` when Ray cannot reach it: its node may be
+        gone)."""
+        from ray.exceptions import ActorUnavailableError
+
+        dead = err.actor_id.hex() if isinstance(err.actor_id, bytes) else err.actor_id
+        ranks = [rank for rank, actor in enumerate(self._actors) if actor._actor_id.hex() == dead]
+        why = ray_death_reason(str(err))
+        what = "stopped answering" if isinstance(err, ActorUnavailableError) else "died"
+        if not ranks:
+            return f"a trainer rank {what} ({why})"
+        rank = ranks[0]
+        node = self.nodes[rank] if self.nodes else None
+        log = self.logs[rank]
+        if log is None or not log.exists():
+            log = f"the Ray worker logs of {node or 'its node'} ({RAY_WORKER_LOGS})"
+        node = f" on node {node}" if node else ""
+        return f"trainer rank {rank}{node} {what} ({why}); its log: {log}"
+
+    def output_line(self) -> str:
+        """Where the ranks' output is, e.g. `output in runs/x/logs/trainer_<rank>.log`, naming the ranks whose node
+        cannot see that folder (their output stays in that node's Ray worker logs)."""
+        if self.logs[0] is None:
+            return f"output in the Ray worker logs of each rank's node ({RAY_WORKER_LOGS})"
+        elsewhere = [f"rank {rank} on {self.nodes[rank]}" for rank, log in enumerate(self.logs) if not log.exists()]
+        return f"output in {self.logs[0].parent}/trainer_<rank>.log" + (
+            f" (not {', '.join(elsewhere)}: that node cannot see the folder, so it is in the node's Ray worker "
+            f"logs, {RAY_WORKER_LOGS})" if elsewhere else "")
 
     def compute_logprobs(self, batch: TrainBatch) -> Any:
         """Logprob of tokens[:, t+1] at position t with the current weights: FloatTensor [B, T], last column 0."""
@@ -138,16 +188,12 @@ class TrainerGroup:
 
     def hf_weight_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(HF name, dtype name, shape) of every weight the weight bridge sends, in bucket order."""
-        import ray
-
-        return ray.get(self._actors[0].hf_weight_specs.remote())
+        return self._get([self._actors[0].hf_weight_specs.remote()])[0]
 
     def weight_channel_address(self, rank: int = 0) -> tuple[str, int]:
         """A source rank's node address and a port free there: where its weight group is hosted (across nodes the
         driver knows neither)."""
-        import ray
-
-        return tuple(ray.get(self._actors[rank].rendezvous_address.remote()))
+        return tuple(self._get([self._actors[rank].rendezvous_address.remote()])[0])
 
     def weight_source_plan(self) -> list[tuple[int, list[str]]]:
         """The parallel weight sources of this layout: (source rank, the HF names it sends) each, one per pipeline
@@ -172,30 +218,31 @@ class TrainerGroup:
         """The ranks producing bucket `index` (those holding its shards, and the channel's source) gather it; the
         source sends it and answers with its checksum (and handle or path). A parallel source's channel calls only
         its own members, so the sources' buckets travel side by side."""
-        import ray
-
         if channel not in self._channel_members:
             answers = self._all("send_weight_bucket", channel, index)
             served = {rank: answer["handles"] for rank, answer in enumerate(answers) if "handles" in answer}
             return {**answers[0], "handles_by_rank": served} if served else answers[0]  # ipc: entries of each GPU
         source, members = self._channel_members[channel]
-        answers = ray.get([self._actors[r].send_weight_bucket.remote(channel, index) for r in members])
+        answers = self._get([self._actors[r].send_weight_bucket.remote(channel, index) for r in members])
         return answers[members.index(source)]
 
     def prepare_weight_bucket(self, channel: str, index: int, delta: bool) -> dict[str, Any]:
         """Delta sync: the ranks producing bucket `index` gather it and its source chooses whether it goes whole or
         as a delta, answering with the request fields the engines need; `send_weight_bucket` then sends it."""
-        import ray
-
         if channel not in self._channel_members:
             return self._all("prepare_weight_bucket", channel, index, delta)[0]
         source, members = self._channel_members[channel]
-        answers = ray.get([self._actors[r].prepare_weight_bucket.remote(channel, index, delta) for r in members])
+        answers = self._get([self._actors[r].prepare_weight_bucket.remote(channel, index, delta) for r in members])
         return answers[members.index(source)]
 
     def close_weight_channel(self, name: str) -> None:
-        self._all("close_weight_channel", name)
+        """Every rank closes its side of the channel. A dead rank's side went with it: the run is already ending
+        with the line naming it (ProcessDied), which an error from this shutdown call must not replace."""
         self._channel_members.pop(name, None)
+        try:
+            self._all("close_weight_channel", name)
+        except ProcessDied:
+            pass
 
     def full_hf_state(self) -> dict[str, Any]:
         """Every weight as a full HF-named CPU tensor (for checks and checkpoints)."""
@@ -222,7 +269,7 @@ class TrainerGroup:
             ray.kill(actor)
 
 
-def death_line(error: str) -> str:
+def ray_death_reason(error: str) -> str:
     """Ray's word on a dead actor in one line: why it is dead and its pid (`The actor is dead because its worker
     process has died. Worker exit type: ... (pid 3263)`), without Ray's list of common causes; its first line when
     the text has another shape."""

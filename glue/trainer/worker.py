@@ -22,6 +22,7 @@ from glue.trainer.optim import unwrap
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import RankPlace, full_hf_state, hf_weight_specs, sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
+from glue.trainer.rank_output import write_output_to
 from glue.trainer.reference import RefCheckpoint, load_reference, resolve_ref_load
 from glue.trainer.routing_replay import RoutingReplay, logprob_gaps, replay_args
 from glue.trainer.snapshots import PolicySnapshots, pre_update_metrics
@@ -41,7 +42,10 @@ class TrainerWorker:
     """
 
     def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig, rank: int,
-                 world_size: int, keep_versions: int = 1):
+                 world_size: int, keep_versions: int = 1, log_path: str | None = None):
+        if log_path is not None:  # before anything can print: this rank's output goes to the run's logs/
+            write_output_to(log_path)
+            print(f"sluice: trainer rank {rank} of {world_size}, pid {os.getpid()}", flush=True)
         if world_size != cfg.world_size:
             raise ValueError(f"trainer world size {world_size} != TP x PP x CP x DP = {cfg.world_size}; start exactly "
                              "that many workers")

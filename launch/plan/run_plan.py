@@ -237,7 +237,7 @@ def _check_layout(cfg: SluiceConfig) -> None:
                          f"{t.num_cpus_per_worker:g}: a trainer rank would never fit its bundle; raise the first")
     if c.engine_server == "embedded":
         _check_embedded_engine(cfg)
-    if cfg.run.ray_address is None:
+    if cfg.run.cluster_address is None:
         needed = _num_bundles(cfg, engine_gpus) * c.cpus_per_bundle
         if needed > cfg.run.ray_num_cpus:
             raise ValueError(f"the placement group needs {needed:g} CPUs but the local Ray cluster has "

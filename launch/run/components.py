@@ -121,13 +121,20 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
 
 def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, stack: contextlib.ExitStack, clock):
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
-                           keep_versions=cfg.sync.max_staleness + 1)
+                           keep_versions=cfg.sync.max_staleness + 1, log_dir=trainer_log_dir(cfg))
     stack.callback(trainer.shutdown)
     t = cfg.trainer
     clock("trainer", f"{t.world_size} megatron-core ranks (TP {t.tensor_model_parallel_size} x PP "
                      f"{t.pipeline_model_parallel_size} x EP {t.expert_model_parallel_size} x DP "
-                     f"{t.data_parallel_size}) hold the policy")
+                     f"{t.data_parallel_size}) hold the policy; {trainer.output_line()}")
     return trainer
+
+
+def trainer_log_dir(cfg: SluiceConfig) -> Path:
+    """The run's logs/ folder, made here so that every rank whose node sees it writes `trainer_<rank>.log` there."""
+    logs = cfg.run_dir.resolve() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
 
 
 def start_bridge(cfg: SluiceConfig, plan: RunPlan, trainer, fleet, run_dir: Path, stack: contextlib.ExitStack,

@@ -45,13 +45,13 @@ def preflight(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> list[st
 
 
 def plans_elsewhere(cfg: SluiceConfig, plan: RunPlan, *, here: bool) -> bool:
-    """Whether a dry run plans for other machines than this one: it attaches to a Ray cluster (run.ray_address),
-    reads a plan-only model directory (config.json, no weights), or asks for more GPUs than this machine has. A
-    real start (`here`) runs from this machine, whose venv every node shares."""
+    """Whether a dry run plans for other machines than this one: it attaches to a Ray cluster (run.ray_address or
+    RAY_ADDRESS), reads a plan-only model directory (config.json, no weights), or asks for more GPUs than this machine
+    has. A real start (`here`) runs from this machine, whose venv every node shares."""
     if here:
         return False
     path = cfg.model.path
-    if cfg.run.ray_address is not None or (path is not None and Path(path).is_dir() and not weight_files(path)):
+    if cfg.run.cluster_address is not None or (path is not None and Path(path).is_dir() and not weight_files(path)):
         return True
     gpus = sum(b.get("GPU", 0) for b in plan.bundles)
     return gpus > 0 and gpus > local_gpu_count()
@@ -246,14 +246,15 @@ def check_ports(cfg: SluiceConfig, plan: RunPlan) -> str:
 
 
 def check_placement(cfg: SluiceConfig, plan: RunPlan, *, here: bool = True) -> str:
-    """A local Ray cluster (run.ray_address null) gets run.ray_num_cpus CPUs and this machine's GPUs: the
+    """A local Ray cluster (run.ray_address and RAY_ADDRESS unset) gets run.ray_num_cpus CPUs and this machine's GPUs: the
     placement group must fit in them (GPUs: only when the run is to start `here`). An existing cluster is checked
     when the group is reserved."""
     cpus = sum(b.get("CPU", 0) for b in plan.bundles)
     gpus = sum(b.get("GPU", 0) for b in plan.bundles)
     where = f"{len(plan.bundles)} bundles, {cpus:g} CPUs" + (f", {gpus:g} GPUs" if gpus else "")
-    if cfg.run.ray_address is not None:
-        return f"placement: {where}, reserved on the cluster at {cfg.run.ray_address} at start-up"
+    if cfg.run.cluster_address is not None:
+        return (f"placement: {where}, reserved on the cluster at {cfg.run.cluster_address} "
+                f"({cfg.run.cluster_address_source}) at start-up")
     if cpus > cfg.run.ray_num_cpus:
         raise ConfigError(f"the placement group needs {cpus:g} CPUs ({len(plan.bundles)} bundles x "
                           f"cluster.cpus_per_bundle) but the local Ray cluster gets run.ray_num_cpus="

@@ -64,8 +64,8 @@ def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
     model_path = prepare_model(cfg, run_dir)
     clock("model", f"{model_path}" + (" (a tiny random model)" if cfg.model.path is None else ""))
     with contextlib.ExitStack() as stack:
-        placement = start_cluster(cfg, plan, stack)
-        clock("ray", f"placement: {describe_placement(plan, placement)}")
+        placement = start_cluster(cfg, plan, stack, clock)
+        clock("placement", describe_placement(plan, placement))
         # after ray.init, which sets a SIGTERM handler of its own
         stop = stack.enter_context(StopSignals(cfg.run.stop_grace_s))
         side_fleets = []  # the teacher's and the judge's, started beside the policy's

@@ -18,7 +18,7 @@ from launch.config import ConfigError, SluiceConfig, to_dict, write_resolved
 from launch.plan.model_check import has_tokenizer
 from launch.plan.run_plan import RunPlan
 from launch.run.cluster import check_paths, start_cluster
-from launch.run.components import trainer_actor_options
+from launch.run.components import trainer_actor_options, trainer_log_dir
 from launch.run.folder import export_final_policy, find_checkpoint, plot_run, prepare_model
 from launch.run.folder_lock import RunFolderLock
 from launch.run.preflight import preflight
@@ -46,8 +46,8 @@ def run_sft_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
                   f"{summary['trained_tokens']} of them assistant tokens (trained), "
                   f"{summary['cut_frac']:.0%} cut at sft.max_seq_len={cfg.sft.max_seq_len}")
     with contextlib.ExitStack() as stack:
-        placement = start_cluster(cfg, plan, stack)
-        clock("ray", f"placement: {len(plan.trainer)} trainer bundles")
+        placement = start_cluster(cfg, plan, stack, clock)
+        clock("placement", f"{len(plan.trainer)} trainer bundles")
         stop = stack.enter_context(StopSignals())  # after ray.init, which sets a SIGTERM handler of its own
         trainer = start_sft_trainer(cfg, plan, placement, model_path, stack, clock)
         first_step, cursor = restore_sft(cfg, resume_from, trainer)
@@ -108,13 +108,13 @@ def start_sft_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: s
     """The RL run's TrainerGroup, built with the SFT loss (loss.SftLossConfig) instead of the `loss:` section."""
     check_paths(placement, {"the model directory": model_path})
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.sft.loss_config(),
-                           actor_options=trainer_actor_options(cfg, plan, placement))
+                           actor_options=trainer_actor_options(cfg, plan, placement), log_dir=trainer_log_dir(cfg))
     stack.callback(trainer.shutdown)
     t = cfg.trainer
     clock("trainer", f"{t.world_size} megatron-core ranks (TP {t.tensor_model_parallel_size} x PP "
                      f"{t.pipeline_model_parallel_size} x EP {t.expert_model_parallel_size} x DP "
                      f"{t.data_parallel_size}) hold the model; loss: cross-entropy on assistant tokens "
-                     f"({cfg.sft.aggregation})")
+                     f"({cfg.sft.aggregation}); {trainer.output_line()}")
     return trainer
 
 

@@ -1,4 +1,4 @@
-"""Start-up progress: one line per phase (model, ray, engines, router, trainer, weights) with the seconds it took,
+"""Start-up progress: one line per phase (model, ray, placement, engines, router, trainer, weights) with the seconds it took,
 so the first minute of a run says what it is waiting for."""
 from __future__ import annotations
 

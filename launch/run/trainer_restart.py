@@ -40,12 +40,15 @@ class TrainerRestarts:
         self._seen_at: float | None = None  # when the death the next completed step is timed from was seen
 
     def died(self) -> str | None:
-        """`trainer rank R (node N) died: <Ray's first line>` for the first rank that is gone, or None."""
+        """`trainer rank R on node N died (<Ray's reason>); its log: …` for the first rank that is gone (the line
+        a dead rank ends a run with, glue.trainer.group.TrainerGroup.death_line), or None."""
         dead = self.trainer.dead_ranks()
         if not dead:
             return None
         rank = min(dead)
-        return f"trainer rank {rank} (node {self.nodes[rank]}) died: {dead[rank]}"
+        logs = getattr(self.trainer, "logs", None) or []
+        log = f"; its log: {logs[rank]}" if rank < len(logs) and logs[rank] is not None else ""
+        return f"trainer rank {rank} on node {self.nodes[rank]} died ({dead[rank]}){log}"
 
     def restart(self, death: str) -> dict:
         """Blocking (run it in a worker thread). Raises ProcessDied with `death` when no restart is left, or in
