@@ -290,6 +290,34 @@ def test_a_worker_keeps_the_runs_fleet_until_its_exit_hook_has_stopped_it(tmp_pa
     assert seen == [fleet] and http_calls.current_fleet() is None and worker_threads() == []
 
 
+def test_a_worker_still_draining_after_its_exit_hook_keeps_the_fleet_until_its_thread_ends(tmp_path):
+    fn = load_worker_function(tmp_path, "worker_draining")
+    module = sys.modules[fn.__module__]
+    fleet, drained = Fleet(router_url="http://127.0.0.1:1", api_key="k"), threading.Event()
+
+    def stop_without_waiting(worker):  # slime's worker: its hook waits 5 s, its loop drains for up to 30 s
+        worker.running = False
+        worker.thread.join(0.05)
+
+    module.Worker.stop = stop_without_waiting
+    module.Worker.pull_done = module.Worker.pull
+    module.Worker.pull = lambda worker: _drain_after(worker, drained)
+    calls = RolloutCalls(fn, types.SimpleNamespace(rollout_batch_size=1), prompts_source()[0], fleet=fleet,
+                         where="test function")
+    asyncio.run(ask(calls, 1))
+    calls.close(wait_s=5)
+    assert http_calls.current_fleet() is fleet and worker_threads() == ["test-async-worker"]
+    drained.set()
+    for thread in [t for t in threading.enumerate() if t.name in ("test-async-worker", "slime-fleet-release")]:
+        thread.join(5)
+    assert http_calls.current_fleet() is None and worker_threads() == []
+
+
+async def _drain_after(worker, drained: threading.Event) -> None:
+    await worker.pull_done()
+    await asyncio.to_thread(drained.wait, 5)
+
+
 def test_a_failing_call_fails_the_groups_waiting_and_the_next_ask_calls_again(tmp_path):
     fn = load_worker_function(tmp_path, "worker_failing")
     module = sys.modules[fn.__module__]
