@@ -11,8 +11,9 @@ import yaml
 
 from launch.args.command_line import parse_args
 from launch.cli import main
-from launch.config import SluiceConfig, compose
+from launch.config import SluiceConfig, compose, load_config
 from launch.slime import args as slime_args
+from launch.slime.namespace import run_values
 from launch.slime.table import SLIME_ROLLOUT
 from tests.helpers.slime_scripts import CONFIGS, SCRIPTS
 
@@ -171,6 +172,21 @@ def test_rm_type_and_the_context_length_reach_the_functions_args_with_slimes_pro
         slime_args.translate({"rollout_max_context_len": 4096, "rollout_max_prompt_len": 4096}, {})
 
 
+def test_slime_scripts_reward_key_score_and_over_sampling_batch_size_are_accepted_with_slimes_meaning():
+    translated = slime_args.translate({"reward_key": "score", "eval_reward_key": "score",
+                                       "over_sampling_batch_size": 64}, {})
+    assert translated.values == {"rollout.slime.over_sampling_batch_size": 64}
+    cfg = load_config(DEMO, [], None, {"over_sampling_batch_size": 64})
+    assert run_values(cfg)["over_sampling_batch_size"] == 64
+
+
+def test_a_colocated_script_on_one_gpu_plans_its_ipc_sync_with_no_other_copy(text_model_dir, capsys):
+    shown, _ = dry_run(capsys, ["--hf-checkpoint", text_model_dir, "--actor-num-nodes", "1",
+                                "--actor-num-gpus-per-node", "1", "--colocate"])
+    assert shown["plan"]["weight_sync"]["sources"].startswith("one per GPU: trainer rank 0 gathers each bucket, and "
+                                                              "every engine TP rank reads"), shown["plan"]["weight_sync"]
+
+
 def test_a_model_shape_flag_that_config_json_contradicts_is_refused_naming_both_values(checkpoints, capsys):
     argv = script_argv("run-qwen3-4B.sh", checkpoints)
     for extra, says in ((["--num-layers", "28"], "--num-layers 28 does not match {}/config.json: num_hidden_layers is 36"),
@@ -195,8 +211,10 @@ def test_a_model_shape_flag_that_config_json_contradicts_is_refused_naming_both_
     (["--rollout-batch", "4"], "sluice: error: unrecognised option '--rollout-batch': not a sluice, slime, megatron, "
                                "--sglang-* or --router-* flag; did you mean --rollout-batch-size?"),
     (["--eval-promt-data", "x"], "did you mean --eval-prompt-data?"),
+    (["--reward-key", "acc"], "sluice: config error: --reward-key acc: sluice trains the 'score' of a reward "
+                              "function's dict; return the value to train under 'score' (or give --reward-key score)"),
 ], ids=["num-epoch", "rm-type", "global-batch-size", "dynamic batch", "label key", "did you mean",
-        "did you mean eval"])
+        "did you mean eval", "reward key"])
 def test_a_slime_argument_sluice_cannot_run_is_refused_in_one_line_saying_what_to_use(capsys, argv, line):
     assert main(["--dry-run", "--config", DEMO, *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from glue.rollout.slime import shim
+from glue.rollout.slime import http_calls, shim
 from glue.rollout.slime.adapter import SlimeFunctions, load_function, slime_args
 from glue.rollout.slime.data_source import PromptDataSource
 from glue.rollout.slime.http_calls import Fleet
@@ -269,6 +269,53 @@ def test_a_whole_rollout_function_is_called_once_per_step_keeps_its_worker_and_i
     assert sorted(worker_threads()) == ["slime-rollout-calls", "test-async-worker"]
     calls.close(wait_s=5)
     assert worker_threads() == [] and module.WORKERS == []
+
+
+def test_a_worker_keeps_the_runs_fleet_until_its_exit_hook_has_stopped_it(tmp_path):
+    """A worker still posting at the run's end authenticates until its exit hook stops it (no 401s at shutdown)."""
+    fn = load_worker_function(tmp_path, "worker_fleet")
+    module = sys.modules[fn.__module__]
+    fleet, seen, stop = Fleet(router_url="http://127.0.0.1:1", api_key="k"), [], module.Worker.stop
+
+    def stop_seeing_the_fleet(worker):  # what `post` would use from the worker's thread as the hook stops it
+        probe = threading.Thread(target=lambda: seen.append(http_calls.current_fleet()))
+        probe.start(), probe.join()
+        stop(worker)
+
+    module.Worker.stop = stop_seeing_the_fleet
+    calls = RolloutCalls(fn, types.SimpleNamespace(rollout_batch_size=1), prompts_source()[0], fleet=fleet,
+                         where="test function")
+    asyncio.run(ask(calls, 1))
+    calls.close(wait_s=5)
+    assert seen == [fleet] and http_calls.current_fleet() is None and worker_threads() == []
+
+
+def test_a_worker_still_draining_after_its_exit_hook_keeps_the_fleet_until_its_thread_ends(tmp_path):
+    fn = load_worker_function(tmp_path, "worker_draining")
+    module = sys.modules[fn.__module__]
+    fleet, drained = Fleet(router_url="http://127.0.0.1:1", api_key="k"), threading.Event()
+
+    def stop_without_waiting(worker):  # slime's worker: its hook waits 5 s, its loop drains for up to 30 s
+        worker.running = False
+        worker.thread.join(0.05)
+
+    module.Worker.stop = stop_without_waiting
+    module.Worker.pull_done = module.Worker.pull
+    module.Worker.pull = lambda worker: _drain_after(worker, drained)
+    calls = RolloutCalls(fn, types.SimpleNamespace(rollout_batch_size=1), prompts_source()[0], fleet=fleet,
+                         where="test function")
+    asyncio.run(ask(calls, 1))
+    calls.close(wait_s=5)
+    assert http_calls.current_fleet() is fleet and worker_threads() == ["test-async-worker"]
+    drained.set()
+    for thread in [t for t in threading.enumerate() if t.name in ("test-async-worker", "slime-fleet-release")]:
+        thread.join(5)
+    assert http_calls.current_fleet() is None and worker_threads() == []
+
+
+async def _drain_after(worker, drained: threading.Event) -> None:
+    await worker.pull_done()
+    await asyncio.to_thread(drained.wait, 5)
 
 
 def test_a_failing_call_fails_the_groups_waiting_and_the_next_ask_calls_again(tmp_path):

@@ -52,6 +52,7 @@ class SlimeRolloutConfig:
     max_context_len: int | None = None  # slime's --rollout-max-context-len: args.rollout_max_context_len (and eval_max_context_len), the prompt-plus-response budget slime's multi-turn functions cap their turns by; null: none, as slime's default
     eval_max_context_len: int | None = None  # slime's --eval-max-context-len: args.eval_max_context_len; null: max_context_len, as slime's default
     rm_type: str | None = None  # slime's --rm-type as the functions see it (args.rm_type); the reward itself is reward.slime.function or the task's
+    over_sampling_batch_size: int | None = None  # slime's --over-sampling-batch-size as the functions see it (args.over_sampling_batch_size, prompts a rollout function submits at a time); null: prompts_per_step, as slime's default
 
     def __post_init__(self) -> None:
         for name in ("max_context_len", "eval_max_context_len"):
@@ -59,6 +60,9 @@ class SlimeRolloutConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
                 raise ValueError(f"rollout.slime.{name} must be an integer >= 2 (a prompt token and a response "
                                  f"token) or null, got {value!r}")
+        size = self.over_sampling_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"rollout.slime.over_sampling_batch_size must be a positive integer or null, got {size!r}")
         for name in ("generate_function", "rollout_function"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

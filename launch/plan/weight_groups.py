@@ -200,9 +200,10 @@ def ipc_plan(plan: RunPlan, total: int, pipeline: bool, bucket: int) -> dict[str
     copies = copy_ranks(plan)
     count = 2 if pipeline and math.ceil(total / bucket) > 1 else 1
     others = [r for r in copies if r != 0]
-    to = _ranks(tuple(others)).removeprefix("trainer ")
-    fans = f"trainer rank 0 gathers each bucket and broadcasts it to {to}, " if others else \
-        "trainer rank 0 gathers each bucket, "
+    fans = "trainer rank 0 gathers each bucket, "  # one GPU alone has no other copy to broadcast to
+    if others:
+        to = _ranks(tuple(others)).removeprefix("trainer ")
+        fans = f"trainer rank 0 gathers each bucket and broadcasts it to {to}, "
     return {"sources": f"one per GPU: {fans}and every engine TP rank reads the copy on its own GPU through a CUDA IPC "
                        "handle made there (/update_weights_from_tensor, one entry per TP rank)",
             "ipc_handles": describe_sources(plan),

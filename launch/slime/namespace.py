@@ -23,6 +23,7 @@ def run_values(cfg: Any) -> dict[str, Any]:
         "update_weights_interval": cfg.sync.interval, "update_weight_buffer_size": cfg.sync.bucket_bytes,
         "eval_max_context_len": rollout.slime.eval_max_context_len,
         "rollout_function_path": rollout.slime.rollout_function,
+        "over_sampling_batch_size": rollout.slime.over_sampling_batch_size,
         "use_dynamic_batch_size": tokens_per_gpu(cfg.trainer.max_tokens_per_micro_batch) is not None,
         "use_kl_loss": bool(cfg.loss.kl_loss_coef), "kl_loss_coef": cfg.loss.kl_loss_coef,
         "entropy_coef": cfg.loss.entropy_coef,

@@ -4,6 +4,7 @@ whole run config (batch sizes, the GPU layout, the loss family) are `derived` an
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from launch.slime.spec import SlimeArg, also, derived, no, same, switch, to
 
@@ -49,6 +50,17 @@ def reward_type(name: str, given: dict) -> dict:
                          "rollout.task_args.reward")
     return {"rollout.slime.rm_type": name, "rollout.task_args.reward": RM_HUB_REWARD,
             "rollout.task_args.reward_args": {"rm_type": name}}
+
+
+def score_key(flag: str) -> Callable[[str, dict], dict]:
+    """--reward-key / --eval-reward-key: sluice trains (and evaluates) the 'score' of a reward function's dict, so
+    that key is accepted as it is and any other refused."""
+    def check(key: str, given: dict) -> dict:
+        if key != "score":
+            raise ValueError(f"{flag} {key}: sluice trains the 'score' of a reward function's dict; return the value "
+                             "to train under 'score' (or give --reward-key score)")
+        return {}
+    return check
 
 
 def eval_data(values: list[str], given: dict) -> dict:
@@ -184,8 +196,10 @@ ROLLOUT = [
     switch("--rollout-shuffle", {"rollout.task_args.shuffle": True}, "rollout",
            note="slime's default (and so sluice's with --prompt-data): not shuffled"),
     to("--rollout-seed", "run.seed", "rollout", int, note="slime's default 42, sluice's 0"),
-    no("--over-sampling-batch-size", "rollout", "with rollout.dynamic_sampling a dropped group's prompt is replaced "
-                                                "one at a time", scalar=int),
+    to("--over-sampling-batch-size", "rollout.slime.over_sampling_batch_size", "rollout", int,
+       note="args.over_sampling_batch_size for the functions (slime's default: --rollout-batch-size); sluice's own loop "
+            "starts a step's prompts at once and, with rollout.dynamic_sampling, replaces a dropped group's prompt one "
+            "at a time"),
     SlimeArg("--dynamic-sampling-filter-path", "rollout", "rollout.dynamic_sampling: true", "one", str, dynamic_filter,
              f"{SLIME_NONZERO_STD} only"),
     switch("--partial-rollout", {"sync.partial_rollouts": "resume"}, "rollout",

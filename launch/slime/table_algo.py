@@ -4,7 +4,8 @@ each mapped to sluice's config or refused in one line; the loss family rows are 
 from __future__ import annotations
 
 from launch.slime.spec import SlimeArg, derived, no, same, switch, to
-from launch.slime.table import RM_HUB_REWARD, RM_TYPES, kl_estimator, loss_type, resume_from, reward_type, run_folder
+from launch.slime.table import (RM_HUB_REWARD, RM_TYPES, kl_estimator, loss_type, resume_from, reward_type,
+                                run_folder, score_key)
 
 DISTILL = "the teacher: section (docs/distillation.md)"
 
@@ -84,8 +85,10 @@ REWARD = [
     SlimeArg("--rm-type", "reward", "rollout.slime.rm_type, rollout.task_args.reward", "one", str, reward_type,
              f"{', '.join(RM_TYPES)} (each also boxed_<name>) -> {RM_HUB_REWARD}, slime's rule of that name (rm_hub); "
              "remote_rm: reward_model: or --custom-rm-path"),
-    no("--reward-key", "reward", "a reward function returns a dict whose 'score' is trained"),
-    no("--eval-reward-key", "reward", "evaluation reads the same 'score'"),
+    SlimeArg("--reward-key", "reward", "(sluice does this already)", "one", str, score_key("--reward-key"),
+             "score only: sluice trains the 'score' of a reward function's dict"),
+    SlimeArg("--eval-reward-key", "reward", "(sluice does this already)", "one", str, score_key("--eval-reward-key"),
+             "score only: evaluation reads the same 'score'"),
     no("--group-rm", "reward", "judge: or reward_model: score whole groups", takes="none"),
     no("--rm-url", "reward", "reward_model: (a scalar reward model) or judge: (an LLM judge)"),
     to("--custom-rm-path", "reward.slime.function", "reward", note="slime's custom_rm(args, sample), run through "

@@ -8,11 +8,13 @@ sluice's steps ask for groups one at a time (`next_group`, from each admitted gr
 made when groups are asked for and none is left over from the last call, and the groups a call returns serve the
 askers in order (the rest wait for the next ones). At the run's end `close` lets a call in progress finish (at most
 `CLOSE_WAIT_S`), then runs the exit hooks the function's module registered (glue.rollout.slime.user_code): slime's
-workers stop there, as at slime's process exit."""
+workers stop there, as at slime's process exit. Threads the function starts reach the run's fleet (its API key) from
+the first call until they end."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import sys
 import threading
 from typing import Any, Callable
@@ -35,6 +37,8 @@ class RolloutCalls:
         self._changed = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._serving = contextlib.ExitStack()  # the fleet served to every thread while calls may run
+        self._threads_before: set[int] = set()  # threads alive before the first call: not the function's
 
     async def next_group(self, prompt: dict) -> tuple[list, list]:
         """Offer `prompt` to the data source and wait for the next finished group and the answers recorded."""
@@ -46,7 +50,9 @@ class RolloutCalls:
             self._waiting.append((asyncio.get_running_loop(), future))
             self._serve()
             self._changed.notify_all()
-            if self._thread is None:
+            if self._thread is None:  # from here until close() has run the exit hooks, the threads the function
+                self._serving.enter_context(http_calls.serving_all_threads(self.fleet))  # starts reach the fleet
+                self._threads_before = {t.ident for t in threading.enumerate()}
                 self._thread = threading.Thread(target=self._call_when_asked, name="slime-rollout-calls",
                                                 daemon=True)  # a call stuck in user code never holds the process
                 self._thread.start()
@@ -57,21 +63,20 @@ class RolloutCalls:
                 self._waiting = collections.deque(w for w in self._waiting if w[1] is not future)
 
     def _call_when_asked(self) -> None:
-        with http_calls.serving_all_threads(self.fleet):
-            while True:
-                with self._changed:
-                    self._changed.wait_for(lambda: self._closing or bool(self._waiting))
-                    if self._closing:
-                        return
-                    rollout_id, self.calls = self.calls, self.calls + 1
-                try:
-                    groups, answers = self._call(rollout_id)
-                except Exception as err:  # noqa: BLE001 - the groups waiting fail with it, counted by the stream
-                    self._fail_waiting(err)
-                    continue
-                with self._changed:
-                    self._finished.extend((group, answers) for group in groups)
-                    self._serve()
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closing or bool(self._waiting))
+                if self._closing:
+                    return
+                rollout_id, self.calls = self.calls, self.calls + 1
+            try:
+                groups, answers = self._call(rollout_id)
+            except Exception as err:  # noqa: BLE001 - the groups waiting fail with it, counted by the stream
+                self._fail_waiting(err)
+                continue
+            with self._changed:
+                self._finished.extend((group, answers) for group in groups)
+                self._serve()
 
     def _call(self, rollout_id: int) -> tuple[list[list], list]:
         with http_calls.recording() as record:
@@ -117,6 +122,24 @@ class RolloutCalls:
             self._thread.join(wait_s)
         for line in user_code.run_exit_hooks(self.fn):
             print(f"sluice: {self.where}: an exit hook failed: {line}", file=sys.stderr, flush=True)
+        self._stop_serving_after(self._threads_left())
+
+    def _threads_left(self) -> list[threading.Thread]:
+        """Threads the function started that still run after its exit hooks (slime's fully-async worker drains its
+        groups in flight for up to 30 s after its hook has waited 5 s for it)."""
+        return [t for t in threading.enumerate()
+                if t.ident not in self._threads_before and t is not self._thread and t.is_alive()]
+
+    def _stop_serving_after(self, threads: list[threading.Thread]) -> None:
+        """Serve the fleet to the function's threads until they end (their last requests authenticate), then stop."""
+        def wait_then_close() -> None:
+            for thread in threads:
+                thread.join()
+            self._serving.close()
+        if not threads:
+            self._serving.close()
+            return
+        threading.Thread(target=wait_then_close, name="slime-fleet-release", daemon=True).start()
         if self._thread is not None and self._thread.is_alive():
             print(f"sluice: {self.where}: call {self.calls - 1} still running {wait_s:g} s after the run's end; "
                   "left to finish on its own (its thread does not hold the process)", file=sys.stderr, flush=True)
