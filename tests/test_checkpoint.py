@@ -13,7 +13,6 @@ from glue.trainer.config import TrainerConfig
 from loss import LossConfig
 from helpers.trainer import hf_teacher_forced_logprobs, make_batch
 from helpers.forkserver import rank_context
-from helpers.managers import NumberedPrompts
 
 
 def _rank(rank, world, port, model_path, tp, pp, script, fields, results):
@@ -233,26 +232,6 @@ def test_a_checkpoint_of_an_earlier_sluice_with_optimizer_shards_in_its_rank_fil
         load_rank(worker, str(tmp_path))
 
 
-class ConstantReward(NumberedPrompts):
-    """Prompts [0, 1], [0, 2], ...; every sample's reward is 1.0."""
-
-    def reward(self, sample):
-        return 1.0
-
-
-async def two_token_group(ctx, prompt, num_samples):
-    from glue.rollout.manager import score
-    from glue.types import Sample
-
-    samples = []
-    for i in range(num_samples):
-        sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=i)
-        sample.append_response([5 + i, 6], [-0.5, -0.5], version=0)
-        await score(ctx, sample)
-        samples.append(sample)
-    return samples
-
-
 def test_the_loop_goes_on_past_a_checkpoint_that_could_not_be_written_and_counts_it(tmp_path):
     """The loop with a checkpoint every step, a trainer whose write at step 2 fails with the disk full: steps 3 and
     4 are trained and checkpointed, step 2 never appears, and the records count the failure."""
@@ -283,7 +262,7 @@ def test_the_loop_goes_on_past_a_checkpoint_that_could_not_be_written_and_counts
             with open(os.path.join(directory, "trainer.txt"), "w") as handle:
                 handle.write(f"v{self.version}")
 
-    manager = RolloutManager(function_path="test_checkpoint:two_token_group", task_path="test_checkpoint:ConstantReward",
+    manager = RolloutManager(function_path="helpers.managers:two_token_group", task_path="helpers.managers:RewardOne",
                              client=None, sampling_params={}, prompts_per_step=2, samples_per_prompt=2, seed=0)
     stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=2, max_staleness=0),
                            buffer=RolloutBuffer(groups_per_step=2, stale_policy="keep"), max_groups=8)

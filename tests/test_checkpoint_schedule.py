@@ -13,11 +13,9 @@ from glue.loop.controller import LoopHooks, LoopParts, run_loop
 from glue.loop.staleness import StalenessGate
 from glue.loop.stream import RolloutStream
 from glue.metrics.logger import MetricsLogger
-from glue.rollout.manager import RolloutManager, score
-from glue.types import Sample
+from glue.rollout.manager import RolloutManager
 from launch.config import RunConfig
 from loss import LossConfig
-from helpers.managers import NumberedPrompts
 
 
 class Clock:
@@ -49,21 +47,6 @@ def test_save_interval_s_defaults_to_half_an_hour_and_is_checked():
     assert RunConfig(save_interval_s=None).save_interval_s is None
     with pytest.raises(ValueError, match="run.save_interval_s must be >= 0 seconds"):
         RunConfig(save_interval_s=-1)
-
-
-class RewardOne(NumberedPrompts):
-    def reward(self, sample):
-        return 1.0
-
-
-async def one_token_group(ctx, prompt, num_samples):
-    samples = []
-    for i in range(num_samples):
-        sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=i)
-        sample.append_response([5 + i], [-0.5], version=0)
-        await score(ctx, sample)
-        samples.append(sample)
-    return samples
 
 
 class SlowTrainer:
@@ -101,8 +84,8 @@ class Fleet:
 
 
 def loop_parts(tmp_path, clock, bridge, **hooks):
-    manager = RolloutManager(function_path="test_checkpoint_schedule:one_token_group",
-                             task_path="test_checkpoint_schedule:RewardOne", client=None, sampling_params={},
+    manager = RolloutManager(function_path="helpers.managers:two_token_group",
+                             task_path="helpers.managers:RewardOne", client=None, sampling_params={},
                              prompts_per_step=1, samples_per_prompt=2, seed=0)
     stream = RolloutStream(manager=manager, gate=StalenessGate(groups_per_step=1, max_staleness=0),
                            buffer=RolloutBuffer(groups_per_step=1, stale_policy="keep"), max_groups=6)

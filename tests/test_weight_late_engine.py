@@ -20,16 +20,26 @@ def source_sums(source: LocalWeightSource) -> dict[str, str]:
     return {name: tensor_checksum(tensor) for name, tensor in source.tensors.items()}
 
 
-def test_a_late_engine_is_synced_to_the_current_version_before_the_router_sees_it(tiny_model_dir, tmp_path):
+def seed9_source(tmp_path) -> LocalWeightSource:
+    """The weights of another tiny model (seed 9) than the engines start with, as a trainer's."""
     from transformers import AutoModelForCausalLM
 
     from glue.embedded_engine.tiny_model import save_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "seed9", seed=9), dtype=torch.float32)
-    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
-    fleet = RolloutFleet(model_path=tiny_model_dir, num_engines=1, log_dir=tmp_path / "logs",
+    return LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def one_engine_fleet(model_dir: str, tmp_path) -> RolloutFleet:
+    """A started fleet of one embedded engine behind the router (the test stops it)."""
+    fleet = RolloutFleet(model_path=model_dir, num_engines=1, log_dir=tmp_path / "logs",
                          engine_args=["--num-threads", "1"])
     fleet.start()
+    return fleet
+
+
+def test_a_late_engine_is_synced_to_the_current_version_before_the_router_sees_it(tiny_model_dir, tmp_path):
+    source, fleet = seed9_source(tmp_path), one_engine_fleet(tiny_model_dir, tmp_path)
     bridge = None
     try:
         bridge = make_bridge(SyncConfig(transport="broadcast", verify="full"), source=source,
@@ -72,15 +82,7 @@ def test_a_late_engine_that_joins_after_the_trainer_moved_past_the_last_sync_get
         tiny_model_dir, tmp_path):
     """sync.interval > 1: between syncs the trainer's live weights are newer than the fleet's. A replacement must not
     get them under the fleet's tag (issue 26 item 2): the whole fleet is brought to the trainer's version."""
-    from transformers import AutoModelForCausalLM
-
-    from glue.embedded_engine.tiny_model import save_tiny_model
-
-    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "seed9", seed=9), dtype=torch.float32)
-    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
-    fleet = RolloutFleet(model_path=tiny_model_dir, num_engines=1, log_dir=tmp_path / "logs",
-                         engine_args=["--num-threads", "1"])
-    fleet.start()
+    source, fleet = seed9_source(tmp_path), one_engine_fleet(tiny_model_dir, tmp_path)
     bridge = None
     try:
         bridge = make_bridge(SyncConfig(transport="broadcast", verify="full"), source=source,
@@ -105,17 +107,10 @@ def test_a_late_engine_past_the_planned_colocated_ones_gets_the_weights_by_disk_
         tiny_model_dir, tmp_path):
     """ipc with the plan's sources (launch.plan.ipc_sources.slot_sources): an engine added past the plan stands on
     no planned GPU, so it is synced by disk while the planned engine keeps reading ipc handles."""
-    from transformers import AutoModelForCausalLM
-
-    from glue.embedded_engine.tiny_model import save_tiny_model
     from launch.plan.ipc_sources import slot_sources
     from weight_sync.ipc_transport import IpcOrDisk
 
-    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "seed9", seed=9), dtype=torch.float32)
-    source = LocalWeightSource({n: p.detach().clone() for n, p in model.named_parameters()})
-    fleet = RolloutFleet(model_path=tiny_model_dir, num_engines=1, log_dir=tmp_path / "logs",
-                         engine_args=["--num-threads", "1"])
-    fleet.start()
+    source, fleet = seed9_source(tmp_path), one_engine_fleet(tiny_model_dir, tmp_path)
     bridge = None
     try:
         bridge = make_bridge(SyncConfig(transport="ipc", verify="full"), source=source,

@@ -17,6 +17,27 @@ class NumberedPrompts:
             yield {"prompt_tokens": [0, n]}
 
 
+class RewardOne(NumberedPrompts):
+    """NumberedPrompts whose every sample scores 1.0."""
+
+    def reward(self, sample):
+        return 1.0
+
+
+async def two_token_group(ctx, prompt, num_samples):
+    """A rollout function (`helpers.managers:two_token_group`): each sample answers two tokens at version 0, scored
+    by the task."""
+    from glue.rollout.manager import score
+
+    samples = []
+    for i in range(num_samples):
+        sample = Sample(prompt_tokens=list(prompt["prompt_tokens"]), group_id=ctx.group_id, index=i)
+        sample.append_response([5 + i, 6], [-0.5, -0.5], version=0)
+        await score(ctx, sample)
+        samples.append(sample)
+    return samples
+
+
 class NeverCheckpointed:
     """The checkpoint half of the stream's `GroupSource`, for test managers whose runs never take a checkpoint."""
 
