@@ -17,6 +17,9 @@ import pytest
 from helpers.forkserver import EngineProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# tests that call ray.init themselves, as launch.run.cluster.start_ray does: Ray leaves builtins.print alone (it
+# replaces it once it prints a dead actor's message, and a later test would pickle Ray's print for builtins.print)
+os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -150,16 +150,19 @@ def test_parallel_sources_send_deltas_and_engines_end_bit_identical(engines, tin
         bridge.close()
 
 
-@pytest.mark.parametrize("where", ["transfer", "verify"])
+@pytest.mark.parametrize("where", ["transfer", "verify", "transfer_retried"])
 def test_an_engine_failing_midway_through_a_delta_sync_makes_the_next_sync_whole_and_exact(engines, tiny_model_dir,
                                                                                           monkeypatch, where):
     """transfer: engine 1 fails its fourth bucket (the broadcast is aborted, its group dropped); verify: every bucket
-    landed but an engine then reports the wrong version (the group stays, with the source's baselines)."""
+    landed but an engine then reports the wrong version (the group stays, with the source's baselines); both with
+    sync.max_retries 0, so the failure surfaces. transfer_retried: the same transfer fault with the default retries:
+    the sync goes again on groups built anew, whole (no delta against baselines an engine may not hold), and exact."""
     import weight_sync.bridge as bridge_module
     import weight_sync.transports as transports
 
     source = model_source(tiny_model_dir)
-    bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=40_000, verify="full", delta=True),
+    retries = {} if where == "transfer_retried" else {"max_retries": 0}
+    bridge = make_bridge(SyncConfig(transport="broadcast", bucket_bytes=40_000, verify="full", delta=True, **retries),
                          source=source, engine_urls=engines)
     real_call, real_check, calls = transports.call_update, bridge_module.check_versions, []
 
@@ -179,6 +182,13 @@ def test_an_engine_failing_midway_through_a_delta_sync_makes_the_next_sync_whole
         bridge.sync(2)
         assert bridge.delta_ready
         perturb(source.tensors, 0.01, seed=12)
+        if where == "transfer_retried":
+            monkeypatch.setattr(transports, "call_update", fails_on_the_fourth_bucket)
+            retried = bridge.sync(3)
+            assert len(calls) > 4 and bridge.sync_retries == 1
+            assert retried["bytes_sent"] == retried["bytes_full"]
+            assert [weight_checksums(url, 30) for url in engines] == [source_sums(source)] * 2
+            return
         if where == "transfer":
             monkeypatch.setattr(transports, "call_update", fails_on_the_fourth_bucket)
         else:

@@ -36,6 +36,9 @@ def start_ray(*, address: str | None, num_cpus: int, num_gpus: int | None = None
     `attached to the Ray cluster at 10.0.0.1:6379 (RAY_ADDRESS=10.0.0.1:6379)`."""
     import ray
 
+    # Ray replaces builtins.print in the driver (ray.experimental.tqdm_ray) the first time it prints a message a
+    # worker or raylet pushed to it, e.g. when an actor dies; sluice's own lines stay plain prints
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, single-user cluster
         # "local": a new cluster even when a `ray start` one runs on this machine (ray.init() alone would join it)
