@@ -28,9 +28,12 @@ STEPS = int(os.environ.get("SOAK_STEPS", "200"))
 GAP = tuple(int(n) for n in os.environ.get("SOAK_GAP", "3-8").split("-"))
 DETERMINISTIC_STEPS = int(os.environ.get("SOAK_DETERMINISTIC_STEPS", "22"))  # 0: none; faults at steps 3, 6, .., 18
 GROUPS, MAX_STALENESS, SAVE_INTERVAL = 4, 2, 4
-KINDS = ("engine_kill", "engine_hang", "router_kill", "trainer_kill", "node_loss", "reward_hang", "checkpoint_fail")
+ALL_KINDS = ("engine_kill", "engine_hang", "router_kill", "trainer_kill", "node_loss", "reward_hang", "checkpoint_fail")
+KINDS = tuple(os.environ.get("SOAK_KINDS", ",".join(ALL_KINDS)).split(","))  # a subset: the others are not injected
+assert set(KINDS) <= set(ALL_KINDS), f"SOAK_KINDS: {sorted(set(KINDS) - set(ALL_KINDS))} are not among {ALL_KINDS}"
 DETERMINISTIC_KINDS = tuple(kind for kind in KINDS if kind != "reward_hang")
 HEAD_IP, WORKER_IP = "127.0.0.6", "127.0.0.7"
+ROUTER = (b"sglang_router.launch_router", b"sglang::router")  # the router renames its process once started
 OUT = REPO_ROOT / "bench-results" / "soak.json"
 TRAINER_RESTARTED = "restarting the trainer group"
 STEP_TIMEOUT_S = 420  # a hung engine costs the sync's 60 s pause timeout plus its repair; a lost node Ray's notice
@@ -55,7 +58,7 @@ def command(out_dir: Path, name: str, head: str, steps: int, faults: int, extra:
             f"run.output_dir={out_dir}", f"run.name={name}", f"run.num_steps={steps}", "run.mode=async",
             f"rollout.task_args.path={out_dir}/data/train.jsonl", "eval.interval=0", "eval.at_start=false",
             "model.tiny.family=qwen3_moe", "rollout.return_routed_experts=true", "trainer.routing_replay=true",
-            f"rollout.prompts_per_step={GROUPS}", "rollout.samples_per_prompt=8", f"sync.max_staleness={MAX_STALENESS}",
+            f"rollout.prompts_per_step={GROUPS}", "rollout.samples_per_prompt=16", f"sync.max_staleness={MAX_STALENESS}",
             "sync.stale_policy=keep", "run.save_rollouts=true", f"run.save_interval={SAVE_INTERVAL}",
             "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=3", "sync.timeout_s=30",
             f"rollout.max_engine_restarts={bound}", f"rollout.max_router_restarts={bound}", f"run.max_restarts={bound}",
@@ -149,7 +152,7 @@ class Soak:
         self._signal_one("engine_hang", self.session.engine_pids(self.cluster.roots()), signal.SIGSTOP, "serves again")
 
     def router_kill(self) -> None:
-        self._signal_one("router_kill", self.session.processes(b"sglang_router.launch_router"), signal.SIGKILL,
+        self._signal_one("router_kill", self.session.processes(ROUTER), signal.SIGKILL,
                          "router serves again")
 
     def trainer_kill(self) -> None:
@@ -167,7 +170,7 @@ class Soak:
     def reward_hang(self) -> None:
         """Every reward worker SIGSTOPped (a call goes to the most recently idle one: stopping one alone might meet
         no call); each must be killed by its call's deadline."""
-        workers = self.session.processes(b"glue.rewards.isolated")
+        workers = self.session.processes((b"glue.rewards.isolated",))
         assert workers, "reward_hang: no reward worker process (python -m glue.rewards.isolated) below the run"
         before, since = self._lines(), time.monotonic()
         for pid in workers:
@@ -294,7 +297,7 @@ def soak_record(tmp_path_factory):
 def soak_json(record: dict) -> dict:
     runs = record["runs"]
     soak, free = runs.get("soak", {}), runs.get("fault_free", {})
-    return {"seed": record["seed"], "steps_planned": STEPS, "fault_gap_steps": list(GAP),
+    return {"seed": record["seed"], "steps_planned": STEPS, "fault_gap_steps": list(GAP), "kinds": list(KINDS),
             "fault_schedule": record["schedule"], "steps_completed": soak.get("steps_completed", 0),
             "faults": soak.get("faults", {}), "recovery_s": soak.get("recovery_s", {}),
             "groups_lost": soak.get("lost_groups"), "prompts_trained_twice": soak.get("repeated_groups"),

@@ -44,14 +44,15 @@ class Session:
                  if "; restarting it (" in line and "sluice: engine" in line]
         return [re.sub(r" \(http://\S+\)|; its log: \S+", "", why).removeprefix("sluice: ") for why in found]
 
-    def processes(self, marker: bytes, roots: tuple[int, ...] = ()) -> list[int]:
+    def processes(self, markers: tuple[bytes, ...], roots: tuple[int, ...] = ()) -> list[int]:
         """Processes below the run (and below `roots`: the Ray nodes of a cluster it attached to, whose workers
-        start its engines) whose command line holds `marker`."""
+        start its engines) whose command line holds one of `markers`."""
         below = descendants(self.proc.pid).union(*(descendants(root) for root in roots))
         found = []
         for pid in below:
             try:
-                if marker in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+                if any(marker in cmdline for marker in markers):
                     found.append(pid)
             except OSError:
                 continue
@@ -59,7 +60,7 @@ class Session:
 
     def engine_pids(self, roots: tuple[int, ...] = ()) -> list[int]:
         """The engines this run started: processes running glue.embedded_engine."""
-        return self.processes(b"glue.embedded_engine", roots)
+        return self.processes((b"glue.embedded_engine",), roots)
 
     def wait(self, timeout_s: float) -> int:
         try:
