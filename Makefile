@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: install constraints demo demo-async test test-long bench gpu-check gpu-bench learning-table learning-merge learning-plots distill-learning chaos rehearse smollm2 smollm2-arith clean
+.PHONY: install constraints demo demo-async test test-long bench gpu-check gpu-bench learning-table learning-merge learning-plots distill-learning chaos soak rehearse smollm2 smollm2-arith clean
 
 install: $(STAMP)
 
@@ -48,7 +48,7 @@ demo-async: install
 	$(VENV)/bin/sluice --config examples/configs/demo_async.yaml run.overwrite=true
 
 test: install
-	$(PY) -m pytest tests -m "not gpu and not bench and not learning and not chaos and not long" -q --durations=25
+	$(PY) -m pytest tests -m "not gpu and not bench and not learning and not chaos and not soak and not long" -q --durations=25
 
 # Whole runs killed and resumed or compared bit for bit, and second variants of end-to-end runs (~10 minutes), kept out of `make test` so CI
 # stays under 25 minutes on 2 cores.
@@ -99,6 +99,13 @@ distill-learning: install
 # what was lost, trained over-stale or mislabelled (docs/reliability.md). 7-8 minutes on 2 cores.
 chaos: install
 	$(PY) -m pytest tests/bench/test_chaos_bench.py -m chaos -q -s
+
+# One async run (R3 on, max staleness 2) on a two-node Ray cluster the test starts, with a fault every 3-8 steps
+# (SOAK_GAP) drawn from SOAK_SEED among engine SIGKILL / SIGSTOP, router SIGKILL, trainer rank SIGKILL, the second
+# node lost, hung reward workers and a failed checkpoint write, each at least once, healed in the run; beside a
+# fault-free run of the same seed. SOAK_STEPS (default 200) steps; bench-results/soak.json (docs/reliability.md).
+soak: install
+	$(PY) -m pytest tests/bench/test_soak_bench.py -m soak -q -s
 
 # Every shipped recipe (examples/configs/*.yaml) and launch script (launch/scripts/*.sh) for 2 steps on CPU against
 # SGLang-strict engines, shrunk by launch/tools/shrink.py (tiny model of the recipe's family, parallel sizes <= 2, the rest
