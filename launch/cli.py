@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(shown, sort_keys=False, width=1000), end="")
         return 0
 
-    from glue.loop.checkpoint import CheckpointFailed  # here: the help paths import no torch (tests/test_cli_help.py)
+    from glue.loop.checkpoint import CheckpointFailed  # lazy: torch, which the help paths never import
 
     try:
         start(cfg, plan)
