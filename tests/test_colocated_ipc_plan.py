@@ -84,3 +84,15 @@ def test_devices_matter_on_gpus_and_where_cpu_bundles_stand_for_them_and_not_on_
     assert describe_sources(plan) == ["engine 0: TP rank 0 <- trainer rank 0 (cpu bundle 0), TP rank 1 <- trainer rank 1 "
                                       "(cpu bundle 1)", "engine 1: TP rank 0 <- trainer rank 2 (cpu bundle 2), TP rank 1 "
                                       "<- trainer rank 3 (cpu bundle 3)"]
+
+
+def test_an_engine_past_the_planned_ones_has_no_ipc_source_so_it_gets_disk_and_a_replacement_keeps_its_slots():
+    from launch.plan.ipc_sources import slot_sources
+
+    urls = ["http://a", "http://b"]
+    sources_of = slot_sources([[0, 1], [2, 3]], urls)
+    assert sources_of("http://b") == [2, 3]
+    urls[1] = "http://b2"  # a replacement takes its slot's url (RolloutFleet.replace_engine): the lookup is live
+    assert sources_of("http://b2") == [2, 3]
+    urls.append("http://late")  # RolloutFleet.add_engine: past the plan, on no planned GPU
+    assert sources_of("http://late") is None

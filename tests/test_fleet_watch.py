@@ -421,6 +421,7 @@ def test_a_killed_router_is_replaced_on_its_port_with_every_engine_and_its_reque
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a second router fault for CI time: the killed router's replacement above stays in make test
 def test_a_stopped_router_fails_its_health_checks_and_is_killed_and_replaced(fleet):
     old_pid = router_pid(fleet)
     try:

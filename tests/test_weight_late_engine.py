@@ -103,6 +103,7 @@ def test_a_late_engine_that_joins_after_the_trainer_moved_past_the_last_sync_get
         fleet.stop()
 
 
+@pytest.mark.long  # a fleet and two syncs; tests/test_colocated_ipc_plan.py checks slot_sources' answer in CI
 def test_a_late_engine_past_the_planned_colocated_ones_gets_the_weights_by_disk_beside_the_ipc_ones(
         tiny_model_dir, tmp_path):
     """ipc with the plan's sources (launch.plan.ipc_sources.slot_sources): an engine added past the plan stands on
