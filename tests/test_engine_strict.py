@@ -391,6 +391,7 @@ def test_the_weights_checker_answers_one_entry_per_tp_rank_under_sglangs_names(s
     assert first["model.layers.0.mlp.gate_up_proj.weight"] != second["model.layers.0.mlp.gate_up_proj.weight"]
 
 
+@pytest.mark.long  # 43 s on 2 cores (an engine of its own, two waits); the pause and continue routes stay in CI
 def test_health_generate_answers_503_after_sglangs_wait_while_paused(engine_processes, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2")
     url = engine_processes.start(tiny_model_dir, "--sglang-strict")
