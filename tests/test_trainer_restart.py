@@ -38,6 +38,17 @@ class TrainerThatCannotStart(Trainer):
         raise RuntimeError("no bundle left\nsecond line")
 
 
+class TrainerDyingAsItStartsOnce(Trainer):
+    """A restart whose new rank lands on a bundle of a lost node not yet marked dead: it dies at once, the first
+    time."""
+
+    def restart(self):
+        super().restart()
+        if self.calls.count("trainer.restart") == 1:
+            raise ProcessDied("trainer rank 0 on node 10.0.0.2 died (The actor died unexpectedly before finishing "
+                              "this task.)")
+
+
 class Recorder:
     """Bridge, fleet and colocation in one: each call is written down in order."""
 
@@ -188,3 +199,17 @@ def test_a_broadcast_whose_source_died_is_not_aborted_through_its_store_and_prin
         transport.close()
     out, err = capfd.readouterr()
     assert "frame #" not in out + err and "TCPStore" not in out + err
+
+
+def test_a_new_rank_that_dies_as_it_starts_is_started_again_until_its_bundle_is_placed(tmp_path, capsys):
+    calls = []
+    r = restarts(tmp_path, calls, steps=(2,), retry_pause_s=0.0)
+    r.trainer = TrainerDyingAsItStartsOnce(calls, {1: "it was killed"})
+    state = r.restart(r.died())
+    assert state["step"] == 2 and calls.count("trainer.restart") == 2
+    assert "a restarted trainer rank died as it started (trainer rank 0 on node 10.0.0.2 died" in capsys.readouterr().out
+    never = restarts(tmp_path, [], steps=(2,), retry_pause_s=0.05, start_timeout_s=0.2)
+    never.trainer = TrainerDyingAsItStartsOnce([], {1: "it was killed"})
+    never.trainer.restart = lambda: (_ for _ in ()).throw(ProcessDied("trainer rank 0 died (again)"))
+    with pytest.raises(ProcessDied, match=r"its restart failed: trainer rank 0 died \(again\)"):
+        never.restart(never.died())

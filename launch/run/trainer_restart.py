@@ -31,10 +31,13 @@ class TrainerRestarts:
     def __init__(self, *, trainer: Any, bridge: Any, fleet: Any, colocation: Any, nodes: Sequence[str],
                  restore: Callable[[Path | None], dict | None], checkpoints: Checkpoints,
                  started_from: Path | None = None, max_restarts: int = 3, pause_mode: str = "retract",
-                 colocated: bool = False):
+                 colocated: bool = False, start_timeout_s: float = 300.0, retry_pause_s: float = 10.0):
         self.trainer, self.bridge, self.fleet, self.colocation = trainer, bridge, fleet, colocation
         self.nodes, self.restore, self.checkpoints, self.started_from = list(nodes), restore, checkpoints, started_from
         self.max_restarts, self.pause_mode, self.colocated = max_restarts, pause_mode, colocated
+        # a new rank that dies as it starts (its bundle still on a lost node Ray has not yet marked dead) is started
+        # again every retry_pause_s, until start_timeout_s after the restart began
+        self.start_timeout_s, self.retry_pause_s = start_timeout_s, retry_pause_s
         self.restarts = 0
         self.recovery_s: list[float] = []  # seconds from each death seen to the next completed step
         self._seen_at: float | None = None  # when the death the next completed step is timed from was seen
@@ -71,13 +74,29 @@ class TrainerRestarts:
 
     def _restart_from(self, checkpoint: Path | None) -> dict:
         self.fleet.pause_generation("abort")  # the loop's groups are cancelled: their requests are handed back now
-        self.trainer.restart()
+        self._start_again()
         self.bridge.reconnect()
         state = self.restore(checkpoint)
         if state is None:  # the new ranks hold the initial model: the engines go back to it too
             sync_weights(self.fleet, self.colocation, self.trainer.version, self.pause_mode)
             state = dict(INITIAL_STATE)
         return state
+
+    def _start_again(self) -> None:
+        """`trainer.restart()`, again while a new rank dies as it starts: after a node is lost, Ray keeps its
+        placement-group bundles there until it has missed enough of the node's heartbeats to mark it dead, and only
+        then places them on a node that has room; a rank started on such a bundle dies at once."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                return self.trainer.restart()
+            except ProcessDied as err:
+                if time.monotonic() + self.retry_pause_s > deadline:
+                    raise
+                why = (str(err).strip().splitlines() or [""])[0]
+                print(f"sluice: a restarted trainer rank died as it started ({why}); starting the group again in "
+                      f"{self.retry_pause_s:g} s (Ray may still hold its bundle on a lost node)", flush=True)
+                time.sleep(self.retry_pause_s)
 
     def metrics(self) -> dict[str, float]:
         """For each step's record: restarts so far, and on the first step completed after a restart the seconds
