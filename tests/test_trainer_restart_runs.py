@@ -69,9 +69,9 @@ def check_trained_once(records: list[dict]) -> None:
 def test_a_trainer_rank_killed_mid_run_is_restarted_from_the_checkpoint_and_the_run_loses_and_repeats_nothing(
         tmp_path):
     out, killed, _ = run_killing_a_trainer_rank(tmp_path)
-    restarted = re.search(r"sluice: trainer rank 0 \(node [\d.]+\) died: The actor is dead because its worker process "
-                          rf"has died\..*\(pid {killed}\); restarting the trainer group from checkpoint step (\d+) "
-                          r"\(restart 1 of 3\)", out)
+    restarted = re.search(r"sluice: trainer rank 0 on node [\d.]+ died \(The actor is dead because its worker process "
+                          rf"has died\..*\(pid {killed}\)\); its log: \S+trainer_0\.log; restarting the trainer group "
+                          r"from checkpoint step (\d+) \(restart 1 of 3\)", out)
     assert restarted, out[-3000:]
     step = int(restarted.group(1))
     assert step in (2, 4)  # the newest checkpoint when it died
