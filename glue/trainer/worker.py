@@ -18,7 +18,6 @@ from glue.trainer import cpu_compat, model, offload, optim
 from glue.trainer.checkpointing import load_rank, save_rank
 from glue.trainer.config import CONTEXT_PARALLEL_NEEDS, TrainerConfig
 from glue.trainer.critic import Critic
-from glue.trainer.optim import unwrap
 from glue.trainer.packing import MicroBatch, plan_micro_batches, split_mini_batches
 from glue.trainer.parallel import RankPlace, full_hf_state, hf_weight_specs, sum_over_dp, sum_tensor_over_dp
 from glue.trainer.pipeline import run_micro_batches, share_from_last_stage, share_tensor_from_last_stage
@@ -44,8 +43,7 @@ class TrainerWorker:
     def __init__(self, *, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig, rank: int,
                  world_size: int, keep_versions: int = 1, log_path: str | None = None):
         if log_path is not None:  # before anything can print: this rank's output goes to the run's logs/
-            write_output_to(log_path)
-            print(f"sluice: trainer rank {rank} of {world_size}, pid {os.getpid()}", flush=True)
+            write_output_to(log_path, f"sluice: trainer rank {rank} of {world_size}")
         if world_size != cfg.world_size:
             raise ValueError(f"trainer world size {world_size} != TP x PP x CP x DP = {cfg.world_size}; start exactly "
                              "that many workers")
@@ -103,7 +101,7 @@ class TrainerWorker:
             self.reference.requires_grad_(False).to(self.device)
         # megatron's DDP (its gradient and parameter buffers now back self.model's parameters) and optimizer
         self.training = optim.build(self.model, self.cfg, self.precision)
-        self.max_tokens = resolve_token_budget(self.cfg.max_tokens_per_micro_batch, unwrap(self.model),
+        self.max_tokens = resolve_token_budget(self.cfg.max_tokens_per_micro_batch, optim.unwrap(self.model),
                                                self.hf_config.vocab_size, self.device)
         self.replay = RoutingReplay(self.model) if self.cfg.routing_replay else None  # MoE routing replay (R3)
         if self.loss_cfg.uses_critic:  # GAE: a value model beside the policy (docs/critic.md)
