@@ -174,6 +174,41 @@ def test_a_checkpoints_pause_that_meets_a_dead_engine_waits_for_its_replacement_
     assert set(fleet.registered_workers()) == set(fleet.engine_urls)
 
 @pytest.mark.slow
+def test_an_engine_that_dies_while_the_watch_is_not_running_is_replaced_by_repair_now_and_the_sync_goes_through(
+        fleet, tiny_model_dir, capsys):
+    """While the trainer group is restarted the watch does not run (launch.run.trainer_restart): a sync that meets
+    an engine killed then fails at once instead of waiting for a repair that never comes, and `repair_now` replaces
+    the engine here, with the bridge's weights, so the sync goes through the second time. Real fleet, real
+    broadcast bridge."""
+    from glue.loop.colocation import Disaggregated
+    from glue.loop.controller import sync_weights
+    from weight_sync.engine_calls import weight_version
+
+    bridge, client, watch = broadcast_repair_watch(fleet, tiny_model_dir)
+    watch._ended.set()  # as after a run's watch ended: a trainer restart runs between two watch.run
+    dead_pid = fleet.pids[1]
+    try:
+        bridge.sync(1)
+        os.kill(dead_pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(Exception):
+            sync_weights(watch, Disaggregated(bridge), 2)
+        assert time.monotonic() - started < 20, "the pause waited for a repair that cannot come"
+        assert watch.repair_now() == 1 and watch.repair_now() == 0
+        sync_weights(watch, Disaggregated(bridge), 2)
+        assert [weight_version(u, 10) for u in fleet.engine_urls] == ["2", "2"]
+    finally:
+        bridge.close()
+    assert watch.restarts == 1 and not is_alive(dead_pid)
+    out = capsys.readouterr().out
+    # its exit is usually seen first; on a loaded machine its refused connections may be (it answers nothing)
+    assert "engine 1 (" in out and "restarting it (1 of at most 3" in out, out
+    assert "exited with code -9" in out or "answered nothing, not even GET /health" in out, out
+    assert "engine 1 serves again at" in out
+    assert set(fleet.registered_workers()) == set(fleet.engine_urls)
+
+
+@pytest.mark.slow
 def test_without_a_way_to_repair_a_dead_engine_ends_the_run_naming_it(fleet):
     watch = FleetWatch(fleet, repair=None, poll_s=0.2)
 

@@ -8,6 +8,7 @@ import pytest
 
 from glue.fleet.fleet import ProcessDied
 from glue.loop.checkpoint import Checkpoints
+from glue.loop.controller import sync_weights
 from glue.trainer.group import ray_death_reason
 from launch.config import RunConfig
 from launch.run.trainer_restart import INITIAL_STATE, TrainerRestarts
@@ -123,6 +124,49 @@ def test_with_no_checkpoint_yet_the_run_starts_again_from_the_initial_model_and_
     assert calls == ["pause abort", "trainer.restart", "bridge.reconnect", "restore None",
                      "pause retract", "sync 0", "continue"]  # the initial weights, version 0, to every engine
     assert state == INITIAL_STATE and state is not INITIAL_STATE
+
+
+class EngineDiesDuringTheRestart(Recorder):
+    """The watch, as a trainer restart sees it: engine 1 is dead from the start (the loop's abort pause fails on it),
+    so the restore's sync fails until `repair_now` has replaced it."""
+
+    def __init__(self, calls):
+        super().__init__(calls)
+        self.engine_dead = True
+
+    def pause_generation(self, mode="retract"):
+        super().pause_generation(mode)
+        if self.engine_dead:
+            raise ConnectionRefusedError("engine 1 refused the connection")
+
+    def engine_fault_seen(self):
+        return self.engine_dead
+
+    def repair_now(self):
+        self.calls.append("repair_now")
+        replaced, self.engine_dead = int(self.engine_dead), False
+        return replaced
+
+
+def test_an_engine_that_dies_while_the_trainer_group_restarts_is_replaced_and_the_engines_are_brought_to_the_checkpoint(
+        tmp_path):
+    calls = []
+    r = restarts(tmp_path, calls, steps=(2,))
+    r.fleet = EngineDiesDuringTheRestart(calls)
+    r.restore = lambda checkpoint: (calls.append("restore"), sync_weights(r.fleet, r.colocation, 2),
+                                    Checkpoints.read_state(checkpoint))[-1]
+    state = r.restart(r.died())
+    # the abort pause failed on the dead engine and the restart went on; the restore's sync failed on it, the engine
+    # was replaced (with the new ranks' weights), and the restore went again, whole
+    assert calls == ["pause abort", "trainer.restart", "bridge.reconnect", "restore", "pause retract",
+                     "repair_now", "restore", "pause retract", "sync 2", "continue"]
+    assert state["step"] == 2
+    other = restarts(tmp_path, [], steps=(2,))  # a failure that is no engine's fault ends the restart as before
+    other.fleet = EngineDiesDuringTheRestart([])
+    other.fleet.engine_dead = False
+    other.restore = lambda checkpoint: (_ for _ in ()).throw(OSError("the checkpoint cannot be read"))
+    with pytest.raises(ProcessDied, match=r"its restart failed: the checkpoint cannot be read"):
+        other.restart(other.died())
 
 
 def test_a_checkpoint_the_run_resumed_from_is_used_until_the_run_writes_its_own(tmp_path):

@@ -48,6 +48,11 @@ class ProcessDied(RuntimeError):
     """A process the run depends on (engine, router, trainer rank) is gone; the message names it and its log."""
 
 
+def first_line(err: BaseException) -> str:
+    """An error's first line, for the one-line records of faults ('' for an empty message)."""
+    return (str(err).strip().splitlines() or [""])[0]
+
+
 class RolloutFleet:
     """Start N engines and the sgl-router in front of them; `stop()` (idempotent, also at exit) ends them all.
 

@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from glue.fleet.fleet import ProcessDied, _http_get
+from glue.fleet.fleet import ProcessDied, _http_get, first_line
 
 HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
 HEALTH_PROBES_AT_ONCE = 64  # deep health probes in flight at once during a sweep
@@ -145,8 +145,7 @@ class FleetWatch:
                     try:
                         return sync()
                     except Exception:
-                        if self.repair is None or attempt == self.max_restarts or not (
-                                self._death_seen() or self._hang_seen()):
+                        if self.repair is None or attempt == self.max_restarts or not self.engine_fault_seen():
                             raise
                 self._wait_for_repair()
         finally:
@@ -178,10 +177,15 @@ class FleetWatch:
             try:
                 return call()
             except Exception:
-                if self.repair is None or attempt == self.max_restarts or not (self._death_seen() or
-                                                                                self._hang_seen()):
-                    raise
+                if self.repair is None or attempt == self.max_restarts or self._ended.is_set() or not (
+                        self.engine_fault_seen()):
+                    raise  # `_ended`: the watch is not running (a trainer restart), so no repair is coming
             self._wait_for_repair()
+
+    def engine_fault_seen(self) -> bool:
+        """After a call to the engines failed: did one of them die, or does one answer nothing at all (then handed to
+        the watch to replace)?"""
+        return self._death_seen() or self._hang_seen()
 
     async def calls_settled(self, **kwargs: Any) -> bool:
         """`client.calls_settled`: the checkpoint's wait for the aborted requests (glue.loop.stream.checkpoint_state)."""
@@ -251,6 +255,34 @@ class FleetWatch:
         return [i for i, n in self._failed_checks.items() if n >= self.health_failures]
 
     async def _replace(self, index: int, why: str) -> None:
+        started = self._repair_begins(index, why)
+        # shielded: a run that ends meanwhile waits for the repair (run's finally) instead of racing it with stop()
+        self._repair = asyncio.ensure_future(asyncio.to_thread(self._repair_locked, index))
+        try:
+            await asyncio.shield(self._repair)
+        except Exception as err:
+            raise ProcessDied(f"{why}; its restart failed: {first_line(err)}") from err
+        self._repair_ends(index, started)
+
+    def repair_now(self) -> int:
+        """Replace, here and now (blocking), every engine that exited or answers nothing at all, as the watch would;
+        returns how many. For the times the watch does not run: while the trainer group is restarted
+        (launch.run.trainer_restart), whose resync would otherwise fail on such an engine and end the run."""
+        faulty = {index: self.fleet.engine_exit(index) for index in self.fleet.dead_engines()}
+        if not faulty and (self._unanswering or self._hang_seen()):
+            faulty = {index: f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered nothing, not "
+                             f"even GET /health within {self.health_timeout_s:g} s" for index in self._unanswering}
+        for index, why in sorted(faulty.items()):
+            started = self._repair_begins(index, why)
+            try:
+                self._repair_locked(index)
+            except Exception as err:
+                raise ProcessDied(f"{why}; its restart failed: {first_line(err)}") from err
+            self._repair_ends(index, started)
+        return len(faulty)
+
+    def _repair_begins(self, index: int, why: str) -> float:
+        """Count the restart and say it, or raise ProcessDied when none may follow; returns when it began."""
         if self._stopping():  # the stop's signal may have reached it too: the run goes to its checkpoint, not a repair
             raise ProcessDied(why)
         if self.repair is None or self.restarts >= self.max_restarts:
@@ -259,13 +291,9 @@ class FleetWatch:
         self._failed_checks[index] = 0
         self._unanswering = self._unanswering - {index}
         print(f"sluice: {why}; restarting it ({self.restarts} of at most {self.max_restarts} restarts)", flush=True)
-        started = time.monotonic()
-        # shielded: a run that ends meanwhile waits for the repair (run's finally) instead of racing it with stop()
-        self._repair = asyncio.ensure_future(asyncio.to_thread(self._repair_locked, index))
-        try:
-            await asyncio.shield(self._repair)
-        except Exception as err:
-            raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+        return time.monotonic()
+
+    def _repair_ends(self, index: int, started: float) -> None:
         self.recovery_s.append(time.monotonic() - started)
         weights = "its weights" if self._prefix else "the current weights"  # a fleet beside never changes them
         print(f"sluice: {self._prefix}engine {index} serves again at {self.fleet.engine_urls[index]} with {weights}, "
@@ -293,7 +321,7 @@ class FleetWatch:
         try:
             live = await asyncio.to_thread(self.fleet.restart_router)
         except Exception as err:
-            raise ProcessDied(f"{why}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+            raise ProcessDied(f"{why}; its restart failed: {first_line(err)}") from err
         self.router_recovery_s.append(time.monotonic() - started)
         print(f"sluice: a new {self._prefix}router serves again on :{self.fleet.router_url.rsplit(':', 1)[1]} with "
               f"{len(live)} engines, {self.router_recovery_s[-1]:.1f} s after the fault was seen", flush=True)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from glue.fleet.fleet import ProcessDied
+from glue.fleet.fleet import ProcessDied, first_line
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.controller import sync_weights
 
@@ -70,12 +70,25 @@ class TrainerRestarts:
         try:
             return self._restart_from(checkpoint)
         except Exception as err:
-            raise ProcessDied(f"{death}; its restart failed: {(str(err).strip().splitlines() or [''])[0]}") from err
+            raise ProcessDied(f"{death}; its restart failed: {first_line(err)}") from err
 
     def _restart_from(self, checkpoint: Path | None) -> dict:
-        self.fleet.pause_generation("abort")  # the loop's groups are cancelled: their requests are handed back now
+        try:  # the loop's groups are cancelled: their requests are handed back now
+            self.fleet.pause_generation("abort")
+        except Exception:
+            if not self.fleet.engine_fault_seen():
+                raise  # an engine that died or hangs holds no request: it is replaced once the trainer is back
         self._start_again()
         self.bridge.reconnect()
+        while True:  # the watch does not run meanwhile: an engine that dies or hangs now is replaced here
+            try:
+                return self._restore(checkpoint)
+            except Exception:
+                if not self.fleet.repair_now():  # bounded by rollout.max_engine_restarts (it raises past them)
+                    raise
+
+    def _restore(self, checkpoint: Path | None) -> dict:
+        """The new ranks loaded with `checkpoint` and the engines brought to its weights; its driver state."""
         state = self.restore(checkpoint)
         if state is None:  # the new ranks hold the initial model: the engines go back to it too
             sync_weights(self.fleet, self.colocation, self.trainer.version, self.pause_mode)
@@ -93,7 +106,7 @@ class TrainerRestarts:
             except ProcessDied as err:
                 if time.monotonic() + self.retry_pause_s > deadline:
                     raise
-                why = (str(err).strip().splitlines() or [""])[0]
+                why = first_line(err)
                 print(f"sluice: a restarted trainer rank died as it started ({why}); starting the group again in "
                       f"{self.retry_pause_s:g} s (Ray may still hold its bundle on a lost node)", flush=True)
                 time.sleep(self.retry_pause_s)

@@ -278,8 +278,12 @@ def soak_record(tmp_path_factory):
     seed = int(os.environ.get("SOAK_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     once = rng.sample(DETERMINISTIC_KINDS, len(DETERMINISTIC_KINDS))
-    record = {"seed": seed, "runs": {}, "out": tmp_path_factory.mktemp("soak"),
-              "schedule": draw_schedule(rng, STEPS, GAP),
+    schedule = draw_schedule(rng, STEPS, GAP)
+    if len(schedule) < len(KINDS):  # said before anything runs, not as a missing kind after the whole soak
+        pytest.fail(f"SOAK_STEPS={STEPS} with SOAK_GAP={GAP[0]}-{GAP[1]} drew {len(schedule)} faults (seed {seed}), "
+                    f"fewer than the {len(KINDS)} kinds that must each come at least once: raise SOAK_STEPS, narrow "
+                    f"SOAK_GAP (e.g. 3-4) or pick kinds with SOAK_KINDS", pytrace=False)
+    record = {"seed": seed, "runs": {}, "out": tmp_path_factory.mktemp("soak"), "schedule": schedule,
               "deterministic_schedule": [(3 * (i + 1), kind) for i, kind in enumerate(once)]}
     cluster = Cluster()
     record["cluster"] = cluster
