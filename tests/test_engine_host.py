@@ -96,3 +96,17 @@ def test_killing_an_engines_host_actor_ends_the_engine(bundles, tmp_path):
         time.sleep(0.1)
     assert is_gone(engine.pid)
     engine.kill()  # the actor is gone: nothing left to do, and no error
+
+
+def test_a_host_whose_bundle_never_comes_gives_up_after_its_placement_timeout_naming_the_engine(bundles, tmp_path):
+    """A lost node's bundle that no other node has room for: here a resource no node has. The host is not left
+    waiting, and the engine is named (the watch then asks the run to stop with its checkpoint)."""
+    from glue.fleet.engine_host import NotPlaced, RemoteEngine
+
+    started = time.monotonic()
+    with pytest.raises(NotPlaced, match=r"^engine 1 did not start on its placement-group bundle within 2 s \(is its "
+                                        r"node gone, with no other node that has room for it\?\)$"):
+        RemoteEngine("engine 1", command=[sys.executable, "-c", "import time; time.sleep(600)"], model_path="unused",
+                     args=[], env=None, log_path=tmp_path / "e.log", placement_timeout_s=2,
+                     actor_options={"num_cpus": 0, "resources": {"a_node_that_is_gone": 1}})
+    assert time.monotonic() - started < 20

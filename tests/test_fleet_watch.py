@@ -39,7 +39,7 @@ def test_a_hung_engine_fails_its_health_checks_is_replaced_and_no_request_is_los
     from transformers import AutoModelForCausalLM
 
     from glue.loop.config import SyncConfig
-    from glue.fleet.watch import engine_repair
+    from glue.fleet.repairs import engine_repair
     from weight_sync.bridge import make_bridge
     from weight_sync.engine_calls import weight_version
     from weight_sync.sender import LocalWeightSource
@@ -97,7 +97,7 @@ def broadcast_repair_watch(fleet, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from glue.loop.config import SyncConfig
-    from glue.fleet.watch import engine_repair
+    from glue.fleet.repairs import engine_repair
     from weight_sync.bridge import make_bridge
     from weight_sync.sender import LocalWeightSource
 
@@ -224,7 +224,7 @@ def test_without_a_way_to_repair_a_dead_engine_ends_the_run_naming_it(fleet):
 def test_an_engine_whose_routing_fails_after_its_weights_were_loaded_is_not_kept_by_the_bridge():
     """FINDINGS: the bridge kept a replacement engine the router never took. The fleet and bridge here are records
     of calls: the contract under test is engine_repair's own bookkeeping."""
-    from glue.fleet.watch import engine_repair
+    from glue.fleet.repairs import engine_repair
 
     class Bridge:
         def __init__(self):
@@ -354,7 +354,7 @@ def test_a_repair_gathers_weights_only_between_train_steps_and_pauses_generation
     generation around it. The fleet, bridge and client are records of calls: the contract is engine_repair's."""
     import threading
 
-    from glue.fleet.watch import engine_repair
+    from glue.fleet.repairs import engine_repair
 
     calls: list[str] = []
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from glue.fleet.fleet import RolloutFleet
-from glue.fleet.watch import FleetWatch, fleet_repair
+from glue.fleet.repairs import fleet_repair
+from glue.fleet.watch import FleetWatch
 from launch.config import ConfigError, build, load_config, SluiceConfig
 from launch.plan.run_plan import resolve
 from launch.run.fleets import planned_devices_env

@@ -56,8 +56,11 @@ class Recorder:
     def __init__(self, calls):
         self.calls = calls
 
-    def reconnect(self):
-        self.calls.append("bridge.reconnect")
+    def reconnect(self, leave_out=()):
+        self.calls.append("bridge.reconnect" + (f" leaving out {leave_out}" if leave_out else ""))
+
+    def faulty_engines(self):
+        return []
 
     def pause_generation(self, mode="retract"):
         self.calls.append(f"pause {mode}")
@@ -142,6 +145,9 @@ class EngineDiesDuringTheRestart(Recorder):
     def engine_fault_seen(self):
         return self.engine_dead
 
+    def faulty_engines(self):
+        return ["http://127.0.0.1:3"] if self.engine_dead else []
+
     def repair_now(self):
         self.calls.append("repair_now")
         replaced, self.engine_dead = int(self.engine_dead), False
@@ -156,10 +162,10 @@ def test_an_engine_that_dies_while_the_trainer_group_restarts_is_replaced_and_th
     r.restore = lambda checkpoint: (calls.append("restore"), sync_weights(r.fleet, r.colocation, 2),
                                     Checkpoints.read_state(checkpoint))[-1]
     state = r.restart(r.died())
-    # the abort pause failed on the dead engine and the restart went on; the restore's sync failed on it, the engine
-    # was replaced (with the new ranks' weights), and the restore went again, whole
-    assert calls == ["pause abort", "trainer.restart", "bridge.reconnect", "restore", "pause retract",
-                     "repair_now", "restore", "pause retract", "sync 2", "continue"]
+    # the abort pause failed on the dead engine and the restart went on; the new ranks' channels leave it out; the
+    # restore's sync failed on it, the engine was replaced (with the new ranks' weights), and the restore went again
+    assert calls == ["pause abort", "trainer.restart", "bridge.reconnect leaving out ['http://127.0.0.1:3']",
+                     "restore", "pause retract", "repair_now", "restore", "pause retract", "sync 2", "continue"]
     assert state["step"] == 2
     other = restarts(tmp_path, [], steps=(2,))  # a failure that is no engine's fault ends the restart as before
     other.fleet = EngineDiesDuringTheRestart([])

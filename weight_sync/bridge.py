@@ -240,11 +240,13 @@ class WeightBridge:
             self.transport.close()
             self.transport = None
 
-    def reconnect(self) -> None:
+    def reconnect(self, leave_out: Sequence[str] = ()) -> None:
         """The source was started again (a trainer restart): its side of every channel went with its processes.
         The engines leave theirs (`close`) and channels are opened afresh from the new source; the next sync goes
-        whole (a new source holds no delta baselines)."""
+        whole (a new source holds no delta baselines). Engines in `leave_out` (dead, or answering nothing: the
+        watch replaces them) get none; a replacement joins through `add_engine`."""
         self.close()
+        self.engine_urls = [url for url in self.engine_urls if url not in leave_out]
         self.delta_ready = False
         self.connect()
 

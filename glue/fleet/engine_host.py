@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from glue.fleet.placing import ray_death_reason
 from glue.fleet.processes import ManagedProcess, free_ports
 from glue.fleet.spanning import resolve_dist_init
 
@@ -53,20 +54,41 @@ class EngineHost:
             self._engine = None
 
 
+class HostDiedAtStart(RuntimeError):
+    """An engine's host actor died as it started: its bundle is on a node that is gone and that Ray has not yet
+    marked dead (glue.fleet.placing); started again, it gets the bundle once Ray has placed it elsewhere."""
+
+
+class NotPlaced(RuntimeError):
+    """An engine's host actor got no bundle within its placement timeout: its node is gone and no other node has
+    room for the bundle."""
+
+
 class RemoteEngine:
     """Driver-side handle: starts an `EngineHost` with `actor_options` and the engine in it, then answers the
-    fleet's calls (check_alive, log_tail, terminate, wait, kill) by asking the actor."""
+    fleet's calls (check_alive, log_tail, terminate, wait, kill) by asking the actor. The host waits at most
+    `placement_timeout_s` (None: as long as it takes) for its bundle (one whose node was lost and that no other node
+    has room for never comes)."""
 
     def __init__(self, name: str, *, command: Sequence[str], model_path: str, args: Sequence[str],
-                 env: dict[str, str] | None, log_path: Path, actor_options: dict[str, Any], bind: str | None = None):
+                 env: dict[str, str] | None, log_path: Path, actor_options: dict[str, Any], bind: str | None = None,
+                 placement_timeout_s: float | None = 300.0):
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         self.name, self.log_path = name, log_path
         self._actor = ray.remote(EngineHost).options(**actor_options).remote()
         try:
             self.url, self.pid, self.cmd = ray.get(self._actor.start.remote(
                 name=name, command=list(command), model_path=model_path, args=list(args), env=env,
-                log_path=str(Path(log_path).resolve()), cwd=os.getcwd(), bind=bind))
+                log_path=str(Path(log_path).resolve()), cwd=os.getcwd(), bind=bind), timeout=placement_timeout_s)
+        except GetTimeoutError:
+            ray.kill(self._actor)
+            raise NotPlaced(f"{name} did not start on its placement-group bundle within {placement_timeout_s:g} s "
+                            "(is its node gone, with no other node that has room for it?)") from None
+        except RayActorError as err:
+            ray.kill(self._actor)
+            raise HostDiedAtStart(f"{name}'s host actor died as it started ({ray_death_reason(str(err))})") from err
         except BaseException:
             ray.kill(self._actor)
             raise

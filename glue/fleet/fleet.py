@@ -14,7 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from glue.fleet.engine_host import RemoteEngine
+from glue.fleet.engine_host import HostDiedAtStart, RemoteEngine
+from glue.fleet.placing import start_until_placed
 from glue.fleet.processes import ManagedProcess, free_ports
 from glue.fleet.spanning import SpanningEngine, resolve_dist_init, start_spanning
 from weight_sync.engine_calls import bearer
@@ -83,7 +84,7 @@ class RolloutFleet:
                  api_key: str | None = None, admin_api_key: str | None = None, engine_bind: str | None = None,
                  seed: int | str | None = None, name: str = "", engine_nodes: int = 1,
                  rank_hosts: Sequence[Sequence[dict[str, Any]]] = (),
-                 rank_env: Sequence[Sequence[dict[str, str]]] = ()):
+                 rank_env: Sequence[Sequence[dict[str, str]]] = (), placement_timeout_s: float | None = 300.0):
         if num_engines < 1:
             raise ValueError(f"RolloutFleet: num_engines must be >= 1, got {num_engines}")
         self.model_path, self.num_engines, self.host = str(model_path), num_engines, host
@@ -102,6 +103,7 @@ class RolloutFleet:
         self.engine_hosts = list(engine_hosts)
         self.engine_nodes, self.rank_hosts, self.rank_env = engine_nodes, list(rank_hosts), list(rank_env)
         self.engine_bind = engine_bind  # engines on host actors listen here (default: their node's address)
+        self.placement_timeout_s = placement_timeout_s  # a host actor's wait for its bundle (None: no end)
         if self.engine_hosts and len(self.engine_hosts) != num_engines:
             raise ValueError(f"RolloutFleet: {len(self.engine_hosts)} engine_hosts for {num_engines} engines")
         self.engine_command, self.router_command = list(engine_command), list(router_command)
@@ -199,7 +201,8 @@ class RolloutFleet:
         hosts = self.engine_hosts if rank == 0 else [h[rank - 1] for h in self.rank_hosts]
         if hosts:
             return RemoteEngine(name, command=self.engine_command, model_path=self.model_path, args=args, env=env,
-                                log_path=log_path, actor_options=hosts[i % len(hosts)], bind=self.engine_bind)
+                                log_path=log_path, actor_options=hosts[i % len(hosts)], bind=self.engine_bind,
+                                placement_timeout_s=self.placement_timeout_s)
         port = port or free_ports(1, self.host)[0]
         url = f"http://{self.host}:{port}"
         cmd = [*self.engine_command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
@@ -294,7 +297,11 @@ class RolloutFleet:
             self.serving_urls.remove(self.engine_urls[index])
         self._unregister(self.engine_urls[index])
         self._engines[index].kill()
-        self._engines[index] = self._launch_engine(index)
+        # its node may be the one that is gone: a host that dies as it starts is started again until Ray has placed
+        # the bundle on a node with room (or placement_timeout_s has passed)
+        self._engines[index] = start_until_placed(lambda: self._launch_engine(index), dies=(HostDiedAtStart,),
+                                                  what=f"{self._prefix}engine {index}",
+                                                  timeout_s=self.placement_timeout_s)
         self.engine_urls[index] = self._engines[index].url
         self.restarts += 1
         try:

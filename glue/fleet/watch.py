@@ -15,7 +15,7 @@ again (`guarded_sync`), and so does one that meets a hung engine (the sweep is o
 generation paused, so in an async run a hang is usually met first by the next sync's pause): an engine that then
 answers nothing at all, not even GET /health, is replaced like one that died.
 A repair gathers the trainer's weights only between train steps and checkpoints (`trainer_turn`, `guarded_train`), and
-a new engine gets the version the fleet holds (`engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
+a new engine gets the version the fleet holds (`glue.fleet.repairs.engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
 for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
 unhealthy, so no engine is probed while sluice holds it paused, and a probe that a pause overtook does not count.
 
@@ -26,11 +26,13 @@ sends each again (its retries of a connection error, in `fault/reissued_requests
 
 A trainer rank dying, the router or an engine past its restarts, or any engine fault when there is nothing to
 restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one line naming what died and
-its log.
+its log. An engine whose replacement gets no placement-group bundle (its node is gone and no other has room:
+glue.fleet.placing) asks the run instead to stop after the step in progress with its checkpoint (`stop_for_fault`):
+the trainer is whole, so nothing trained is lost, and the run then ends with that line.
 
 The fleets beside the policy's (a teacher's, a judge's) are watched by a FleetWatch each, of this same class, passed
 to the policy's watch as `beside`: its `run` watches them all. Their engines never take weights from the trainer, so
-their repair is the replacement alone (`fleet_repair`), and their faults count under their fleet's name
+their repair is the replacement alone (`glue.fleet.repairs.fleet_repair`), and their faults count under their fleet's name
 (`fault/teacher_engine_restarts`).
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from glue.fleet.engine_host import NotPlaced
 from glue.fleet.fleet import ProcessDied, _http_get, first_line
 
 HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
@@ -59,7 +62,7 @@ class FleetWatch:
                  max_restarts: int = 3, poll_s: float = 2.0, health_interval_s: float = 10.0,
                  health_timeout_s: float = 60.0, health_failures: int = HEALTH_FAILURES,
                  trainer_turn: threading.Lock | None = None, beside: Sequence["FleetWatch"] = (),
-                 max_router_restarts: int = 3):
+                 max_router_restarts: int = 3, stop_for_fault: Callable[[str], None] | None = None):
         self.fleet, self.repair, self.client = fleet, repair, client
         self.beside = list(beside)
         self._prefix = f"{fleet.name} " if fleet.name else ""  # "teacher engine 0", "teacher router"
@@ -83,6 +86,11 @@ class FleetWatch:
         self._ended = threading.Event()  # the watch stopped (gave up, or the run is over): a waiting sync stops too
         self._stopping: Callable[[], bool] = lambda: False  # a stop was asked (run's `stopping`): nothing is repaired
         self._repair: asyncio.Future | None = None  # the repair running in a worker thread, if any
+        # an engine whose node is gone with no room left for its bundle: the run is asked to stop with a checkpoint
+        # (`stop_for_fault(line)`: the trainer is whole) and the engine, off the router, bridge and serving list, is
+        # left alone meanwhile; None: such a fault ends the run like any other
+        self.stop_for_fault = stop_for_fault
+        self._given_up: frozenset[int] = frozenset()
 
     # ---- what the loop calls
     async def run(self, training: asyncio.Future, stopping: Callable[[], bool] = lambda: False) -> Any:
@@ -182,6 +190,11 @@ class FleetWatch:
                     raise  # `_ended`: the watch is not running (a trainer restart), so no repair is coming
             self._wait_for_repair()
 
+    def faulty_engines(self) -> list[str]:
+        """The urls of the engines that exited or answer nothing at all, asked now (every engine GET /health)."""
+        self._hang_seen()
+        return [self.fleet.engine_urls[index] for index in sorted({*self._dead_engines(), *self._unanswering})]
+
     def engine_fault_seen(self) -> bool:
         """After a call to the engines failed: did one of them die, or does one answer nothing at all (then handed to
         the watch to replace)?"""
@@ -219,7 +232,7 @@ class FleetWatch:
                                                f"{self.health_failures} health checks in a row (GET /health, "
                                                f"{self.health_timeout_s:g} s each)")
                 next_router_check = time.monotonic() + self.health_interval_s
-            for index in await asyncio.to_thread(self.fleet.dead_engines):
+            for index in await asyncio.to_thread(self._dead_engines):
                 await self._replace(index, self.fleet.engine_exit(index))
             for index in sorted(self._unanswering):
                 await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered "
@@ -260,6 +273,12 @@ class FleetWatch:
         self._repair = asyncio.ensure_future(asyncio.to_thread(self._repair_locked, index))
         try:
             await asyncio.shield(self._repair)
+        except NotPlaced as err:
+            if self.stop_for_fault is None:
+                raise ProcessDied(f"{why}; its restart failed: {first_line(err)}") from err
+            self._given_up = self._given_up | {index}
+            self.stop_for_fault(f"{why}; its restart failed: {first_line(err)}")
+            return
         except Exception as err:
             raise ProcessDied(f"{why}; its restart failed: {first_line(err)}") from err
         self._repair_ends(index, started)
@@ -268,7 +287,7 @@ class FleetWatch:
         """Replace, here and now (blocking), every engine that exited or answers nothing at all, as the watch would;
         returns how many. For the times the watch does not run: while the trainer group is restarted
         (launch.run.trainer_restart), whose resync would otherwise fail on such an engine and end the run."""
-        faulty = {index: self.fleet.engine_exit(index) for index in self.fleet.dead_engines()}
+        faulty = {index: self.fleet.engine_exit(index) for index in self._dead_engines()}
         if not faulty and (self._unanswering or self._hang_seen()):
             faulty = {index: f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered nothing, not "
                              f"even GET /health within {self.health_timeout_s:g} s" for index in self._unanswering}
@@ -337,10 +356,14 @@ class FleetWatch:
             self._lock_holds += 1
             self.repair(index)
 
+    def _dead_engines(self) -> list[int]:
+        """The engines that exited, less those given up for lack of room (`stop_for_fault`)."""
+        return [index for index in self.fleet.dead_engines() if index not in self._given_up]
+
     def _death_seen(self, within_s: float = 3.0) -> bool:
         """Did an engine die? A sync call can fail on a dying engine's socket a moment before its exit shows."""
         deadline = time.monotonic() + within_s
-        while not self.fleet.dead_engines():
+        while not self._dead_engines():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
@@ -363,46 +386,6 @@ class FleetWatch:
 
     def _wait_for_repair(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while ((self.fleet.dead_engines() or self._unanswering) and not self._ended.is_set()
+        while ((self._dead_engines() or self._unanswering) and not self._ended.is_set()
                and time.monotonic() < deadline):
             time.sleep(0.2)
-
-
-def engine_repair(fleet: Any, bridge: Any, *, trainer_turn: threading.Lock | None = None, client: Any = None,
-                  pause_mode: str | None = None) -> Callable[[int], None]:
-    """The usual `repair`: the bridge stops syncing the faulty engine, the fleet replaces it and the bridge brings
-    the new one to the fleet's weights before the router sees it. If the new engine cannot be routed to after all,
-    the bridge forgets it again (it is stopped). The weights are gathered by the trainer's collectives, so the
-    catch-up waits for `trainer_turn` (the lock `FleetWatch.guarded_train` holds around every train step and
-    checkpoint); a trainer that trained since the last sync brings the whole fleet to its version
-    (`WeightBridge.add_engine`), with generation paused through `client` (in `pause_mode`) meanwhile."""
-    turn = trainer_turn or threading.Lock()
-
-    def prepare(url: str) -> None:
-        with turn:
-            if client is None or not bridge.is_behind_source():
-                bridge.add_engine(url)
-                return
-            client.pause_generation(pause_mode or "retract")
-            bridge.add_engine(url)  # a failure leaves generation paused: weights may be half written
-            client.continue_generation()
-
-    def repair(index: int) -> None:
-        bridge.remove_engine(fleet.engine_urls[index])
-        try:
-            fleet.replace_engine(index, prepare=prepare)
-        except BaseException:
-            bridge.remove_engine(fleet.engine_urls[index])
-            raise
-
-    return repair
-
-
-def fleet_repair(fleet: Any) -> Callable[[int], None]:
-    """The repair of a fleet whose weights never change (a teacher's, a judge's): the faulty engine is replaced on
-    its bundle and routed to once it serves."""
-
-    def repair(index: int) -> None:
-        fleet.replace_engine(index)
-
-    return repair

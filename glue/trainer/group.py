@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from glue.fleet.fleet import ProcessDied
+from glue.fleet.placing import ray_death_reason
 from glue.trainer.config import TrainerConfig
 from glue.trainer.worker import TrainerWorker
 from glue.types import TrainBatch
@@ -23,7 +24,7 @@ class TrainerGroup:
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig | SftLossConfig,
                  actor_options: Sequence[dict[str, Any]] | None = None, keep_versions: int = 1,
-                 placement_timeout_s: float = 300.0, log_dir: Path | None = None):
+                 placement_timeout_s: float | None = 300.0, log_dir: Path | None = None):
         """`actor_options[rank]`: Ray options placing that rank (placement-group bundle, GPUs; see
         launch.run.cluster); by default each rank just reserves `cfg.num_cpus_per_worker` CPUs. `keep_versions`: policy
         versions each rank keeps on the host for `trainer.old_logprobs: snapshot` (sync.max_staleness + 1).
@@ -267,13 +268,3 @@ class TrainerGroup:
         ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=30)
         for actor in actors:
             ray.kill(actor)
-
-
-def ray_death_reason(error: str) -> str:
-    """Ray's word on a dead actor in one line: why it is dead and its pid (`The actor is dead because its worker
-    process has died. Worker exit type: ... (pid 3263)`), without Ray's list of common causes; its first line when
-    the text has another shape."""
-    lines = [line.strip() for line in error.strip().splitlines()] or ["the actor is gone"]
-    reason = next((line for line in lines if line.startswith("The actor is dead because")), lines[0])
-    pid = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("pid:")), None)
-    return reason.split(" Some common causes")[0] + (f" (pid {pid})" if pid else "")

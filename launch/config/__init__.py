@@ -207,7 +207,7 @@ class ClusterConfig:
     cpus_per_bundle: float = 1.0  # CPUs each bundle reserves next to its device (CPU bundles: the whole slot)
     node_ip: str | None = None  # the driver node's address in Ray (`ray start --node-ip-address`); null: Ray's pick
     node_wait_s: float = 600  # attached to a cluster: how long to wait for cluster.num_nodes nodes to join
-    placement_timeout_s: float = 120  # how long to wait for the cluster to grant the placement group before failing with its free resources; 0: wait until it fits, saying every minute what for
+    placement_timeout_s: float = 120  # how long to wait for the cluster to grant the placement group before failing with its free resources, and for an engine or trainer rank started again after its node was lost to get its bundle back; 0: wait until it fits, saying every minute what for
     gpu_memory_gb: float = 80  # memory of one GPU in GB (10^9 bytes): --dry-run's memory plan, and a trainer rank whose training state exceeds it is refused
 
     def __post_init__(self) -> None:

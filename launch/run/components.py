@@ -110,7 +110,8 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
                          engine_hosts=[engine_host_options(placement, e) for e in plan.engines],
                          **node_rank_options(placement, plan.engines, plan.engine_nodes),
                          api_key=api_key, admin_api_key=admin_api_key,
-                         engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None)  # one node: loopback only
+                         engine_bind="127.0.0.1" if cfg.cluster.num_nodes == 1 else None,  # one node: loopback only
+                         placement_timeout_s=cfg.cluster.placement_timeout_s or None)  # 0: as long as it takes
     stack.callback(fleet.stop)
     fleet.start(on_phase=clock)
     # the serving engines: a replacement joins (for direct R3 requests and pauses) once it holds the fleet's weights
@@ -121,7 +122,8 @@ def start_fleet(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, ru
 
 def start_trainer(cfg: SluiceConfig, plan: RunPlan, placement, model_path: str, stack: contextlib.ExitStack, clock):
     trainer = TrainerGroup(model_path, cfg.trainer, cfg.loss, actor_options=trainer_actor_options(cfg, plan, placement),
-                           keep_versions=cfg.sync.max_staleness + 1, log_dir=trainer_log_dir(cfg))
+                           keep_versions=cfg.sync.max_staleness + 1, log_dir=trainer_log_dir(cfg),
+                           placement_timeout_s=cfg.cluster.placement_timeout_s or None)
     stack.callback(trainer.shutdown)
     t = cfg.trainer
     clock("trainer", f"{t.world_size} megatron-core ranks (TP {t.tensor_model_parallel_size} x PP "

@@ -15,7 +15,9 @@ import sys
 import threading
 from pathlib import Path
 
-from glue.fleet.watch import FleetWatch, engine_repair, fleet_repair
+from glue.fleet.fleet import ProcessDied
+from glue.fleet.repairs import engine_repair, fleet_repair
+from glue.fleet.watch import FleetWatch
 from glue.loop.batch import build_train_batch, distillation_batch_builder
 from glue.loop.buffer import RolloutBuffer
 from glue.loop.checkpoint import Checkpoints
@@ -80,7 +82,8 @@ def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
         if cfg.run.debug != "train_only":
             print(f"sluice: {group_limits(cfg)}", flush=True)
         progress = stack.enter_context(_progress_bar(cfg))
-        watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client, side_fleets=side_fleets)
+        watch = fleet_watch(cfg, plan, fleet=fleet, bridge=bridge, client=client, side_fleets=side_fleets,
+                            stop_for_fault=stop.for_fault)
         evaluator = make_evaluator(cfg, fn=getattr(manager, "fn", None), client=client, model_path=model_path,
                                    slime=getattr(manager, "slime", None))
         restarts = trainer_restarts(cfg, plan, placement, trainer=trainer, bridge=bridge, watch=watch,
@@ -101,6 +104,9 @@ def run_in_folder(cfg: SluiceConfig, plan: RunPlan) -> Path:
     latest = Checkpoints(run_dir / "checkpoints").latest()
     summary = f"{learning_summary(read_metrics(run_dir / 'metrics.jsonl'))}; metrics in {run_dir / 'metrics.jsonl'}"
     summary += plot_run(run_dir)
+    if stop.fault is not None:  # the stop a fault asked: its checkpoint is written, the run ends with the fault
+        raise ProcessDied(f"{stop.fault}; the run stopped at step {last_step} of {cfg.run.num_steps} with its "
+                          f"checkpoint {latest}")
     if stop.requested:
         print(f"sluice: stopped at step {last_step} of {cfg.run.num_steps} on {stop.requested}; every process it "
               f"started is stopped; checkpoint {latest}; the same command resumes it (run.resume=auto); {summary}",
@@ -184,7 +190,8 @@ def trainer_restarts(cfg: SluiceConfig, plan: RunPlan, placement, *, trainer, br
         nodes=[placement.node_ip[rank.bundle] for rank in plan.trainer],
         restore=lambda checkpoint: restore(cfg, checkpoint, trainer=trainer, client=watch, colocation=colocation),
         checkpoints=Checkpoints(cfg.run_dir / "checkpoints"), started_from=started_from,
-        max_restarts=cfg.run.max_restarts, pause_mode=cfg.sync.pause_mode, colocated=plan.placement == "colocated")
+        max_restarts=cfg.run.max_restarts, pause_mode=cfg.sync.pause_mode, colocated=plan.placement == "colocated",
+        start_timeout_s=cfg.cluster.placement_timeout_s or None)
 
 
 async def train_with_restarts(cfg: SluiceConfig, *, restarts: TrainerRestarts | None, resume_state: dict | None,
@@ -284,12 +291,13 @@ def make_evaluator(cfg: SluiceConfig, *, fn, client, model_path: str, slime=None
                      reward_fn=slime.reward if slime is not None and slime.reward_fn is not None else None)
 
 
-def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side_fleets=()):
+def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side_fleets=(), stop_for_fault=None):
     """The watch that keeps engines serving (glue.fleet.watch): a dead or hung engine is replaced and brought to
     the current weights before the router sends it work. Colocated placement ends the run instead (a new engine
     there would have to take its devices back from the trainer mid-step). The fleets beside the policy's
     (`side_fleets`, launch.run.fleets.SideFleetRun: teacher, judge) are watched with it, by the same class, and an
-    engine of theirs is replaced on its own bundles (their weights never change, whatever the placement)."""
+    engine of theirs is replaced on its own bundles (their weights never change, whatever the placement). An
+    engine with no room left to start again on asks `stop_for_fault(line)`: the run stops with its checkpoint."""
     if fleet is None:  # run.debug train_only
         return NoFleet()
     r = cfg.rollout
@@ -300,7 +308,8 @@ def fleet_watch(cfg: SluiceConfig, plan: RunPlan, *, fleet, bridge, client, side
         fleet, bridge, trainer_turn=turn, client=client, pause_mode=cfg.sync.pause_mode)
     beside = [FleetWatch(side.fleet, repair=fleet_repair(side.fleet), client=side.client, **limits)
               for side in side_fleets]
-    return FleetWatch(fleet, repair=repair, client=client, trainer_turn=turn, beside=beside, **limits)
+    return FleetWatch(fleet, repair=repair, client=client, trainer_turn=turn, beside=beside,
+                      stop_for_fault=stop_for_fault, **limits)
 
 
 def _progress_bar(cfg: SluiceConfig):

@@ -29,6 +29,7 @@ class StopSignals:
         self.armed = False
         self.stopping = False
         self.cut = False  # the grace ran out while the step waited on groups, and the wait was cut
+        self.fault: str | None = None  # the line of a fault that asked the stop (`for_fault`); the run ends with it
         self._asked, self._closed = threading.Event(), threading.Event()  # a stop was asked; the context was left
         self._previous: dict[int, object] = {}
 
@@ -56,6 +57,16 @@ class StopSignals:
         self.cut = True
         print(f"sluice: the step in progress did not finish within run.stop_grace_s={self.grace_s:g} s: cancelling "
               "the groups still generating; their samples so far go into the checkpoint", file=sys.stderr, flush=True)
+
+    def for_fault(self, line: str) -> None:
+        """A fault the run cannot repair that leaves the trainer whole (an engine whose node is gone, with no room
+        for it elsewhere) asks the stop a signal asks: the step in progress ends and its checkpoint is written, so
+        nothing trained is lost; the run then ends with `line` (exit 1). Called on the run's event loop."""
+        if self.requested is not None:
+            return
+        self.fault, self.requested, self.requested_at = line, "a fault", time.monotonic()
+        print(f"sluice: {line}: stopping after the step in progress, with its checkpoint", file=sys.stderr, flush=True)
+        self._asked.set()
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from glue.fleet.fleet import ProcessDied, first_line
+from glue.fleet.placing import start_until_placed
 from glue.loop.checkpoint import Checkpoints
 from glue.loop.controller import sync_weights
 
@@ -31,7 +32,7 @@ class TrainerRestarts:
     def __init__(self, *, trainer: Any, bridge: Any, fleet: Any, colocation: Any, nodes: Sequence[str],
                  restore: Callable[[Path | None], dict | None], checkpoints: Checkpoints,
                  started_from: Path | None = None, max_restarts: int = 3, pause_mode: str = "retract",
-                 colocated: bool = False, start_timeout_s: float = 300.0, retry_pause_s: float = 10.0):
+                 colocated: bool = False, start_timeout_s: float | None = 300.0, retry_pause_s: float = 10.0):
         self.trainer, self.bridge, self.fleet, self.colocation = trainer, bridge, fleet, colocation
         self.nodes, self.restore, self.checkpoints, self.started_from = list(nodes), restore, checkpoints, started_from
         self.max_restarts, self.pause_mode, self.colocated = max_restarts, pause_mode, colocated
@@ -79,8 +80,8 @@ class TrainerRestarts:
             if not self.fleet.engine_fault_seen():
                 raise  # an engine that died or hangs holds no request: it is replaced once the trainer is back
         self._start_again()
-        self.bridge.reconnect()
-        while True:  # the watch does not run meanwhile: an engine that dies or hangs now is replaced here
+        self.bridge.reconnect(leave_out=self.fleet.faulty_engines())  # one on a lost node went with the ranks
+        while True:  # the watch does not run meanwhile: an engine that died or hangs is replaced here
             try:
                 return self._restore(checkpoint)
             except Exception:
@@ -96,20 +97,10 @@ class TrainerRestarts:
         return state
 
     def _start_again(self) -> None:
-        """`trainer.restart()`, again while a new rank dies as it starts: after a node is lost, Ray keeps its
-        placement-group bundles there until it has missed enough of the node's heartbeats to mark it dead, and only
-        then places them on a node that has room; a rank started on such a bundle dies at once."""
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            try:
-                return self.trainer.restart()
-            except ProcessDied as err:
-                if time.monotonic() + self.retry_pause_s > deadline:
-                    raise
-                why = first_line(err)
-                print(f"sluice: a restarted trainer rank died as it started ({why}); starting the group again in "
-                      f"{self.retry_pause_s:g} s (Ray may still hold its bundle on a lost node)", flush=True)
-                time.sleep(self.retry_pause_s)
+        """`trainer.restart()`, again while a new rank dies as it starts (its bundle still on a lost node that Ray
+        has not yet marked dead: glue.fleet.placing)."""
+        start_until_placed(self.trainer.restart, dies=(ProcessDied,), what="a restarted trainer rank",
+                           timeout_s=self.start_timeout_s, pause_s=self.retry_pause_s)
 
     def metrics(self) -> dict[str, float]:
         """For each step's record: restarts so far, and on the first step completed after a restart the seconds

@@ -67,19 +67,20 @@ def command(out_dir: Path, name: str, head: str, steps: int, faults: int, extra:
 
 
 class Cluster:
-    """A head with 2 CPUs and a worker node with 1: the run's 3 one-CPU bundles are spread 2 + 1, so the worker
-    node holds one of them (the driver's node sorts first and the engines take the first bundles: the trainer rank
-    is there). `replace_worker` kills the worker's whole session and starts a fresh one on the same address."""
+    """A head with 1 CPU and a worker node with 2: the run's 3 one-CPU bundles are spread 1 + 2 (the driver's node
+    sorts first and the engines take the first bundles), so the worker node holds engine 1 and the trainer rank and
+    a node loss takes both. `replace_worker` kills the worker's whole session and starts a fresh one on the same
+    address."""
 
     def __init__(self):
         port = free_port()
         self.address = f"{HEAD_IP}:{port}"
-        self.head = RayNode(num_cpus=2, port=port, node_ip=HEAD_IP).up()
+        self.head = RayNode(num_cpus=1, port=port, node_ip=HEAD_IP).up()
         self.nodes = [self.head]
         self.worker = self._join()
 
     def _join(self) -> RayNode:
-        node = RayNode(num_cpus=1, head=self.address, node_ip=WORKER_IP)
+        node = RayNode(num_cpus=2, head=self.address, node_ip=WORKER_IP)
         self.nodes.append(node)
         return node.up()
 
