@@ -69,7 +69,7 @@ def test_strict_engines_may_simulate_engine_tp_on_cpu():
 
 
 def test_every_engine_gets_its_own_random_seed_fixed_by_the_run_seed_or_sglang_random_seed():
-    from glue.fleet.fleet import engine_seed
+    from glue.fleet.processes import engine_seed
 
     def seeds(*overrides):
         _, plan = resolve(load_config(None, ["rollout.num_engines=3", *overrides]))
@@ -91,7 +91,7 @@ class FleetSeen(Exception):
 def test_the_judge_and_teacher_fleets_get_seeds_of_their_own_fixed_by_the_run_seed(monkeypatch, tmp_path):
     import contextlib
 
-    from glue.fleet.fleet import engine_seed
+    from glue.fleet.processes import engine_seed
     import launch.run.fleets
     import launch.run.reward_models
     import launch.run.teacher

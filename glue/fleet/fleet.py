@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import random
 import sys
 import time
 import urllib.error
@@ -16,23 +15,13 @@ from typing import Any, Callable, Sequence
 
 from glue.fleet.engine_host import HostDiedAtStart, RemoteEngine
 from glue.fleet.placing import start_until_placed
-from glue.fleet.processes import ManagedProcess, free_ports
+from glue.fleet.processes import ManagedProcess, engine_seed, free_ports
 from glue.fleet.spanning import SpanningEngine, resolve_dist_init, start_spanning
 from weight_sync.engine_calls import bearer
 
 EMBEDDED_ENGINE = (sys.executable, "-m", "glue.embedded_engine")
 SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")  # the GPU engine; same --model-path/--host/--port
 ROUTER = (sys.executable, "-m", "sglang_router.launch_router")
-
-
-def engine_seed(base: int | str, index: int, launch: int = 0) -> int:
-    """SGLang's --random-seed for engine `index`'s `launch`-th start (0 first, +1 per replacement) in a fleet whose
-    seed is `base`. Engines must not share a seed: an engine draws each request's sampling randomness from its
-    seeded generator in arrival order, so two engines with one seed give their k-th requests the same draws, and
-    with the router alternating a group's samples over them, pairs of samples of one prompt came out identical
-    (about 40 % of the samples of the demo's groups). A run's seed still fixes every engine's. A fleet beside the
-    policy's (teacher, judge) passes a base of its own, e.g. "<seed>:judge", so its engines draw other numbers."""
-    return random.Random(f"sluice-engine:{base}:{index}:{launch}").randrange(1 << 30)
 
 
 def _http_get(url: str, timeout: float = 2.0, key: str | None = None) -> tuple[int, str]:
@@ -311,6 +300,12 @@ class RolloutFleet:
             raise
         self.serving_urls.append(self.engine_urls[index])
         return self.engine_urls[index]
+
+    def leave_out(self, index: int) -> None:
+        """Engine `index` is gone and will not be replaced (the run stops): no pause, continue or direct request
+        goes to it any more (`serving_urls`)."""
+        if self.engine_urls[index] in self.serving_urls:
+            self.serving_urls.remove(self.engine_urls[index])
 
     def _route_to(self, index: int, prepare: Callable[[str], None] | None) -> None:
         """A just-started engine: wait until it serves, `prepare(url)`, register it with the router."""

@@ -1,9 +1,11 @@
 """Processes sluice starts itself (engines, the router): free ports to start them on, a log that rotates, and
 `ManagedProcess`, which owns one child by pid (its own session and process group, SIGTERM when the parent dies, a
-rotating log). `glue.fleet.fleet` starts engines and the router with it; `glue.fleet.engine_host` does on other nodes."""
+rotating log). `glue.fleet.fleet` starts engines and the router with it; `glue.fleet.engine_host` does on other nodes.
+`engine_seed`: each engine start's own --random-seed."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -173,3 +175,13 @@ class ManagedProcess:
         self.signal_group(signal.SIGKILL)
         self.proc.wait()
         self._log.close()
+
+
+def engine_seed(base: int | str, index: int, launch: int = 0) -> int:
+    """SGLang's --random-seed for engine `index`'s `launch`-th start (0 first, +1 per replacement) in a fleet whose
+    seed is `base`. Engines must not share a seed: an engine draws each request's sampling randomness from its
+    seeded generator in arrival order, so two engines with one seed give their k-th requests the same draws, and
+    with the router alternating a group's samples over them, pairs of samples of one prompt came out identical
+    (about 40 % of the samples of the demo's groups). A run's seed still fixes every engine's. A fleet beside the
+    policy's (teacher, judge) passes a base of its own, e.g. "<seed>:judge", so its engines draw other numbers."""
+    return random.Random(f"sluice-engine:{base}:{index}:{launch}").randrange(1 << 30)

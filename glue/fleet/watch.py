@@ -303,6 +303,7 @@ class FleetWatch:
     def _repair_begins(self, index: int, why: str) -> float:
         """Count the restart and say it, or raise ProcessDied when none may follow; returns when it began."""
         if self._stopping():  # the stop's signal may have reached it too: the run goes to its checkpoint, not a repair
+            self.fleet.leave_out(index)  # which pauses generation: on the engines that still serve
             raise ProcessDied(why)
         if self.repair is None or self.restarts >= self.max_restarts:
             raise ProcessDied(self._beyond_repair(why))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from glue.fleet.fleet import engine_seed
+from glue.fleet.processes import engine_seed
 from launch.plan.engine_nodes import NodeRank, gpu_nodes, plan_node_ranks
 
 HOST, PORT = "HOST", "PORT"  # placeholders: the runner picks them at start-up

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glue.embedded_engine.__main__ import parse_args
-from glue.fleet.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER, engine_seed
+from glue.fleet.fleet import EMBEDDED_ENGINE, ROUTER, SGLANG_SERVER
+from glue.fleet.processes import engine_seed
 from launch.args import router as router_args
 from launch.args import sglang as sglang_args
 from launch.config import ConfigError, SluiceConfig
