@@ -233,12 +233,15 @@ def test_an_engine_whose_routing_fails_after_its_weights_were_loaded_is_not_kept
         def add_engine(self, url):
             self.engine_urls.append(url)
 
-        def remove_engine(self, url):
+        def remove_engine(self, url, *also):
             if url in self.engine_urls:
                 self.engine_urls.remove(url)
 
     class Fleet:
         name, engine_urls = "", ["http://a", "http://b"]
+
+        def dead_engines(self):
+            return []
 
         def replace_engine(self, index, prepare):
             self.engine_urls[index] = "http://c"
@@ -367,11 +370,14 @@ def test_a_repair_gathers_weights_only_between_train_steps_and_pauses_generation
         def add_engine(self, url):
             calls.append(f"add {url}")
 
-        def remove_engine(self, url):
+        def remove_engine(self, url, *also):
             calls.append(f"remove {url}")
 
     class Fleet:
         name, engine_urls = "", ["http://a", "http://b"]
+
+        def dead_engines(self):
+            return []
 
         def replace_engine(self, index, prepare):
             self.engine_urls[index] = "http://c"

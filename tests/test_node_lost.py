@@ -113,3 +113,43 @@ def test_a_fault_asks_the_stop_a_signal_asks_and_is_kept_for_the_runs_last_line(
     assert stop.fault.startswith("engine 1")
     assert capsys.readouterr().err.strip() == ("sluice: engine 1 (…) exited with code -1; its restart failed: …: "
                                                "stopping after the step in progress, with its checkpoint")
+
+
+def test_the_repair_of_one_engine_of_a_lost_node_takes_the_others_of_that_node_off_the_bridge_with_it():
+    """Two engines gone at once: the first one's repair rebuilds the bridge's channel without it, which would fail
+    on the second (it answers nothing), so both leave the channel in one go; the second's own repair then finds it
+    gone already."""
+    from glue.fleet.repairs import engine_repair
+
+    urls = ["http://e0", "http://e1", "http://e2"]
+
+    class Bridge:
+        def __init__(self):
+            self.engine_urls = list(urls)
+
+        def remove_engine(self, url, *also):
+            self.engine_urls = [u for u in self.engine_urls if u not in {url, *also}]
+            if set(self.engine_urls) & {"http://e1", "http://e2"}:  # a channel rebuilt to a dead engine
+                raise ConnectionRefusedError(f"{self.engine_urls}: connecting the channel failed")
+
+        def is_behind_source(self):
+            return False
+
+        def add_engine(self, url):
+            self.engine_urls.append(url)
+
+    class Fleet:
+        engine_urls = list(urls)
+
+        def dead_engines(self):
+            return [i for i, u in enumerate(self.engine_urls) if u in ("http://e1", "http://e2")]
+
+        def replace_engine(self, index, prepare):
+            self.engine_urls[index] = f"http://new{index}"
+            prepare(self.engine_urls[index])
+
+    bridge, fleet = Bridge(), Fleet()
+    repair = engine_repair(fleet, bridge)
+    repair(1)
+    repair(2)
+    assert bridge.engine_urls == ["http://e0", "http://new1", "http://new2"]

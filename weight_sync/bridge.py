@@ -190,14 +190,16 @@ class WeightBridge:
         live = getattr(self.source, "version", None)
         return self.version is not None and live is not None and live != self.version
 
-    def remove_engine(self, url: str) -> None:
-        """Stop syncing an engine (it left the fleet, or hangs); the others' channel is rebuilt without it. An engine
-        that does not answer is left behind, not waited for (`_disconnect`)."""
-        if url not in self.engine_urls or self.transport is None:
+    def remove_engine(self, url: str, *also: str) -> None:
+        """Stop syncing an engine (it left the fleet, or hangs), and the engines `also` (gone with it: a lost node's),
+        in one go; the others' channel is rebuilt without them. An engine that does not answer is left behind, not
+        waited for (`_disconnect`)."""
+        gone = {url, *also} & set(self.engine_urls)
+        if not gone or self.transport is None:
             return
         self._disconnect(self.engine_urls)
         self.delta_ready = False
-        self.engine_urls = [u for u in self.engine_urls if u != url]
+        self.engine_urls = [u for u in self.engine_urls if u not in gone]
         if self.engine_urls:
             self.transport.connect(self.engine_urls)
 

@@ -27,7 +27,8 @@ def engine_repair(fleet: Any, bridge: Any, *, trainer_turn: threading.Lock | Non
             client.continue_generation()
 
     def repair(index: int) -> None:
-        bridge.remove_engine(fleet.engine_urls[index])
+        # with the engines that died beside it (a lost node's): a channel rebuilt to them would fail
+        bridge.remove_engine(fleet.engine_urls[index], *(fleet.engine_urls[i] for i in fleet.dead_engines()))
         try:
             fleet.replace_engine(index, prepare=prepare)
         except BaseException:
