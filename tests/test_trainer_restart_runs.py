@@ -99,7 +99,7 @@ def test_a_trainer_rank_killed_mid_run_is_restarted_from_the_checkpoint_and_the_
 
 
 @pytest.mark.slow
-@pytest.mark.long  # a whole colocated run; the colocated restart's order and flags stay in CI (test_trainer_restart.py)
+@pytest.mark.long  # 73-104 s shared; the colocated restart's order and state after it stay in CI (test_trainer_restart.py)
 def test_in_colocated_placement_a_trainer_rank_killed_mid_run_is_restarted_and_the_engines_serve_its_checkpoint(
         tmp_path):
     """The new ranks start on devices the engines gave up first, whatever phase the death met; the restore hands

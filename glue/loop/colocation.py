@@ -123,8 +123,8 @@ class Colocated:
         return out
 
     def _release(self, *tags: str) -> None:
-        """Release the tags the engines still hold (SGLang cannot release a tag twice: it would stash weights it no
-        longer has)."""
+        """Release the tags the engines still hold (never one twice: SGLang's second weights release would stash the
+        model's buffers again from memory already given up)."""
         held = [tag for tag in tags if tag not in self._released]
         if held:
             self._engines("/release_memory_occupation", held)
