@@ -1,13 +1,19 @@
 """A trainer rank dies mid-run: the trainer group is restarted from the newest checkpoint, in the run, and the
 engines are brought to that checkpoint's weights; `run.max_restarts` bounds it. Here the repair's order and its
 bounds, with the trainer, bridge and fleet recorded by doubles (a Ray trainer group takes 15-30 s to start on two
-cores); the whole run, with a trainer rank's process SIGKILLed, is tests/test_trainer_restart_runs.py."""
-import re
+cores), and in colocated placement the devices' hand-over with the run's own `Colocated` and an engine's memory
+routes over loopback HTTP; the whole run, with a trainer rank's process SIGKILLed, is
+tests/test_trainer_restart_runs.py."""
+import http.server
+import json
+import threading
+from pathlib import Path
 
 import pytest
 
 from glue.fleet.fleet import ProcessDied
 from glue.loop.checkpoint import Checkpoints
+from glue.loop.colocation import Colocated
 from glue.loop.controller import sync_weights
 from glue.trainer.group import ray_death_reason
 from launch.config import RunConfig
@@ -72,6 +78,9 @@ class Recorder:
         self.calls.append(f"sync {version}")
 
     def before_rollout(self):
+        pass
+
+    def before_trainer_restart(self):  # disaggregated placement: nothing to hand over
         pass
 
 
@@ -182,18 +191,13 @@ def test_a_checkpoint_the_run_resumed_from_is_used_until_the_run_writes_its_own(
     assert r.restart(r.died())["step"] == 6
 
 
-def test_restarts_past_run_max_restarts_or_in_colocated_placement_end_the_run_with_one_line(tmp_path):
+def test_restarts_past_run_max_restarts_end_the_run_with_one_line(tmp_path):
     r = restarts(tmp_path, [], steps=(2,), max_restarts=1)
     r.restart(r.died())
     with pytest.raises(ProcessDied) as ended:
         r.restart(r.died())
     assert str(ended.value) == ("trainer rank 1 on node 10.0.0.2 died (it was killed) (run.max_restarts=1 restarts "
                                 "used up)")
-    calls = []
-    colocated = restarts(tmp_path, calls, colocated=True)
-    with pytest.raises(ProcessDied, match=re.escape("(colocated placement: the trainer group is not restarted")):
-        colocated.restart(colocated.died())
-    assert calls == []  # nothing was touched
     broken = restarts(tmp_path, [], steps=(2,))
     broken.trainer = TrainerThatCannotStart([], {1: "it was killed"})
     with pytest.raises(ProcessDied) as failed:
@@ -263,3 +267,135 @@ def test_a_new_rank_that_dies_as_it_starts_is_started_again_until_its_bundle_is_
     never.trainer.restart = lambda: (_ for _ in ()).throw(ProcessDied("trainer rank 0 died (again)"))
     with pytest.raises(ProcessDied, match=r"its restart failed: trainer rank 0 died \(again\)"):
         never.restart(never.died())
+
+
+class ColocatedTrainer(Trainer):
+    """Also loads a checkpoint and moves its training state off the devices and back (colocated placement)."""
+
+    def load_checkpoint(self, directory):
+        self.calls.append(f"trainer.load_checkpoint {Path(directory).name}")
+        self.version = Checkpoints.read_state(Path(directory))["version"]
+        return self.version
+
+    def offload(self):
+        self.calls.append("trainer.offload")
+        return 0
+
+    def onload(self):
+        self.calls.append("trainer.onload")
+        return 1
+
+
+class SourceThatDies(Recorder):
+    """The bridge whose source (the trainer) is gone: a sync fails once `dead` holds."""
+
+    dead = False
+
+    def sync(self, version):
+        super().sync(version)
+        if self.dead:
+            raise ConnectionError("the weight source's rank is gone")
+
+
+class EngineMemory:
+    """An engine's memory routes over loopback HTTP, kept as SGLang's scheduler keeps them: each release and resume
+    written into `calls`; resuming a tag the engine holds is refused (SGLang's offload_tags.remove raises), and so is
+    releasing a tag twice (its weights release stashes the model's buffers, from memory already given up)."""
+
+    def __init__(self, calls):
+        self.calls, self.released = calls, set()
+        engine = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                tags = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["tags"]
+                action = self.path.strip("/").split("_")[0]  # release / resume
+                engine.calls.append(f"engine {action} {','.join(tags)}")
+                twice = set(tags) & engine.released if action == "release" else set(tags) - engine.released
+                if twice:
+                    return self.answer(500, {"error": f"{action} of {sorted(twice)} twice"})
+                engine.released = engine.released | set(tags) if action == "release" else engine.released - set(tags)
+                self.answer(200, None)
+
+            def do_GET(self):  # /get_server_info: no weight bytes reported
+                self.answer(200, {"internal_states": [{}]})
+
+            def answer(self, status, body):
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine_memory():
+    engine = EngineMemory([])
+    yield engine
+    engine.close()
+
+
+def colocated_run_in(phase, tmp_path, engine):
+    """The run's Colocated over a recording trainer, bridge and fleet and one engine, brought to the phase a
+    trainer rank dies in, with checkpoints 2 and 4 written; returns the colocation and its TrainerRestarts."""
+    calls = engine.calls
+    checkpoints = Checkpoints(tmp_path / "checkpoints")
+    for step in (2, 4):
+        checkpoints.save(step, lambda folder: None, {"version": step, "groups_drawn": 4 * step})
+    trainer, bridge = ColocatedTrainer(calls, {0: "it was killed"}), SourceThatDies(calls)
+    colocation = Colocated(trainer=trainer, bridge=bridge, engine_urls=[engine.url], timeout_s=10)
+
+    def restore(checkpoint):  # what launch.run.runner.restore does: load, then sync through the colocation
+        sync_weights(bridge, colocation, trainer.load_checkpoint(str(checkpoint)))
+        return Checkpoints.read_state(checkpoint)
+
+    colocation.before_rollout()  # the engines generate, the trainer is offloaded
+    if phase != "generating":
+        colocation.before_train()  # the engines released, the trainer resident
+    if phase == "between before_rollout's resumes":  # the sync after training meets the dead source
+        colocation.sync(5)
+        bridge.dead = True
+        with pytest.raises(ConnectionError):
+            colocation.before_rollout()  # the weights are back on the engines, the KV cache not
+        bridge.dead = False
+    calls.clear()
+    return colocation, TrainerRestarts(trainer=trainer, bridge=bridge, fleet=bridge, colocation=colocation,
+                                       nodes=["10.0.0.1"], restore=restore, checkpoints=checkpoints)
+
+
+@pytest.mark.parametrize("phase, released_first", [
+    ("generating", ["engine release kv_cache,weights"]),
+    ("training", []),  # the engines hold nothing already
+    ("between before_rollout's resumes", ["engine release weights"]),
+])
+def test_a_colocated_restart_frees_the_devices_before_the_new_ranks_and_gives_the_engines_the_checkpoints_weights(
+        phase, released_first, tmp_path, engine_memory, capsys):
+    colocation, r = colocated_run_in(phase, tmp_path, engine_memory)
+    state = r.restart(r.died())
+    assert state["step"] == 4
+    # the engines give up what they still hold before the new ranks load onto the devices; after the checkpoint is
+    # loaded they take their weights back, receive its version from the still-resident trainer, then the trainer
+    # offloads and the engines take their KV cache back
+    assert engine_memory.calls == ["pause abort", *released_first, "trainer.restart", "bridge.reconnect",
+                                   "trainer.load_checkpoint step_00000004", "pause retract", "engine resume weights",
+                                   "sync 4", "trainer.offload", "engine resume kv_cache", "continue"]
+    assert engine_memory.released == set()
+    assert (colocation._released, colocation._trainer_offloaded, colocation._version) == (set(), True, 4)
+    engine_memory.calls.clear()  # the rebuilt loop's next step swaps the devices as any step does
+    colocation.before_train()
+    colocation.sync(5)
+    colocation.before_rollout()
+    assert engine_memory.calls == ["engine release kv_cache,weights", "trainer.onload", "engine resume weights",
+                                   "sync 5", "trainer.offload", "engine resume kv_cache"]
+    assert "restarting the trainer group from checkpoint step 4 (restart 1 of 3)" in capsys.readouterr().out

@@ -24,9 +24,10 @@ one answers nothing), is SIGKILLed by pid and a new one started on the same port
 (`RolloutFleet.restart_router`), up to `max_router_restarts` times. The requests it held are lost with it; the client
 sends each again (its retries of a connection error, in `fault/reissued_requests`), and the new router takes them.
 
-A trainer rank dying, the router or an engine past its restarts, or any engine fault when there is nothing to
-restart with (`repair=None`, e.g. colocated placement) ends the run with ProcessDied: one line naming what died and
-its log. An engine whose replacement gets no placement-group bundle (its node is gone and no other has room:
+A trainer rank dying raises ProcessDied for the run to restart the trainer group (launch.run.trainer_restart, in
+either placement). The router or an engine past its restarts, or any engine fault when there is nothing to restart
+with (`repair=None`, e.g. colocated placement), ends the run with ProcessDied: one line naming what died and its
+log. An engine whose replacement gets no placement-group bundle (its node is gone and no other has room:
 glue.fleet.placing) asks the run instead to stop after the step in progress with its checkpoint (`stop_for_fault`):
 the trainer is whole, so nothing trained is lost, and the run then ends with that line.
 

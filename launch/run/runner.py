@@ -190,7 +190,7 @@ def trainer_restarts(cfg: SluiceConfig, plan: RunPlan, placement, *, trainer, br
         nodes=[placement.node_ip[rank.bundle] for rank in plan.trainer],
         restore=lambda checkpoint: restore(cfg, checkpoint, trainer=trainer, client=watch, colocation=colocation),
         checkpoints=Checkpoints(cfg.run_dir / "checkpoints"), started_from=started_from,
-        max_restarts=cfg.run.max_restarts, pause_mode=cfg.sync.pause_mode, colocated=plan.placement == "colocated",
+        max_restarts=cfg.run.max_restarts, pause_mode=cfg.sync.pause_mode,
         start_timeout_s=cfg.cluster.placement_timeout_s or None)
 
 

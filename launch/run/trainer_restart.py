@@ -1,9 +1,12 @@
 """A trainer rank that dies mid-run (its process, or its Ray actor) is repaired in the run, as a resume in the same
 process: generation paused, every rank of the trainer group killed and started again on its own placement-group
-bundle, the newest checkpoint loaded into it and the engines brought to that checkpoint's weights (the resume path,
+bundle (in colocated placement the engines release their memory first: the new ranks start resident), the newest
+checkpoint loaded into it and the engines brought to that checkpoint's weights (the resume path,
 `launch.run.runner.restore`), and the loop rebuilt from the checkpoint's driver state (cursor, finished groups,
-groups in flight with their partial samples) exactly as a resumed run rebuilds it. Engines, router and Ray stay up.
-`run.max_restarts` bounds it; past that, or in colocated placement, the run ends with one line."""
+groups in flight with their partial samples) exactly as a resumed run rebuilds it. Engines, router and Ray stay up;
+an engine that dies or hangs while the group restarts (the fleet watch is not running then) is replaced here, with
+the new ranks' weights, and the engines are brought to the checkpoint again. `run.max_restarts` bounds it; past that
+the run ends with one line."""
 from __future__ import annotations
 
 import time
@@ -23,7 +26,8 @@ INITIAL_STATE = {"step": 0, "version": 0, "groups_drawn": 0, "finished": [], "re
 class TrainerRestarts:
     """`died()` says whether a trainer rank is gone; `restart(death)` repairs the trainer group and returns the driver
     state the loop goes on from. `trainer`: the group (`restart`, `dead_ranks`, `version`); `bridge`: the weight bridge
-    (`reconnect`); `fleet`: what pauses and continues generation (the fleet watch); `nodes[rank]`: where each rank
+    (`reconnect`); `fleet`: what pauses and continues generation (the fleet watch); `colocation`: who holds the
+    devices (glue.loop.colocation: `before_trainer_restart`, and the restore's sync); `nodes[rank]`: where each rank
     runs; `restore(checkpoint)`: loads a checkpoint into the trainer, brings the engines to it, cuts the metrics
     record back to its step and returns its driver state (None: the initial model, the record cleared);
     `checkpoints`: the run's; `started_from`: the checkpoint the run resumed from, used while the run has written
@@ -32,10 +36,10 @@ class TrainerRestarts:
     def __init__(self, *, trainer: Any, bridge: Any, fleet: Any, colocation: Any, nodes: Sequence[str],
                  restore: Callable[[Path | None], dict | None], checkpoints: Checkpoints,
                  started_from: Path | None = None, max_restarts: int = 3, pause_mode: str = "retract",
-                 colocated: bool = False, start_timeout_s: float | None = 300.0, retry_pause_s: float = 10.0):
+                 start_timeout_s: float | None = 300.0, retry_pause_s: float = 10.0):
         self.trainer, self.bridge, self.fleet, self.colocation = trainer, bridge, fleet, colocation
         self.nodes, self.restore, self.checkpoints, self.started_from = list(nodes), restore, checkpoints, started_from
-        self.max_restarts, self.pause_mode, self.colocated = max_restarts, pause_mode, colocated
+        self.max_restarts, self.pause_mode = max_restarts, pause_mode
         # a new rank that dies as it starts (its bundle still on a lost node Ray has not yet marked dead) is started
         # again every retry_pause_s, until start_timeout_s after the restart began
         self.start_timeout_s, self.retry_pause_s = start_timeout_s, retry_pause_s
@@ -55,11 +59,8 @@ class TrainerRestarts:
         return f"trainer rank {rank} on node {self.nodes[rank]} died ({dead[rank]}){log}"
 
     def restart(self, death: str) -> dict:
-        """Blocking (run it in a worker thread). Raises ProcessDied with `death` when no restart is left, or in
-        colocated placement (the new ranks would have to take the devices back from the engines mid-step)."""
+        """Blocking (run it in a worker thread). Raises ProcessDied with `death` when no restart is left."""
         self._seen_at = time.monotonic()
-        if self.colocated:
-            raise ProcessDied(f"{death} (colocated placement: the trainer group is not restarted in the run)")
         if self.restarts >= self.max_restarts:
             raise ProcessDied(f"{death} (run.max_restarts={self.max_restarts} restarts used up)")
         self.restarts += 1
@@ -79,6 +80,7 @@ class TrainerRestarts:
         except Exception:
             if not self.fleet.engine_fault_seen():
                 raise  # an engine that died or hangs holds no request: it is replaced once the trainer is back
+        self.colocation.before_trainer_restart()  # colocated: the engines free the devices the new ranks load onto
         self._start_again()
         self.bridge.reconnect(leave_out=self.fleet.faulty_engines())  # one on a lost node went with the ranks
         while True:  # the watch does not run meanwhile: an engine that died or hangs is replaced here
