@@ -24,6 +24,9 @@ from glue.types import Sample
 BOXED = "\\boxed{"
 JUDGE_PROCESSES = max(1, min(8, os.cpu_count() or 1))  # judgements at once: one per core, up to the 8 reward threads
 JUDGE_DEADLINE_FACTOR = 4  # the answer's parse, the label's two tries and the comparison, each up to timeout_s
+# a judgement past its deadline goes once more in a fresh worker: a stopped or starved worker (the machine's fault,
+# not the answer's) then costs the sample nothing; an answer that holds sympy past both deadlines is judged incorrect
+JUDGE_TRIES = 2
 _JUDGES: IsolatedPool | None = None
 _JUDGES_LOCK = threading.Lock()
 
@@ -41,8 +44,9 @@ def math_reward(response_text: str, label: Any, sample: Sample | None = None, *,
     timeout_s: Math-Verify's limit per parse and per comparison. The judgement then runs in a worker process
     (`glue.rewards.isolated`), where Math-Verify's own SIGALRM limits work on any calling thread, and the worker is killed
     when the whole judgement passes `JUDGE_DEADLINE_FACTOR` x timeout_s: some answers (towers of powers) keep sympy
-    inside one C call that no signal interrupts, holding the GIL of whatever process runs it. Such an answer scores
-    0 with "timed_out" 1. None: judged in this process with no limit at all.
+    inside one C call that no signal interrupts, holding the GIL of whatever process runs it. A judgement past its
+    deadline goes once more in a fresh worker (`JUDGE_TRIES`); an answer past both scores 0 with "timed_out" 1.
+    None: judged in this process with no limit at all.
     """
     label = label_text(label, "math_reward")
     boxed = last_boxed(response_text)
@@ -52,7 +56,7 @@ def math_reward(response_text: str, label: Any, sample: Sample | None = None, *,
         is_correct = judge_math(answer, label, None)
     else:
         try:
-            is_correct = math_judges().call(judge_math, answer, label, timeout_s,
+            is_correct = math_judges().call(judge_math, answer, label, timeout_s, tries=JUDGE_TRIES,
                                             timeout_s=JUDGE_DEADLINE_FACTOR * timeout_s + 1.0)
         except DeadlineExceeded:
             is_correct, is_timed_out = False, True

@@ -99,3 +99,28 @@ def test_calls_beyond_the_pool_size_wait_for_a_worker_and_close_stops_every_work
 def test_a_pool_needs_at_least_one_worker():
     with pytest.raises(ValueError, match="at least 1"):
         IsolatedPool(0)
+
+
+def test_a_call_past_its_deadline_goes_again_in_a_fresh_worker_when_asked_so_a_stopped_worker_costs_no_answer(pool):
+    """Every idle worker SIGSTOPped (a hung reward worker, the machine's fault, not the call's): with `tries=2` the
+    call that met the stopped worker is killed at its deadline and answered by a worker started for it; a call that
+    holds every worker it meets still raises, after `tries` deadlines."""
+    import signal
+
+    assert pool.call(abs, -1, timeout_s=30) == 1
+    (stopped,) = pool.pids()
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        assert pool.call(abs, -3, timeout_s=1.0, tries=2) == 3
+    finally:
+        if is_alive(stopped):
+            os.kill(stopped, signal.SIGCONT)
+    assert not is_alive(stopped) and pool.started == 2
+    os.kill(pool.pids()[0], signal.SIGSTOP)  # without a second try the stopped worker's deadline is the answer
+    with pytest.raises(DeadlineExceeded):
+        pool.call(abs, -4, timeout_s=1.0)
+    started = pool.started
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        pool.call(sum, range(10**15), timeout_s=1.0, tries=2)
+    assert pool.started == started + 2 and time.monotonic() - t0 >= 2.0  # two workers, each killed at its deadline

@@ -116,20 +116,27 @@ class IsolatedPool:
         self.started = 0  # worker processes started so far (a replacement counts too)
         _POOLS.add(self)
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float, tries: int = 1, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` in a worker process, within `timeout_s` seconds (DeadlineExceeded past it). `fn`
-        must be importable by the child (a module-level function) and its arguments and result picklable."""
+        must be importable by the child (a module-level function) and its arguments and result picklable. `tries`
+        > 1: a call past its deadline goes again, up to `tries` calls in all, each time in a worker started for it
+        (not an idle one): the worker that ran out may have been stopped or starved rather than held by the call,
+        and so may the others; a call that holds every worker it meets past its deadline still raises."""
         request = pickle.dumps((fn, args, kwargs))
-        with self._slots:
-            worker = self._take()
-            try:
-                return worker.run(request, timeout_s)
-            finally:
-                self._give_back(worker)
+        for attempt in range(tries):
+            with self._slots:
+                worker = self._take(fresh=attempt > 0)
+                try:
+                    return worker.run(request, timeout_s)
+                except DeadlineExceeded:
+                    if attempt == tries - 1:
+                        raise
+                finally:
+                    self._give_back(worker)
 
-    def _take(self) -> _Worker:
+    def _take(self, fresh: bool = False) -> _Worker:
         with self._lock:
-            worker = self._idle.pop() if self._idle else None
+            worker = self._idle.pop() if self._idle and not fresh else None
         is_new = worker is None
         if is_new:
             worker = _Worker(self.preload)  # started outside the lock: other calls go on meanwhile
