@@ -40,11 +40,18 @@ STEP_TIMEOUT_S = 420  # a hung engine costs the sync's 60 s pause timeout plus i
 
 def draw_schedule(rng: random.Random, steps: int, gap: tuple[int, int]) -> list[tuple[int, str]]:
     """(step, kind) pairs, a gap of `gap` steps apart (inclusive), none in the last two steps: every kind once in a
-    shuffled order first, then kinds drawn at random."""
+    shuffled order first, then kinds drawn at random. A checkpoint failure comes only where the checkpoint it blocks
+    (the first one two steps on) is followed by a step to heal in: not in the last SAVE_INTERVAL + 2 steps."""
     first, at, step = list(KINDS), [], 0
     rng.shuffle(first)
     while (step := step + rng.randint(*gap)) <= steps - 2:
-        at.append((step, first.pop(0) if first else rng.choice(KINDS)))
+        fits = [k for k in KINDS if k != "checkpoint_fail" or step <= steps - SAVE_INTERVAL - 2] or list(KINDS)
+        kind = next((k for k in first if k in fits), None) if first else rng.choice(fits)
+        if kind is None:
+            continue
+        if first:
+            first.remove(kind)
+        at.append((step, kind))
     return at
 
 
