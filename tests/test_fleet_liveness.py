@@ -123,7 +123,8 @@ def test_a_sync_whose_pause_waits_on_a_silent_engine_gives_up_within_seconds_and
         time.sleep(0.05)
     assert control_threads() == [], "the pause left behind never ended"
     assert "Traceback" not in capfd.readouterr().err
-    print(f"repair began {found_s:.1f} s after the pause met the silent engine (control timeout {CONTROL_TIMEOUT_S:g} s)")
+    print(f"repair began {found_s:.1f} s after the pause met the silent engine (control timeout "
+          f"{CONTROL_TIMEOUT_S:g} s)")
 
 
 def test_a_sync_that_fails_while_the_engines_are_paused_ends_with_its_own_error_and_replaces_nothing():
@@ -174,3 +175,19 @@ def test_an_engine_that_answers_its_pause_late_but_answers_liveness_probes_is_no
     assert took[0] >= 3.0, "the pause did not wait for the engine's answer"
     assert fleet.info_probes >= 2, "no liveness probe was sent while the pause waited"
     print(f"pause answered after {took[0]:.1f} s, {fleet.info_probes} liveness probes meanwhile, none silent")
+
+
+def test_the_liveness_probe_is_answered_at_once_by_a_paused_engine_and_never_by_a_silent_one():
+    """`answers_at_all`, the probe of the watch and of the weight bridge after a failed transfer (engines paused)."""
+    from weight_sync.engine_calls import answers_at_all, post_json
+
+    paused, silent = SlowEngineFleet(), SlowEngineFleet(silent=True)
+    try:
+        post_json(f"{paused.engine_urls[0]}/pause_generation", {"mode": "abort"}, timeout_s=5)
+        started = time.monotonic()
+        assert answers_at_all(paused.engine_urls[0], timeout_s=1.0)
+        assert time.monotonic() - started < 0.5
+        assert not answers_at_all(silent.engine_urls[0], timeout_s=0.3)
+    finally:
+        paused.close()
+        silent.close()

@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
-from glue.fleet.fleet import _http_get
+from weight_sync.engine_calls import answers_at_all
 
 PROBES_AT_ONCE = 64  # liveness probes in flight at once
 
@@ -29,16 +29,13 @@ class EnginesSilent(RuntimeError):
 
 
 def silent_engines(urls: Sequence[str], timeout_s: float, key: str | None = None) -> frozenset[int]:
-    """Ask every engine GET /model_info at once; the indices of those that gave no answer at all within
-    `timeout_s` (any HTTP status is an answer: the engine's HTTP server is alive)."""
+    """Ask every engine GET /model_info at once (`answers_at_all`); the indices of those that gave no answer at all
+    within `timeout_s` (any HTTP status is an answer: the engine's HTTP server is alive)."""
     if not urls:
         return frozenset()
-
-    def silent(url: str) -> bool:
-        return _http_get(f"{url}/model_info", timeout=timeout_s, key=key)[0] == 0
-
     with ThreadPoolExecutor(max_workers=min(len(urls), PROBES_AT_ONCE), thread_name_prefix="liveness") as pool:
-        return frozenset(i for i, quiet in enumerate(pool.map(silent, urls)) if quiet)
+        answered = pool.map(lambda url: answers_at_all(url, timeout_s, key), urls)
+        return frozenset(i for i, answers in enumerate(answered) if not answers)
 
 
 def call_while_live(call: Callable[[], Any], urls: Sequence[str], *, interval_s: float, timeout_s: float,

@@ -11,9 +11,11 @@ retries of the router's 502-504). The generated tokens of those requests went do
 again from the prompt (or from the tokens a partial rollout already holds).
 
 A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
-again (`guarded_sync`), and so does one that meets a hung engine (the sweep is off while sluice syncs or holds
-generation paused, so in an async run a hang is usually met first by the next sync's pause): an engine that then
-answers nothing at all, not even GET /health, is replaced like one that died.
+again (`guarded_sync`), and so does one that meets a hung engine. The sweep is off while sluice syncs or holds
+generation paused, so in an async run a hang is usually met first by the next sync's pause: while a pause or a
+continue waits, every engine is asked GET /model_info every `health_interval_s` (glue.fleet.liveness), and one that
+answers nothing `health_failures` times in a row ends the wait at once and is replaced like one that died (after a
+call that failed otherwise, every engine is asked once).
 A repair gathers the trainer's weights only between train steps and checkpoints (`trainer_turn`, `guarded_train`), and
 a new engine gets the version the fleet holds (`glue.fleet.repairs.engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
 for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
