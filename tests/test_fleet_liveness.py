@@ -37,8 +37,14 @@ def liveness_watch(fleet, repair, **limits) -> FleetWatch:
                       health_failures=2, **limits)
 
 
-def control_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "engine-control" or t.name.startswith("liveness")]
+def control_threads_left(within_s: float) -> list[threading.Thread]:
+    """The threads of control calls and liveness probes still alive after waiting up to `within_s` for them to end."""
+    deadline = time.monotonic() + within_s
+    while (left := [t for t in threading.enumerate() if t.name == "engine-control" or t.name.startswith("liveness")]):
+        if time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+    return []
 
 
 @pytest.mark.slow
@@ -79,10 +85,7 @@ def test_a_sync_whose_pause_meets_a_stopped_engine_has_it_replaced_long_before_t
     found_s = repairs_started[0] - started
     assert found_s < CONTROL_TIMEOUT_S / 6, f"the repair began {found_s:.1f} s after the pause met the hang"
     assert not watch._paused and not watch._unanswering
-    deadline = time.monotonic() + 10
-    while control_threads() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert control_threads() == [], "the pause left behind did not end once the engine was killed"
+    assert control_threads_left(within_s=10) == [], "the pause left behind did not end once the engine was killed"
     assert "Traceback" not in capfd.readouterr().err
     print(f"repair began {found_s:.1f} s after the sync's pause met the stopped engine; the sync ended after "
           f"{synced_s:.1f} s (control timeout {CONTROL_TIMEOUT_S:g} s)")
@@ -118,10 +121,7 @@ def test_a_sync_whose_pause_waits_on_a_silent_engine_gives_up_within_seconds_and
     found_s = repairs_started[0] - started
     assert watch.restarts == 1 and pauses == ["answered"] and not watch._paused
     assert found_s < CONTROL_TIMEOUT_S / 10, f"the repair began {found_s:.1f} s after the pause met the silence"
-    deadline = time.monotonic() + 5
-    while control_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert control_threads() == [], "the pause left behind never ended"
+    assert control_threads_left(within_s=5) == [], "the pause left behind never ended"
     assert "Traceback" not in capfd.readouterr().err
     print(f"repair began {found_s:.1f} s after the pause met the silent engine (control timeout "
           f"{CONTROL_TIMEOUT_S:g} s)")
