@@ -48,7 +48,7 @@ def control_threads_left(within_s: float) -> list[threading.Thread]:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~40 s with the fleet's start and the real replacement; the silent double below stays in make test
+@pytest.mark.long  # ~30 s with the fleet's start and the real replacement; the silent double below stays in make test
 def test_a_sync_whose_pause_meets_a_stopped_engine_has_it_replaced_long_before_the_control_timeout(strict_fleet,
                                                                                                   capfd):
     """The sync's pause waits on a SIGSTOPped engine (alive, answering nothing): the liveness probes find it silent
