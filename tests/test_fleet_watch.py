@@ -11,6 +11,7 @@ from conftest import is_alive
 from glue.fleet.engine_client import EngineClient
 from glue.fleet.fleet import ProcessDied, RolloutFleet
 from glue.fleet.watch import FleetWatch
+from helpers.fleet import LoopbackFleet
 
 
 @pytest.fixture
@@ -314,20 +315,8 @@ def test_the_watch_never_counts_a_health_probe_against_an_engine_sluice_paused()
     The fleet here is a record of the fleet's surface; the engine speaks SGLang's routes over real HTTP."""
     engine = PausableEngine()
 
-    class Fleet:
-        name, engine_urls, api_key = "", [engine.url], None
-
-        def exited(self):
-            return []
-
-        def dead_engines(self):
-            return []
-
-        def router_exit(self):
-            return None
-
-        def router_answers(self, timeout_s):
-            return True
+    class Fleet(LoopbackFleet):
+        engine_urls = [engine.url]
 
     repaired: list[int] = []
     watch = FleetWatch(Fleet(), repair=repaired.append, client=EngineClient("http://router", [engine.url]),

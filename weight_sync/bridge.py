@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, pipeline_bucket_bytes, plan_buckets, spec_bytes
 from weight_sync.config import BridgeConfig
-from weight_sync.engine_calls import (WeightSyncError, admin_key, answers_health, begin_update_session,
+from weight_sync.engine_calls import (WeightSyncError, admin_key, answers_at_all, begin_update_session,
                                      end_update_session, engine_capabilities, post_json, run_together)
 from weight_sync.ipc_transport import IpcOrDisk, IpcTransport
 from weight_sync.parallel import ParallelBroadcastTransport, parallel_sources
@@ -21,7 +21,7 @@ VERIFY_MODES = ("auto", "checksum", "full", "off")
 SOURCE_MODES = (None, "one", "parallel")
 BUCKET_CHECKSUMS = "bucket_checksums"  # the embedded engine's capability that verify checksum / full rest on
 DELTA_SYNC = "delta_sync"  # the embedded engine's capability to apply delta buckets (weight_sync.delta)
-HEALTH_TIMEOUT_S = 5.0  # after a failed sync, an engine that does not answer GET /health within this is faulty
+HEALTH_TIMEOUT_S = 5.0  # after a failed sync, an engine that does not answer at all within this is faulty
 
 
 class WeightBridge:
@@ -33,7 +33,7 @@ class WeightBridge:
     "one" through one group from one rank, None: parallel when the source reports more than one. `delta` (broadcast
     only): after a confirmed sync to the whole fleet, each bucket goes as its changes since then where that is
     smaller (`weight_sync.delta`); the source must offer `prepare_weight_bucket`. `max_retries`: a sync that fails
-    while every engine still answers GET /health is sent again this many times, each on weight groups built anew
+    while every engine still answers (GET /model_info) is sent again this many times, each on weight groups built anew
     (`sync_retries` counts them); a fault of an engine (one that answers nothing) is raised at once, for the fleet
     watch to repair."""
 
@@ -139,7 +139,7 @@ class WeightBridge:
                 break
             except Exception as err:
                 if attempt == self.max_retries or not all(run_together(
-                        [lambda url=url: answers_health(url, HEALTH_TIMEOUT_S, self.api_key) for url in self.engine_urls],
+                        [lambda url=url: answers_at_all(url, HEALTH_TIMEOUT_S, self.api_key) for url in self.engine_urls],
                         2 * HEALTH_TIMEOUT_S)):
                     raise
                 self.sync_retries += 1

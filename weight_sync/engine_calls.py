@@ -106,11 +106,14 @@ def end_update_session(url: str, timeout_s: float, key: str | None = None) -> No
     call_update(url, "/end_weight_update", {}, timeout_s, key)
 
 
-def answers_health(url: str, timeout_s: float, key: str | None = None) -> bool:
-    """Whether the engine answers GET /health at all within `timeout_s` (any HTTP status is an answer: a paused
-    SGLang server answers 503); False for one that is gone or hangs."""
+def answers_at_all(url: str, timeout_s: float, key: str | None = None) -> bool:
+    """Whether the engine's HTTP server answers at all within `timeout_s` (any HTTP status is an answer); False for
+    one that is gone or hangs. It asks GET /model_info, which SGLang answers at once, paused or not; not GET
+    /health, which SGLang answers by generating a token (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default),
+    so a paused server answers it only after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), with 503."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=bearer(key)), timeout=timeout_s):
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/model_info", headers=bearer(key)),
+                                    timeout=timeout_s):
             return True
     except urllib.error.HTTPError:
         return True

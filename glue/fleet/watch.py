@@ -11,9 +11,11 @@ retries of the router's 502-504). The generated tokens of those requests went do
 again from the prompt (or from the tokens a partial rollout already holds).
 
 A weight sync and a repair never overlap (`lock`); a sync that meets a dead engine waits for the repair and runs
-again (`guarded_sync`), and so does one that meets a hung engine (the sweep is off while sluice syncs or holds
-generation paused, so in an async run a hang is usually met first by the next sync's pause): an engine that then
-answers nothing at all, not even GET /health, is replaced like one that died.
+again (`guarded_sync`), and so does one that meets a hung engine. The sweep is off while sluice syncs or holds
+generation paused, so in an async run a hang is usually met first by the next sync's pause: while a pause or a
+continue waits, every engine is asked GET /model_info every `health_interval_s` (glue.fleet.liveness), and one that
+answers nothing `health_failures` times in a row ends the wait at once and is replaced like one that died (after a
+call that failed otherwise, every engine is asked once).
 A repair gathers the trainer's weights only between train steps and checkpoints (`trainer_turn`, `guarded_train`), and
 a new engine gets the version the fleet holds (`glue.fleet.repairs.engine_repair`). The loop pauses generation through the watch (`pause_generation` / `continue_generation`,
 for syncs and checkpoints): a paused SGLang engine answers /health_generate 503 after ~20 s and marks itself
@@ -47,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 from glue.fleet.engine_host import NotPlaced
 from glue.fleet.fleet import ProcessDied, _http_get, first_line
+from glue.fleet.liveness import EnginesSilent, call_while_live, silent_engines
 
 HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
 HEALTH_PROBES_AT_ONCE = 64  # deep health probes in flight at once during a sweep
@@ -153,8 +156,8 @@ class FleetWatch:
                     self._lock_holds += 1
                     try:
                         return sync()
-                    except Exception:
-                        if self.repair is None or attempt == self.max_restarts or not self.engine_fault_seen():
+                    except Exception as err:
+                        if self.repair is None or attempt == self.max_restarts or not self.engine_fault_seen(err):
                             raise
                 self._wait_for_repair()
         finally:
@@ -181,24 +184,36 @@ class FleetWatch:
 
     def _through_repairs(self, call: Callable[[], Any]) -> Any:
         if self._syncing:
-            return call()
+            return self._while_live(call)
         for attempt in range(self.max_restarts + 1):
             try:
-                return call()
-            except Exception:
+                return self._while_live(call)
+            except Exception as err:
                 if self.repair is None or attempt == self.max_restarts or self._ended.is_set() or not (
-                        self.engine_fault_seen()):
+                        self.engine_fault_seen(err)):
                     raise  # `_ended`: the watch is not running (a trainer restart), so no repair is coming
             self._wait_for_repair()
 
+    def _while_live(self, call: Callable[[], Any]) -> Any:
+        """`call()`, given up once an engine is silent to `health_failures` probes in a row (glue.fleet.liveness)."""
+        return call_while_live(call, self.fleet.engine_urls, interval_s=self.health_interval_s,
+                               timeout_s=self.health_timeout_s, failures=self.health_failures,
+                               key=getattr(self.fleet, "api_key", None))
+
     def faulty_engines(self) -> list[str]:
-        """The urls of the engines that exited or answer nothing at all, asked now (every engine GET /health)."""
+        """The urls of the engines that exited or answer nothing at all, asked now (every engine GET /model_info)."""
         self._hang_seen()
         return [self.fleet.engine_urls[index] for index in sorted({*self._dead_engines(), *self._unanswering})]
 
-    def engine_fault_seen(self) -> bool:
-        """After a call to the engines failed: did one of them die, or does one answer nothing at all (then handed to
-        the watch to replace)?"""
+    def engine_fault_seen(self, err: Exception | None = None) -> bool:
+        """After a call to the engines failed (with `err`): did one of them die, or does one answer nothing at all
+        (then handed to the watch to replace)? One found silent while the call waited (EnginesSilent) is not asked
+        again (unless its slot holds another engine by now)."""
+        if isinstance(err, EnginesSilent):
+            urls = self.fleet.engine_urls
+            found = {i for i in err.indices if i < len(urls) and urls[i] == err.urls[i]}
+            self._unanswering = self._unanswering | found
+            return True
         return self._death_seen() or self._hang_seen()
 
     async def calls_settled(self, **kwargs: Any) -> bool:
@@ -237,8 +252,8 @@ class FleetWatch:
                 await self._replace(index, self.fleet.engine_exit(index))
             for index in sorted(self._unanswering):
                 await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered "
-                                           f"nothing during a weight sync, not even GET /health within "
-                                           f"{self.health_timeout_s:g} s")
+                                           f"nothing while a pause or weight sync waited on it, not even GET "
+                                           f"/model_info within {self.health_timeout_s:g} s")
             if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
                 for index in await asyncio.to_thread(self._hung_engines):
                     await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) failed "
@@ -291,7 +306,7 @@ class FleetWatch:
         faulty = {index: self.fleet.engine_exit(index) for index in self._dead_engines()}
         if not faulty and (self._unanswering or self._hang_seen()):
             faulty = {index: f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered nothing, not "
-                             f"even GET /health within {self.health_timeout_s:g} s" for index in self._unanswering}
+                             f"even GET /model_info within {self.health_timeout_s:g} s" for index in self._unanswering}
         for index, why in sorted(faulty.items()):
             started = self._repair_begins(index, why)
             try:
@@ -372,17 +387,9 @@ class FleetWatch:
         return True
 
     def _hang_seen(self) -> bool:
-        """Did an engine hang? After a failed sync every engine is asked GET /health at once; one that gives no
-        answer at all within `health_timeout_s` (an HTTP error is an answer: a paused SGLang server answers 503) is
-        handed to the watch to replace."""
-        urls, key = list(self.fleet.engine_urls), getattr(self.fleet, "api_key", None)
-
-        def silent(url: str) -> bool:
-            return _http_get(f"{url}/health", timeout=self.health_timeout_s, key=key)[0] == 0
-
-        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), HEALTH_PROBES_AT_ONCE)),
-                                thread_name_prefix="hang-probe") as pool:
-            found = {i for i, quiet in enumerate(pool.map(silent, urls)) if quiet}
+        """Did an engine hang? Every engine is asked GET /model_info at once (glue.fleet.liveness); one that gives no
+        answer at all within `health_timeout_s` is handed to the watch to replace."""
+        found = silent_engines(self.fleet.engine_urls, self.health_timeout_s, getattr(self.fleet, "api_key", None))
         self._unanswering = self._unanswering | found
         return bool(found)
 
