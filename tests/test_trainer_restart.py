@@ -151,7 +151,7 @@ class EngineDiesDuringTheRestart(Recorder):
         if self.engine_dead:
             raise ConnectionRefusedError("engine 1 refused the connection")
 
-    def engine_fault_seen(self):
+    def engine_fault_seen(self, err=None):
         return self.engine_dead
 
     def faulty_engines(self):

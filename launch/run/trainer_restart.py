@@ -77,8 +77,8 @@ class TrainerRestarts:
     def _restart_from(self, checkpoint: Path | None) -> dict:
         try:  # the loop's groups are cancelled: their requests are handed back now
             self.fleet.pause_generation("abort")
-        except Exception:
-            if not self.fleet.engine_fault_seen():
+        except Exception as err:
+            if not self.fleet.engine_fault_seen(err):
                 raise  # an engine that died or hangs holds no request: it is replaced once the trainer is back
         self.colocation.before_trainer_restart()  # colocated: the engines free the devices the new ranks load onto
         self._start_again()
