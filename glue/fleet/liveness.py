@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from weight_sync.engine_calls import answers_at_all
 
-PROBES_AT_ONCE = 64  # liveness probes in flight at once
+PROBES_AT_ONCE = 64  # probes in flight at once (liveness here, and the watch's deep health sweep)
 
 
 class EnginesSilent(RuntimeError):

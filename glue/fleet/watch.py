@@ -2,7 +2,7 @@
 
 Beside the loop, every `poll_s` the watch looks at the processes the fleet started, and every
 `health_interval_s` asks every engine at once for one token (`GET /health_generate`, SGLang's deep health check;
-at most `HEALTH_PROBES_AT_ONCE` in flight, and outside the sync lock, so a sync never waits on a sweep). An engine
+at most `PROBES_AT_ONCE` in flight, and outside the sync lock, so a sync never waits on a sweep). An engine
 that exited, or failed `health_failures` checks in a row, is restarted in its place: taken off the router, a new
 process started on its bundle, brought to the weights the others hold, and only then routed to
 (`RolloutFleet.replace_engine` with `WeightBridge.add_engine`). Its in-flight requests are not lost: the router sends
@@ -49,10 +49,9 @@ from typing import Any, Callable, Sequence
 
 from glue.fleet.engine_host import NotPlaced
 from glue.fleet.fleet import ProcessDied, _http_get, first_line
-from glue.fleet.liveness import EnginesSilent, call_while_live, silent_engines
+from glue.fleet.liveness import PROBES_AT_ONCE, EnginesSilent, call_while_live, silent_engines
 
 HEALTH_FAILURES = 3  # failed deep health checks in a row that make an engine count as hung
-HEALTH_PROBES_AT_ONCE = 64  # deep health probes in flight at once during a sweep
 
 
 class FleetWatch:
@@ -251,9 +250,7 @@ class FleetWatch:
             for index in await asyncio.to_thread(self._dead_engines):
                 await self._replace(index, self.fleet.engine_exit(index))
             for index in sorted(self._unanswering):
-                await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered "
-                                           f"nothing while a pause or weight sync waited on it, not even GET "
-                                           f"/model_info within {self.health_timeout_s:g} s")
+                await self._replace(index, self._silent_line(index, " while a pause or weight sync waited on it"))
             if self.repair is not None and not self._syncing and time.monotonic() >= next_check:
                 for index in await asyncio.to_thread(self._hung_engines):
                     await self._replace(index, f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) failed "
@@ -262,7 +259,7 @@ class FleetWatch:
                 next_check = time.monotonic() + self.health_interval_s
 
     def _hung_engines(self) -> list[int]:
-        """Ask every engine for a token, up to `HEALTH_PROBES_AT_ONCE` at a time, so a sweep takes about one
+        """Ask every engine for a token, up to `PROBES_AT_ONCE` at a time, so a sweep takes about one
         `health_timeout_s` however many engines there are; the ones that have now failed `health_failures` checks
         in a row. The sweep holds no lock, so a sync never waits on it; a sweep that a pause (every sync pauses
         first), a sync or a repair overlapped says nothing and is dropped."""
@@ -274,7 +271,7 @@ class FleetWatch:
         def healthy(url: str) -> bool:
             return _http_get(f"{url}/health_generate", timeout=self.health_timeout_s, key=key)[0] == 200
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), HEALTH_PROBES_AT_ONCE)),
+        with ThreadPoolExecutor(max_workers=max(1, min(len(urls), PROBES_AT_ONCE)),
                                 thread_name_prefix="health-probe") as pool:
             answers = list(pool.map(healthy, urls))
         if self._paused or (self._pauses, self._lock_holds) != (pauses, holds) or self.lock.locked():
@@ -305,8 +302,7 @@ class FleetWatch:
         (launch.run.trainer_restart), whose resync would otherwise fail on such an engine and end the run."""
         faulty = {index: self.fleet.engine_exit(index) for index in self._dead_engines()}
         if not faulty and (self._unanswering or self._hang_seen()):
-            faulty = {index: f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered nothing, not "
-                             f"even GET /model_info within {self.health_timeout_s:g} s" for index in self._unanswering}
+            faulty = {index: self._silent_line(index) for index in self._unanswering}
         for index, why in sorted(faulty.items()):
             started = self._repair_begins(index, why)
             try:
@@ -315,6 +311,10 @@ class FleetWatch:
                 raise ProcessDied(f"{why}; its restart failed: {first_line(err)}") from err
             self._repair_ends(index, started)
         return len(faulty)
+
+    def _silent_line(self, index: int, when: str = "") -> str:  # an engine that answered nothing at all, `when`
+        return (f"{self._prefix}engine {index} ({self.fleet.engine_urls[index]}) answered nothing{when}, not even GET "
+                f"/model_info within {self.health_timeout_s:g} s")
 
     def _repair_begins(self, index: int, why: str) -> float:
         """Count the restart and say it, or raise ProcessDied when none may follow; returns when it began."""
