@@ -185,3 +185,19 @@ def test_rm_type_scores_a_text_task_s_response_with_slime_s_rule():
     assert rm_hub_reward("Answer: 7", "6", done, rm_type="dapo") == {"score": -1.0, "acc": 0.0}
     assert rm_hub_reward("The answer is B", "y", done, rm_type="gpqa") == {"score": 1.0}  # y is option B
     assert grade_answer_sympy("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2")
+
+
+def test_rm_type_takes_the_built_in_verifiers_length_penalty_as_make_rehearse_s_shrink_sets_it():
+    """`make rehearse` gives a recipe with dynamic sampling `max_response_chars` / `length_penalty` on its reward (a
+    random tiny policy otherwise scores every answer alike); the slime scripts' --rm-type reward refused them at
+    start-up (`reward function ... cannot be called ... got an unexpected keyword argument 'max_response_chars'`)."""
+    from rollout_fns.slime_rewards import rm_hub_reward
+    from rollout_fns.text_data import _check_reward_call
+
+    args = {"rm_type": "math", "max_response_chars": 8, "length_penalty": 0.5}
+    _check_reward_call(rm_hub_reward, "rollout_fns.slime_rewards:rm_hub_reward", args)
+    done = SluiceSample(prompt_tokens=[1], response_tokens=[2])
+    assert rm_hub_reward("\\boxed{6}", "6", done, **args) == {"score": 0.5, "too_long": 1.0}
+    assert rm_hub_reward("\\boxed{6}", "6", done, **{**args, "max_response_chars": 20}) == {"score": 1.0,
+                                                                                         "too_long": 0.0}
+    assert rm_hub_reward("\\boxed{6}", "6", done, rm_type="math") == {"score": 1.0}  # no limit: the rule's alone
